@@ -1,0 +1,39 @@
+"""funcmeta: functional meta-learning for PyTorch, built on ``torch.func``.
+
+Models become pure functions (:func:`functionalize`), inner-loop updates are explicit,
+differentiable optimizer steps (:mod:`funcmeta.optim`) whose hyperparameters can be learned
+(:mod:`funcmeta.hyper`), and :func:`adapt` runs K of them with exact second-order (or
+first-order) meta-gradients.
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
+    >>> fmodel = fm.functionalize(net)
+    >>> lrs = fm.hyper.per_layer(fmodel.params, 0.01, parameterization="softplus")
+    >>> outer = torch.optim.Adam([*net.parameters(), *lrs.parameters()], lr=1e-3)
+    >>> xs, ys, xq, yq = torch.randn(4, 10, 1).unbind(0)
+    >>> result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=lrs), steps=2)
+    >>> F.mse_loss(fmodel(result.params, xq), yq).backward()
+    >>> outer.step()
+"""
+
+from funcmeta import data, hyper, optim, tree
+from funcmeta.functional import FunctionalModel, functionalize
+from funcmeta.inner import AdaptResult, NonFiniteError, adapt
+from funcmeta.optim.base import apply_updates
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AdaptResult",
+    "FunctionalModel",
+    "NonFiniteError",
+    "__version__",
+    "adapt",
+    "apply_updates",
+    "data",
+    "functionalize",
+    "hyper",
+    "optim",
+    "tree",
+]

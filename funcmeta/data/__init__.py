@@ -1,0 +1,13 @@
+"""Task distributions for meta-learning.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> tasks = fm.data.Sinusoid()
+    >>> batch = tasks.sample(4, support=10, query=15, generator=torch.Generator().manual_seed(0))
+    >>> batch.x_support.shape, batch.y_query.shape
+    (torch.Size([4, 10, 1]), torch.Size([4, 15, 1]))
+"""
+
+from funcmeta.data.sinusoid import Sinusoid, SinusoidBatch
+
+__all__ = ["Sinusoid", "SinusoidBatch"]

@@ -1,0 +1,124 @@
+"""Pure functions from ``nn.Module``: :func:`functionalize` and :class:`FunctionalModel`.
+
+A :class:`FunctionalModel` calls its module through :func:`torch.func.functional_call`
+with the parameters (and buffers) you pass, so the same module can run with adapted
+parameters inside an inner loop while its own tensors stay untouched.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    >>> fmodel = fm.functionalize(net)
+    >>> params = fmodel.params                 # the module's own Parameters
+    >>> out, buffers = fmodel.apply(params, fmodel.buffers, torch.randn(8, 3))
+    >>> bool(net[1].running_mean.eq(0).all())  # the module's buffers are not mutated
+    True
+    >>> bool(buffers["1.running_mean"].ne(0).any())  # the updated statistics come back
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = ["FunctionalModel", "functionalize"]
+
+
+class FunctionalModel:
+    """A module as a pure function ``(params, buffers, *args) -> (out, new_buffers)``.
+
+    Attributes:
+        module: the wrapped module; never mutated by calls.
+        params: ``dict[str, Tensor]`` of the module's own Parameters, by reference (tied
+            weights appear once, under their first name), so meta-gradients reach
+            ``param.grad`` and an outer ``torch.optim`` optimizer over
+            ``module.parameters()``. A new dict on every access.
+        buffers: ``dict[str, Tensor]`` of the module's buffers, by reference.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
+        self.module = module
+        self._params = dict(module.named_parameters())
+        self._buffers = dict(module.named_buffers())
+        self._param_shapes = {k: v.shape for k, v in self._params.items()}
+        self._buffer_shapes = {k: v.shape for k, v in self._buffers.items()}
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        return dict(self._params)
+
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        return dict(self._buffers)
+
+    def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+        """The module's output with ``params`` and the module's buffers (left unmutated)."""
+        return self.apply(params, self._buffers, *args, **kwargs)[0]
+
+    def apply(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """Run the module on ``args`` with ``params`` and ``buffers``.
+
+        Returns ``(out, new_buffers)``. ``new_buffers`` are new tensors holding whatever the
+        forward wrote into its buffers (BatchNorm running statistics in train mode); the
+        buffers passed in and the module's own are left unchanged.
+        """
+        _check(params, self._param_shapes, "params")
+        _check(buffers, self._buffer_shapes, "buffers")
+        new_buffers = {k: b.clone() for k, b in buffers.items()}
+        out = functional_call(self.module, (dict(params), new_buffers), args, kwargs)
+        return out, new_buffers
+
+    def __repr__(self) -> str:
+        return (
+            f"FunctionalModel({type(self.module).__name__}, params={len(self._params)}, "
+            f"buffers={len(self._buffers)})"
+        )
+
+
+def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str) -> None:
+    if not isinstance(given, Mapping):
+        raise TypeError(
+            f"{what} must be a dict of tensors keyed by name, got {type(given).__name__}"
+        )
+    if given.keys() != shapes.keys():
+        missing = sorted(shapes.keys() - given.keys())
+        unexpected = sorted(given.keys() - shapes.keys())
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        raise ValueError(f"{what} do not match the module: " + "; ".join(parts))
+    for name, shape in shapes.items():
+        value = given[name]
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{what}[{name!r}] is a {type(value).__name__}, not a tensor")
+        if value.shape != shape:
+            raise ValueError(
+                f"{what}[{name!r}] has shape {tuple(value.shape)}; the module expects {tuple(shape)}"
+            )
+
+
+def functionalize(module: nn.Module) -> FunctionalModel:
+    """Turn ``module`` into a :class:`FunctionalModel`.
+
+    Example:
+        >>> import torch, funcmeta as fm
+        >>> fmodel = fm.functionalize(torch.nn.Linear(2, 1))
+        >>> params = {k: torch.zeros_like(v) for k, v in fmodel.params.items()}
+        >>> fmodel(params, torch.ones(1, 2)).item()
+        0.0
+    """
+    return FunctionalModel(module)

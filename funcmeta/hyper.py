@@ -1,0 +1,257 @@
+"""Learnable hyperparameter trees: scalar, per layer, per tensor, per element, per step.
+
+Each constructor returns a :class:`HyperTree`, an ``nn.Module`` holding the raw learnable
+values as Parameters (hand ``hyper.parameters()`` to your outer ``torch.optim`` optimizer)
+and callable as ``hyper(step)`` to get the values for inner step ``step``: a 0-d tensor
+(``scalar``) or a tree shaped like the parameters. Because it is callable, a ``HyperTree``
+is used directly as an optimizer hyperparameter: ``fm.optim.sgd(lr=hyper)`` calls
+``hyper(k)`` at the k-th update.
+
+- ``steps=K`` keeps one set of values per inner step (MAML++'s per-layer per-step rates);
+  without it the values are shared by every step.
+- ``parameterization`` maps the raw Parameter to the value: ``"raw"`` (identity; Meta-SGD,
+  MAML++), ``"softplus"`` or ``"exp"`` (always positive). ``init`` is the initial *value*;
+  the raw Parameter is set to its inverse image.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    >>> params = fm.functionalize(net).params
+    >>> lrs = fm.hyper.per_layer(params, 0.01, steps=5, parameterization="softplus")
+    >>> lrs.groups
+    ['0', '2']
+    >>> round(lrs(0)["2.bias"].item(), 6)
+    0.01
+    >>> opt = fm.optim.sgd(lr=lrs)   # step k uses lrs(k)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import optree
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from funcmeta import tree
+from funcmeta.tree import Tree
+
+__all__ = [
+    "HyperTree",
+    "Parameterization",
+    "per_element",
+    "per_layer",
+    "per_tensor",
+    "scalar",
+]
+
+Parameterization = Literal["raw", "softplus", "exp"]
+_PARAMETERIZATIONS = ("raw", "softplus", "exp")
+Kind = Literal["scalar", "per_layer", "per_tensor", "per_element"]
+
+
+def _inverse(value: float, parameterization: Parameterization) -> float:
+    if parameterization == "raw":
+        return float(value)
+    if value <= 0:
+        raise ValueError(f"a {parameterization} hyperparameter needs a positive init, got {value}")
+    if parameterization == "exp":
+        return math.log(value)
+    # softplus^-1(y) = log(expm1(y)); for large y, y + log1p(-exp(-y)) avoids overflow.
+    return value + math.log(-math.expm1(-value))
+
+
+class HyperTree(nn.Module):
+    """Learnable hyperparameter values; build one with :func:`scalar`, :func:`per_layer`,
+    :func:`per_tensor` or :func:`per_element`.
+
+    Attributes:
+        kind: ``"scalar"``, ``"per_layer"``, ``"per_tensor"`` or ``"per_element"``.
+        steps: number of per-step value sets, or ``None`` when shared by all steps.
+        parameterization: ``"raw"``, ``"softplus"`` or ``"exp"``.
+        groups: names of the learnable groups (layer paths, tensor paths, ...).
+    """
+
+    def __init__(
+        self,
+        kind: Kind,
+        raw: Tensor | list[Tensor],
+        *,
+        groups: list[str],
+        spec: optree.PyTreeSpec | None,
+        group_of: list[int] | None,
+        steps: int | None,
+        parameterization: Parameterization,
+    ) -> None:
+        super().__init__()
+        if parameterization not in _PARAMETERIZATIONS:
+            raise ValueError(
+                f"parameterization must be one of {_PARAMETERIZATIONS}, got {parameterization!r}"
+            )
+        self.kind = kind
+        self.steps = steps
+        self.parameterization = parameterization
+        self.groups = groups
+        self._spec = spec
+        self._group_of = group_of
+        if isinstance(raw, list):
+            self.raw = nn.ParameterList([nn.Parameter(r) for r in raw])
+        else:
+            self.raw = nn.Parameter(raw)
+
+    def _transform(self, x: Tensor) -> Tensor:
+        if self.parameterization == "softplus":
+            return F.softplus(x)
+        if self.parameterization == "exp":
+            return torch.exp(x)
+        return x
+
+    def _check_step(self, step: int | None) -> None:
+        if self.steps is None:
+            return
+        if step is None:
+            raise ValueError(f"this hyperparameter has {self.steps} per-step values: pass the step")
+        if not 0 <= step < self.steps:
+            raise IndexError(
+                f"step {step} is out of range for a hyperparameter with {self.steps} per-step values"
+            )
+
+    def forward(self, step: int | None = None) -> Tree:
+        """The values for inner step ``step`` (0-based; ignored unless ``steps`` was given)."""
+        self._check_step(step)
+        per_step = self.steps is not None
+        if self.kind == "per_element":
+            values = [self._transform(r[step] if per_step else r) for r in self.raw]
+            return tree.unflatten(self._spec, values)
+        raw = self.raw[step] if per_step else self.raw
+        value = self._transform(raw)
+        if self.kind == "scalar":
+            return value
+        by_group = value.unbind(0)
+        return tree.unflatten(self._spec, [by_group[i] for i in self._group_of])
+
+    def extra_repr(self) -> str:
+        steps = "" if self.steps is None else f", steps={self.steps}"
+        return (
+            f"kind={self.kind}, groups={len(self.groups)}{steps}, "
+            f"parameterization={self.parameterization}"
+        )
+
+
+def _lead(steps: int | None) -> tuple[int, ...]:
+    if steps is None:
+        return ()
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
+    return (steps,)
+
+
+def _template(params: Tree) -> tuple[list[str], list[Tensor], optree.PyTreeSpec]:
+    leaves, spec = tree.flatten(params)
+    if not leaves:
+        raise ValueError("params has no tensors to build a hyperparameter tree for")
+    for path, leaf in zip(tree.paths(params), leaves, strict=True):
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise TypeError(f"params leaf {path!r} is not a floating-point tensor")
+    return tree.paths(params), leaves, spec
+
+
+def scalar(
+    init: float,
+    *,
+    steps: int | None = None,
+    parameterization: Parameterization = "raw",
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> HyperTree:
+    """One learnable value for all parameters (one per step with ``steps``)."""
+    raw = torch.full(_lead(steps), _inverse(init, parameterization), dtype=dtype, device=device)
+    return HyperTree(
+        "scalar",
+        raw,
+        groups=[""],
+        spec=None,
+        group_of=None,
+        steps=steps,
+        parameterization=parameterization,
+    )
+
+
+def _grouped(
+    kind: Kind,
+    params: Tree,
+    init: float,
+    group_names: list[str],
+    steps: int | None,
+    parameterization: Parameterization,
+) -> HyperTree:
+    _, leaves, spec = _template(params)
+    groups = list(dict.fromkeys(group_names))
+    where = {g: i for i, g in enumerate(groups)}
+    raw = torch.full(
+        (*_lead(steps), len(groups)),
+        _inverse(init, parameterization),
+        dtype=leaves[0].dtype,
+        device=leaves[0].device,
+    )
+    return HyperTree(
+        kind,
+        raw,
+        groups=groups,
+        spec=spec,
+        group_of=[where[g] for g in group_names],
+        steps=steps,
+        parameterization=parameterization,
+    )
+
+
+def per_layer(
+    params: Tree,
+    init: float,
+    *,
+    steps: int | None = None,
+    parameterization: Parameterization = "raw",
+) -> HyperTree:
+    """One learnable value per layer: tensors whose paths share everything up to the last
+    ``.`` (``"0.weight"`` and ``"0.bias"``) share a value."""
+    names, _, _ = _template(params)
+    layers = [name.rpartition(".")[0] for name in names]
+    return _grouped("per_layer", params, init, layers, steps, parameterization)
+
+
+def per_tensor(
+    params: Tree,
+    init: float,
+    *,
+    steps: int | None = None,
+    parameterization: Parameterization = "raw",
+) -> HyperTree:
+    """One learnable value per parameter tensor."""
+    names, _, _ = _template(params)
+    return _grouped("per_tensor", params, init, names, steps, parameterization)
+
+
+def per_element(
+    params: Tree,
+    init: float,
+    *,
+    steps: int | None = None,
+    parameterization: Parameterization = "raw",
+) -> HyperTree:
+    """One learnable value per parameter element (Meta-SGD's learning-rate tensors)."""
+    names, leaves, spec = _template(params)
+    start = _inverse(init, parameterization)
+    raw = [
+        torch.full((*_lead(steps), *p.shape), start, dtype=p.dtype, device=p.device) for p in leaves
+    ]
+    return HyperTree(
+        "per_element",
+        raw,
+        groups=names,
+        spec=spec,
+        group_of=None,
+        steps=steps,
+        parameterization=parameterization,
+    )

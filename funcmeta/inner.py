@@ -1,0 +1,260 @@
+"""The inner loop: :func:`adapt` takes K explicit, differentiable optimizer steps on a task.
+
+Example (5 second-order steps of SGD, then a meta-gradient for the initial parameters):
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> fmodel = fm.functionalize(net)
+    >>> x, y = torch.randn(10, 1), torch.randn(10, 1)
+    >>> result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=5)
+    >>> result.losses.shape
+    torch.Size([5])
+    >>> F.mse_loss(fmodel(result.params, x), y).backward()   # reaches net's .grad
+    >>> net[0].weight.grad is not None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcmeta import tree
+from funcmeta.functional import FunctionalModel
+from funcmeta.optim.base import GradientTransformation, apply_updates
+from funcmeta.optim.clip import _check_max_norm, clip_grads_by_global_norm
+from funcmeta.tree import Filter, Tree
+
+__all__ = ["AdaptResult", "NonFiniteError", "adapt"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class AdaptResult(NamedTuple):
+    """What :func:`adapt` returns.
+
+    Attributes:
+        params: the adapted parameters (all of them; the ones held fixed are passed through).
+        buffers: the buffers after the last inner forward (BatchNorm running statistics).
+        losses: the inner loss before each step, shape ``(steps,)``; attached to the graph
+            for second-order steps (``.detach()`` it to log it).
+        state: the optimizer state after the last step (pass it back to continue).
+        skipped: indices of steps skipped for non-finite values (``on_nonfinite="skip"``).
+    """
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    losses: Tensor
+    state: Any
+    skipped: tuple[int, ...] = ()
+
+
+class NonFiniteError(FloatingPointError):
+    """An inner loss or gradient was NaN or infinite; the message names the step."""
+
+
+def _forward_loss(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    inputs, targets = batch
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    out, new_buffers = fmodel.apply(params, buffers, *args)
+    loss = loss_fn(out, targets)
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+    return loss, new_buffers
+
+
+def _validate(
+    steps: int,
+    truncate: int,
+    batch: Any,
+    loss_scale: float | None,
+    on_nonfinite: str | None,
+    clip_grad_norm: Any,
+) -> None:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+    if not isinstance(truncate, int) or isinstance(truncate, bool) or not 0 <= truncate <= steps:
+        raise ValueError(f"truncate must be an int in [0, steps={steps}], got {truncate!r}")
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise TypeError("batch must be a pair (inputs, targets); inputs may be a tuple of args")
+    if loss_scale is not None and (
+        isinstance(loss_scale, bool)
+        or not isinstance(loss_scale, int | float)
+        or not math.isfinite(loss_scale)
+        or loss_scale <= 0
+    ):
+        raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale!r}")
+    if on_nonfinite not in (None, "raise", "skip"):
+        raise ValueError(f"on_nonfinite must be None, 'raise' or 'skip', got {on_nonfinite!r}")
+    if clip_grad_norm is not None:
+        _check_max_norm(clip_grad_norm)
+
+
+def adapt(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+    opt: GradientTransformation,
+    steps: int,
+    *,
+    first_order: bool = False,
+    buffers: Mapping[str, Tensor] | None = None,
+    state: Any = None,
+    trainable: Filter | None = None,
+    clip_grad_norm: float | Tensor | None = None,
+    truncate: int = 0,
+    loss_scale: float | None = None,
+    on_nonfinite: Literal["raise", "skip"] | None = None,
+    allow_unused: bool = False,
+) -> AdaptResult:
+    """Take ``steps`` optimizer steps on ``loss_fn(fmodel(params, inputs), targets)``.
+
+    Args:
+        fmodel: from :func:`funcmeta.functionalize`.
+        params: the initial parameters, usually ``fmodel.params`` (meta-gradients then reach
+            the module's ``.grad``); a dict with the module's parameter names.
+        loss_fn: ``(output, targets) -> scalar tensor``, e.g. ``F.mse_loss``.
+        batch: ``(inputs, targets)``; a tuple ``inputs`` is unpacked into positional args.
+        opt: a :class:`~funcmeta.optim.GradientTransformation` (hyperparameters may require grad).
+        steps: number of inner steps K.
+        first_order: take gradients of detached parameters (FOMAML): the result is exactly the
+            meta-gradient of the unroll in which each inner gradient is a constant. The paths
+            through the parameters, the optimizer state and the hyperparameters are kept.
+        buffers: initial buffers (default: the module's); never mutated.
+        state: optimizer state to continue from (default: ``opt.init`` of the adapted params).
+        trainable: a filter (predicate ``(path, tensor) -> bool``, a name prefix or several)
+            choosing the parameters to adapt; the rest are held fixed in the inner loop and
+            still receive outer gradients through the forward (ANIL).
+        clip_grad_norm: clip each step's gradients to this global 2-norm (differentiable,
+            ``torch.nn.utils.clip_grad_norm_`` numbers).
+        truncate: run the first ``truncate`` steps without building a graph; the parameters
+            re-enter with an identity Jacobian (``p_j + (p_0 - stopgrad(p_0))``), so the
+            initial parameters get the first-order path through those steps and the
+            hyperparameters and optimizer state get gradients from the later steps only.
+        loss_scale: multiply each inner loss by this before differentiating and divide the
+            gradients by it (fp16). Implies ``on_nonfinite="raise"`` unless given.
+        on_nonfinite: check every inner loss and gradient (one host sync per step):
+            ``"raise"`` raises :class:`NonFiniteError` naming the step and the parameters;
+            ``"skip"`` leaves parameters, optimizer state and buffers as they were for that
+            step and records it in ``result.skipped``. ``None`` (the default without
+            ``loss_scale``) does not check.
+        allow_unused: treat the gradient of an adapted parameter that the loss does not use
+            as zero (optimizer weight decay and momentum still apply to it); by default such
+            a parameter raises ``ValueError`` naming it.
+
+    Returns:
+        :class:`AdaptResult` ``(params, buffers, losses, state, skipped)``.
+
+    Works under ``torch.no_grad()`` too (evaluation): gradients are still taken, no outer
+    graph is kept.
+    """
+    _validate(steps, truncate, batch, loss_scale, on_nonfinite, clip_grad_norm)
+    if loss_scale is not None and on_nonfinite is None:
+        on_nonfinite = "raise"
+    buffers = fmodel.buffers if buffers is None else dict(buffers)
+    if trainable is None:
+        adapted, fixed = dict(params), None
+    else:
+        adapted, fixed = tree.partition(dict(params), trainable)
+    names, leaves, spec = _adapted_leaves(adapted)
+    if state is None:
+        state = opt.init(adapted)
+
+    losses: list[Tensor] = []
+    skipped: list[int] = []
+    start = adapted
+    for k in range(steps):
+        if k == truncate and truncate > 0:
+            adapted = _reenter(adapted, start)
+            leaves = spec.flatten_up_to(adapted)
+        graph = k >= truncate
+        second = graph and not first_order
+        with torch.enable_grad():
+            if second:
+                leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
+                adapted = tree.unflatten(spec, leaves)
+                wrt = leaves
+            else:
+                wrt = [p.detach().requires_grad_() for p in leaves]
+            current = adapted if second else tree.unflatten(spec, wrt)
+            full = current if fixed is None else tree.combine(current, fixed)
+            loss, new_buffers = _forward_loss(fmodel, full, buffers, loss_fn, batch)
+            scaled = loss if loss_scale is None else loss * loss_scale
+            grads = torch.autograd.grad(scaled, wrt, create_graph=second, allow_unused=True)
+        grads = _fill_unused(grads, wrt, names, allow_unused)
+        if loss_scale is not None:
+            inv = 1.0 / loss_scale
+            grads = [g * inv for g in grads]
+        losses.append(loss if second else loss.detach())
+        if on_nonfinite is not None and not _all_finite(loss, grads):
+            if on_nonfinite == "raise":
+                raise NonFiniteError(_nonfinite_message(k, loss, grads, names))
+            skipped.append(k)
+            continue
+        buffers = new_buffers
+        grad_tree = tree.unflatten(spec, grads)
+        if clip_grad_norm is not None:
+            grad_tree = clip_grads_by_global_norm(grad_tree, clip_grad_norm)
+        with contextlib.nullcontext() if graph else torch.no_grad():
+            updates, state = opt.update(grad_tree, state, adapted)
+            adapted = apply_updates(adapted, updates)
+        leaves = spec.flatten_up_to(adapted)
+    if truncate > 0 and truncate == steps:
+        adapted = _reenter(adapted, start)
+    final = adapted if fixed is None else tree.combine(adapted, fixed)
+    stacked = torch.stack(losses) if losses else torch.empty(0)
+    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
+
+
+def _reenter(truncated: Tree, start: Tree) -> Tree:
+    """The truncated unroll's values with an identity Jacobian to the initial parameters."""
+    return tree.map(lambda p, p0: p + (p0 - p0.detach()), truncated, start)
+
+
+def _adapted_leaves(adapted: Tree) -> tuple[list[str], list[Tensor], Any]:
+    names = tree.paths(adapted)
+    leaves, spec = tree.flatten(adapted)
+    if not leaves:
+        raise ValueError("no parameters to adapt: the trainable filter selected none")
+    for name, leaf in zip(names, leaves, strict=True):
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise TypeError(f"parameter {name!r} is not a floating-point tensor")
+    return names, leaves, spec
+
+
+def _fill_unused(
+    grads: tuple[Tensor | None, ...], wrt: list[Tensor], names: list[str], allow_unused: bool
+) -> list[Tensor]:
+    unused = [n for n, g in zip(names, grads, strict=True) if g is None]
+    if unused and not allow_unused:
+        raise ValueError(
+            f"the inner loss does not depend on the adapted parameters {unused}; pass "
+            "allow_unused=True to give them zero gradients, or leave them out with trainable="
+        )
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wrt, strict=True)]
+
+
+def _all_finite(loss: Tensor, grads: list[Tensor]) -> bool:
+    checks = [torch.isfinite(loss).all()] + [torch.isfinite(g).all() for g in grads]
+    return bool(torch.stack(checks).all())
+
+
+def _nonfinite_message(k: int, loss: Tensor, grads: list[Tensor], names: list[str]) -> str:
+    bad = [n for n, g in zip(names, grads, strict=True) if not bool(torch.isfinite(g).all())]
+    value = loss.detach().float().item()
+    return (
+        f"inner step {k}: non-finite {'loss' if not math.isfinite(value) else 'gradient'} "
+        f"(loss={value}); parameters with non-finite gradients: {bad}"
+    )

@@ -1,0 +1,71 @@
+"""Differentiable optimizers as pure ``(init, update)`` pairs, in the optax shape.
+
+``sgd``, ``adam``, ``adamw``, ``rmsprop`` and ``adagrad`` give the same numbers, step for step,
+as their ``torch.optim`` namesakes with the same arguments, and are differentiable in the
+gradients, the parameters, the state and every hyperparameter. A hyperparameter may be a
+number, a tensor, a tree of tensors that is a prefix of the parameter tree (per layer, per
+tensor, per element) or a per-step schedule; see :mod:`funcmeta.optim.hparams`.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> params = {"w": torch.randn(3, requires_grad=True)}
+    >>> lr = torch.tensor(0.1, requires_grad=True)
+    >>> opt = fm.optim.adam(lr=lr, betas=(0.9, 0.99))
+    >>> state = opt.init(params)
+    >>> grads = {"w": 2 * params["w"]}
+    >>> updates, state = opt.update(grads, state, params)
+    >>> new = fm.apply_updates(params, updates)
+    >>> new["w"].sum().backward()
+    >>> lr.grad is not None
+    True
+"""
+
+from funcmeta.optim.adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
+from funcmeta.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
+from funcmeta.optim.base import GradientTransformation, apply_updates, chain, safe_sqrt
+from funcmeta.optim.clip import (
+    ClipState,
+    clip_by_global_norm,
+    clip_grads_by_global_norm,
+    global_norm,
+)
+from funcmeta.optim.hparams import Hyperparameter
+from funcmeta.optim.primitives import (
+    AddDecayedWeightsState,
+    ScaleByLearningRateState,
+    TraceState,
+    add_decayed_weights,
+    scale_by_learning_rate,
+    trace,
+)
+from funcmeta.optim.rmsprop import ScaleByRmsState, rmsprop, scale_by_rms
+from funcmeta.optim.sgd import sgd
+
+__all__ = [
+    "AddDecayedWeightsState",
+    "ClipState",
+    "GradientTransformation",
+    "Hyperparameter",
+    "ScaleByAdagradState",
+    "ScaleByAdamState",
+    "ScaleByLearningRateState",
+    "ScaleByRmsState",
+    "TraceState",
+    "adagrad",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "clip_grads_by_global_norm",
+    "global_norm",
+    "rmsprop",
+    "safe_sqrt",
+    "scale_by_adagrad",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_rms",
+    "sgd",
+    "trace",
+]

@@ -1,0 +1,95 @@
+"""The optimizer interface: pure ``(init, update)`` pairs, :func:`chain` and :func:`apply_updates`.
+
+An optimizer is a :class:`GradientTransformation`. ``init(params)`` returns its state;
+``update(grads, state, params)`` returns ``(updates, new_state)`` without mutating anything,
+and ``apply_updates(params, updates)`` adds the updates. Every step is differentiable in the
+gradients, the parameters, the state and the hyperparameters.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> params = {"w": torch.tensor([1.0, 2.0])}
+    >>> opt = fm.optim.sgd(lr=0.5)
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params)
+    >>> fm.apply_updates(params, updates)["w"].tolist()
+    [0.5, 1.5]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import optree
+import torch
+from torch import Tensor
+
+from funcmeta.tree import Tree
+
+__all__ = ["GradientTransformation", "apply_updates", "chain"]
+
+
+class GradientTransformation(NamedTuple):
+    """A pure optimizer: ``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``."""
+
+    init: Callable[[Tree], Any]
+    update: Callable[[Tree, Any, Tree | None], tuple[Tree, Any]]
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transformations left to right; the state is the tuple of their states.
+
+    Example:
+        >>> import funcmeta as fm
+        >>> opt = fm.optim.chain(fm.optim.clip_by_global_norm(1.0), fm.optim.sgd(lr=0.1))
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain argument {i} is a {type(t).__name__}, not a GradientTransformation"
+            )
+
+    def init(params: Tree) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(
+        updates: Tree, state: tuple[Any, ...], params: Tree | None = None
+    ) -> tuple[Tree, Any]:
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(
+                f"chain of {len(transforms)} transformations got a state of "
+                f"{len(state) if isinstance(state, tuple) else type(state).__name__} entries"
+            )
+        new_state = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params)
+            new_state.append(s)
+        return updates, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def apply_updates(params: Tree, updates: Tree) -> Tree:
+    """``params + updates`` leaf by leaf, keeping each parameter's dtype.
+
+    A ``None`` update (a parameter left out of adaptation) leaves that parameter as it is.
+    """
+
+    def add(p: Tensor | None, u: Tensor | None) -> Tensor | None:
+        if u is None or p is None:
+            return p
+        out = p + u
+        return out if out.dtype == p.dtype else out.to(p.dtype)
+
+    return optree.tree_map(add, params, updates, none_is_leaf=True)
+
+
+def safe_sqrt(x: Tensor) -> Tensor:
+    """``sqrt(x)`` for ``x >= 0`` whose derivatives of every order are finite at 0 (taken as 0).
+
+    ``torch.sqrt`` has an infinite derivative at 0; under double backward that meets a zero
+    chain-rule factor and yields NaN (Adam's second moment of a gradient entry that is
+    exactly zero). The double ``where`` keeps every branch finite.
+    """
+    positive = x > 0
+    return torch.where(positive, torch.where(positive, x, 1.0).sqrt(), 0.0)

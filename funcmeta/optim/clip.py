@@ -1,0 +1,68 @@
+"""Differentiable global-norm gradient clipping (``torch.nn.utils.clip_grad_norm_``).
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> grads = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+    >>> clipped = fm.optim.clip_grads_by_global_norm(grads, 1.0)
+    >>> round(fm.optim.global_norm(clipped).item(), 4)
+    1.0
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcmeta import tree
+from funcmeta.optim.base import GradientTransformation, safe_sqrt
+from funcmeta.optim.hparams import check_number, is_number
+from funcmeta.tree import Tree
+
+__all__ = ["ClipState", "clip_by_global_norm", "clip_grads_by_global_norm", "global_norm"]
+
+
+def global_norm(grads: Tree) -> Tensor:
+    """The 2-norm of all leaves together; its derivatives stay finite when all are zero."""
+    g = tree.leaves(grads)
+    if not g:
+        raise ValueError("global_norm of a tree with no tensors")
+    total = torch.stack([x.pow(2).sum() for x in g]).sum()
+    return safe_sqrt(total)
+
+
+def clip_grads_by_global_norm(grads: Tree, max_norm: float | Tensor) -> Tree:
+    """Scale ``grads`` by ``min(1, max_norm / (global_norm + 1e-6))``, as
+    ``torch.nn.utils.clip_grad_norm_`` does; differentiable in ``grads`` and ``max_norm``."""
+    coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+    return tree.map(lambda x: x * coef, grads)
+
+
+class ClipState(NamedTuple):
+    count: int
+
+
+def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
+    """Clip the updates to a global 2-norm of at most ``max_norm`` (number or 0-d tensor)."""
+    _check_max_norm(max_norm)
+
+    def init(params: Tree) -> ClipState:
+        return ClipState(0)
+
+    def update(updates: Tree, state: ClipState, params: Tree | None = None) -> tuple[Tree, Any]:
+        return clip_grads_by_global_norm(updates, max_norm), ClipState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def _check_max_norm(max_norm: Any) -> None:
+    if isinstance(max_norm, Tensor):
+        if max_norm.dim() != 0:
+            raise ValueError(
+                f"max_norm must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
+            )
+    elif is_number(max_norm):
+        check_number(max_norm, "max_norm")
+    else:
+        raise TypeError(f"max_norm must be a number or a 0-d tensor, got {type(max_norm).__name__}")

@@ -1,0 +1,103 @@
+"""Hyperparameters of the optimizers: numbers, tensors, trees of tensors, or per-step schedules.
+
+Every hyperparameter of :mod:`funcmeta.optim` (learning rate, momentum, betas, eps, weight
+decay, ...) may be
+
+- a Python number (the fast path; checked for range once, when the optimizer is built);
+- a tensor, typically one that requires grad: a 0-d tensor applies to every parameter, a
+  tensor of a parameter's shape applies element-wise (it must broadcast to the shape of
+  every parameter it covers);
+- a tree of such values that is a prefix of the parameter tree: one entry per parameter
+  (per tensor), per group, or the full structure (per element, Meta-SGD);
+- a callable ``step -> value`` returning any of the above, called with the 0-based index of
+  the update (per-step rates, MAML++): :class:`funcmeta.hyper.HyperTree` is one.
+
+A tensor hyperparameter always takes its branch: ``momentum=torch.tensor(0.0)`` keeps a
+momentum buffer, ``momentum=0`` does not; the numbers agree either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from numbers import Real
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcmeta import tree
+from funcmeta.tree import Tree
+
+__all__ = ["Hyperparameter", "check_number", "is_number", "is_zero", "per_leaf"]
+
+Hyperparameter = float | Tensor | Tree | Callable[[int], Any]
+
+
+def is_number(value: Any) -> bool:
+    """A Python real number (bools excluded)."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def is_zero(value: Any) -> bool:
+    """A Python number equal to 0: the only value that switches a branch off."""
+    return is_number(value) and value == 0
+
+
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float = 0.0,
+    high: float | None = None,
+    include_high: bool = False,
+) -> None:
+    """Range check for a hyperparameter given as a Python number; tensors are not inspected."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, a tensor, a tree of tensors or a schedule")
+    if not is_number(value):
+        return
+    if value < low or (high is not None and (value > high if include_high else value >= high)):
+        limit = "" if high is None else f" and {'<=' if include_high else '<'} {high}"
+        raise ValueError(f"invalid {name}: {value} (must be >= {low}{limit})")
+
+
+def per_leaf(
+    value: Hyperparameter, grads: Tree, grad_leaves: list[Tensor], step: int, name: str
+) -> list[Any]:
+    """``value`` resolved to one entry per leaf of ``grads`` (numbers or broadcastable tensors).
+
+    Raises ``TypeError``/``ValueError``/:class:`funcmeta.tree.TreeMismatchError` naming the
+    hyperparameter and the offending parameter path.
+    """
+    if callable(value) and not isinstance(value, Tensor):
+        value = value(step)
+    n = len(grad_leaves)
+    if is_number(value):
+        return [value] * n
+    if isinstance(value, Tensor):
+        if value.dim() == 0:
+            return [value] * n
+        values = [value] * n
+    else:
+        values = tree.broadcast_prefix(value, grads, name=name)
+    for i, (v, g) in enumerate(zip(values, grad_leaves, strict=True)):
+        if isinstance(v, Tensor):
+            if v.dim() and _broadcast_shape(v.shape, g.shape) != g.shape:
+                raise ValueError(
+                    f"{name} for parameter {tree.paths(grads)[i]!r} has shape "
+                    f"{tuple(v.shape)}, which does not broadcast to the parameter's shape "
+                    f"{tuple(g.shape)}"
+                )
+        elif not is_number(v):
+            raise TypeError(
+                f"{name} for parameter {tree.paths(grads)[i]!r} is a {type(v).__name__}; "
+                "expected a number or a tensor"
+            )
+    return values
+
+
+def _broadcast_shape(a: torch.Size, b: torch.Size) -> torch.Size | None:
+    try:
+        return torch.broadcast_shapes(a, b)
+    except RuntimeError:
+        return None

@@ -1,0 +1,148 @@
+"""Building blocks shared by the optimizers: learning-rate scaling, weight decay, momentum.
+
+Each is a :class:`~funcmeta.optim.GradientTransformation` whose state carries ``count``, the
+number of updates made so far (a Python int), which schedules receive as the step index.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> opt = fm.optim.chain(fm.optim.trace(momentum=0.9), fm.optim.scale_by_learning_rate(0.1))
+    >>> params = {"w": torch.zeros(2)}
+    >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+    >>> updates["w"].tolist()
+    [-0.1, -0.1]
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from funcmeta import tree
+from funcmeta.optim.base import GradientTransformation
+from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
+from funcmeta.tree import Tree
+
+__all__ = [
+    "AddDecayedWeightsState",
+    "ScaleByLearningRateState",
+    "TraceState",
+    "add_decayed_weights",
+    "scale_by_learning_rate",
+    "trace",
+]
+
+
+def validate(value: Hyperparameter, params: Tree, name: str) -> None:
+    """Resolve a (non-schedule) hyperparameter against ``params`` once, so a mismatch raises
+    at ``init`` rather than at the first step."""
+    if callable(value) and not isinstance(value, Tensor):
+        return
+    per_leaf(value, params, tree.leaves(params), 0, name)
+
+
+def scale(x: Tensor, factor: Any) -> Tensor:
+    """``x * factor`` with Python numbers kept off the autograd graph."""
+    return x.mul(factor) if is_number(factor) else x * factor
+
+
+def one_minus(value: Any) -> Any:
+    return 1 - value
+
+
+class ScaleByLearningRateState(NamedTuple):
+    count: int
+
+
+def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
+    """``updates = -lr * updates``: the last link of every optimizer here."""
+    check_number(lr, "learning rate")
+
+    def init(params: Tree) -> ScaleByLearningRateState:
+        validate(lr, params, "lr")
+        return ScaleByLearningRateState(0)
+
+    def update(
+        updates: Tree, state: ScaleByLearningRateState, params: Tree | None = None
+    ) -> tuple[Tree, ScaleByLearningRateState]:
+        g, spec = tree.flatten(updates)
+        lrs = per_leaf(lr, updates, g, state.count, "lr")
+        out = [x.mul(-h) if is_number(h) else -(h * x) for x, h in zip(g, lrs, strict=True)]
+        return tree.unflatten(spec, out), ScaleByLearningRateState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+class AddDecayedWeightsState(NamedTuple):
+    count: int
+
+
+def add_decayed_weights(weight_decay: Hyperparameter) -> GradientTransformation:
+    """``updates = updates + weight_decay * params`` (L2 when placed before the moments,
+    decoupled when placed after them, as in AdamW)."""
+    check_number(weight_decay, "weight_decay")
+
+    def init(params: Tree) -> AddDecayedWeightsState:
+        validate(weight_decay, params, "weight_decay")
+        return AddDecayedWeightsState(0)
+
+    def update(
+        updates: Tree, state: AddDecayedWeightsState, params: Tree | None = None
+    ) -> tuple[Tree, AddDecayedWeightsState]:
+        if params is None:
+            raise ValueError("weight decay needs the parameters: call update(grads, state, params)")
+        g, spec = tree.flatten(updates)
+        p = spec.flatten_up_to(params)
+        wds = per_leaf(weight_decay, updates, g, state.count, "weight_decay")
+        out = [
+            x.add(w, alpha=d) if is_number(d) else x + d * w
+            for x, w, d in zip(g, p, wds, strict=True)
+        ]
+        return tree.unflatten(spec, out), AddDecayedWeightsState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+class TraceState(NamedTuple):
+    count: int
+    momentum_buffer: Tree
+
+
+def trace(
+    momentum: Hyperparameter, dampening: Hyperparameter = 0.0, nesterov: bool = False
+) -> GradientTransformation:
+    """Heavy-ball momentum exactly as ``torch.optim.SGD`` keeps it.
+
+    The first update sets the buffer to the gradient; later ones compute
+    ``buf = momentum * buf + (1 - dampening) * g``. The output is ``buf``, or
+    ``g + momentum * buf`` with ``nesterov``.
+    """
+    check_number(momentum, "momentum")
+    check_number(dampening, "dampening")
+    if nesterov and (is_zero(momentum) or not is_zero(dampening)):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    def init(params: Tree) -> TraceState:
+        validate(momentum, params, "momentum")
+        validate(dampening, params, "dampening")
+        return TraceState(0, tree.map(torch.zeros_like, params))
+
+    def update(
+        updates: Tree, state: TraceState, params: Tree | None = None
+    ) -> tuple[Tree, TraceState]:
+        g, spec = tree.flatten(updates)
+        moms = per_leaf(momentum, updates, g, state.count, "momentum")
+        if state.count == 0:
+            bufs = list(g)
+        else:
+            old = spec.flatten_up_to(state.momentum_buffer)
+            damps = per_leaf(dampening, updates, g, state.count, "dampening")
+            bufs = [
+                scale(b, m) + (x if is_zero(d) else scale(x, one_minus(d)))
+                for b, x, m, d in zip(old, g, moms, damps, strict=True)
+            ]
+        out = [x + scale(b, m) for x, b, m in zip(g, bufs, moms, strict=True)] if nesterov else bufs
+        return tree.unflatten(spec, out), TraceState(state.count + 1, tree.unflatten(spec, bufs))
+
+    return GradientTransformation(init, update)

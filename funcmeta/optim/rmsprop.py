@@ -1,0 +1,96 @@
+"""Differentiable RMSprop, centered and with momentum (``torch.optim.RMSprop``).
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> opt = fm.optim.rmsprop(lr=0.01, momentum=0.9, centered=True)
+    >>> params = {"w": torch.zeros(2)}
+    >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from funcmeta import tree
+from funcmeta.optim.adam import _ema, _ema_sq
+from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
+from funcmeta.optim.hparams import Hyperparameter, check_number, is_zero, per_leaf
+from funcmeta.optim.primitives import (
+    add_decayed_weights,
+    scale_by_learning_rate,
+    trace,
+    validate,
+)
+from funcmeta.tree import Tree
+
+__all__ = ["ScaleByRmsState", "rmsprop", "scale_by_rms"]
+
+
+class ScaleByRmsState(NamedTuple):
+    count: int
+    square_avg: Tree
+    grad_avg: Tree | None
+
+
+def scale_by_rms(
+    alpha: Hyperparameter = 0.99, eps: Hyperparameter = 1e-8, centered: bool = False
+) -> GradientTransformation:
+    """``g / (sqrt(E[g^2] - [E[g]^2 if centered]) + eps)`` with running averages of rate alpha."""
+    check_number(alpha, "alpha", high=1.0, include_high=True)
+    check_number(eps, "eps")
+
+    def init(params: Tree) -> ScaleByRmsState:
+        validate(alpha, params, "alpha")
+        validate(eps, params, "eps")
+        return ScaleByRmsState(
+            0,
+            tree.map(torch.zeros_like, params),
+            tree.map(torch.zeros_like, params) if centered else None,
+        )
+
+    def update(
+        updates: Tree, state: ScaleByRmsState, params: Tree | None = None
+    ) -> tuple[Tree, ScaleByRmsState]:
+        g, spec = tree.flatten(updates)
+        alphas = per_leaf(alpha, updates, g, state.count, "alpha")
+        epss = per_leaf(eps, updates, g, state.count, "eps")
+        sqs = spec.flatten_up_to(state.square_avg)
+        avgs = spec.flatten_up_to(state.grad_avg) if centered else [None] * len(g)
+        out, new_sq, new_avg = [], [], []
+        for x, sq, avg, a, e in zip(g, sqs, avgs, alphas, epss, strict=True):
+            sq = _ema_sq(sq, x, a)
+            new_sq.append(sq)
+            if centered:
+                avg = _ema(avg, x, a)
+                new_avg.append(avg)
+                rms = safe_sqrt(torch.addcmul(sq, avg, avg, value=-1))
+            else:
+                rms = safe_sqrt(sq)
+            out.append(x / (rms + e))
+        new_state = ScaleByRmsState(
+            state.count + 1,
+            tree.unflatten(spec, new_sq),
+            tree.unflatten(spec, new_avg) if centered else None,
+        )
+        return tree.unflatten(spec, out), new_state
+
+    return GradientTransformation(init, update)
+
+
+def rmsprop(
+    lr: Hyperparameter = 1e-2,
+    alpha: Hyperparameter = 0.99,
+    eps: Hyperparameter = 1e-8,
+    weight_decay: Hyperparameter = 0.0,
+    momentum: Hyperparameter = 0.0,
+    centered: bool = False,
+) -> GradientTransformation:
+    """RMSprop giving the same numbers as ``torch.optim.RMSprop`` with the same arguments."""
+    parts = [] if is_zero(weight_decay) else [add_decayed_weights(weight_decay)]
+    parts.append(scale_by_rms(alpha, eps, centered))
+    if not is_zero(momentum):
+        parts.append(trace(momentum))
+    parts.append(scale_by_learning_rate(lr))
+    return chain(*parts)
