@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor, nn
 
 DTYPE = torch.float64
 
 
-def mlp(sizes: tuple[int, ...] = (3, 5, 4, 2), *, seed: int = 0, act: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+def mlp(
+    sizes: tuple[int, ...] = (3, 5, 4, 2), *, seed: int = 0, act: type[nn.Module] = nn.Tanh
+) -> nn.Sequential:
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
         layers.append(nn.Linear(a, b))
         if i < len(sizes) - 2:
             layers.append(act())
     return nn.Sequential(*layers).to(DTYPE)
 
 
-def batches(n: int, *, inputs: int = 3, outputs: int = 2, size: int = 8, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
+def batches(
+    n: int, *, inputs: int = 3, outputs: int = 2, size: int = 8, seed: int = 1
+) -> list[tuple[Tensor, Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(size, inputs, generator=g, dtype=DTYPE), torch.randn(size, outputs, generator=g, dtype=DTYPE))
+        (
+            torch.randn(size, inputs, generator=g, dtype=DTYPE),
+            torch.randn(size, outputs, generator=g, dtype=DTYPE),
+        )
         for _ in range(n)
     ]
 

@@ -70,7 +70,7 @@ def test_key_and_shape_errors_name_the_keys():
         fmodel(wrong, x)
     with pytest.raises(TypeError, match="dict of tensors"):
         fmodel(list(params.values()), x)
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         fm.functionalize(lambda x: x)
 
 
@@ -129,6 +129,8 @@ def test_batchnorm_buffers_come_back_new_and_nothing_is_mutated():
 
 def test_buffers_are_checked_too():
     fmodel = fm.functionalize(bn_net())
-    with pytest.raises(ValueError, match=r"buffers do not match.*missing keys \['1\.num_batches_tracked'\]"):
+    with pytest.raises(
+        ValueError, match=r"buffers do not match.*missing keys \['1\.num_batches_tracked'\]"
+    ):
         buffers = {k: v for k, v in fmodel.buffers.items() if k != "1.num_batches_tracked"}
         fmodel.apply(fmodel.params, buffers, torch.randn(4, 3, dtype=DTYPE))

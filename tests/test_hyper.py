@@ -41,7 +41,9 @@ def test_shapes_and_groups(params):
     assert sum(p.numel() for p in per_tensor.parameters()) == len(params)
     per_element = fm.hyper.per_element(params, 0.1)
     assert {k: v.shape for k, v in per_element().items()} == {k: v.shape for k, v in params.items()}
-    assert sum(p.numel() for p in per_element.parameters()) == sum(p.numel() for p in params.values())
+    assert sum(p.numel() for p in per_element.parameters()) == sum(
+        p.numel() for p in params.values()
+    )
 
 
 def test_per_layer_shares_one_value_within_a_layer(params):

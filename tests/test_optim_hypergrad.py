@@ -72,7 +72,9 @@ def test_hyperparameter_gradient_matches_finite_differences(opt_name, name, shap
     else:
         g = torch.Generator().manual_seed(3)
         inputs = tuple(
-            (base * (1 - 0.1 * torch.rand(params[k].shape, generator=g, dtype=DTYPE))).requires_grad_()
+            (
+                base * (1 - 0.1 * torch.rand(params[k].shape, generator=g, dtype=DTYPE))
+            ).requires_grad_()
             for k in keys
         )
 

@@ -26,9 +26,7 @@ def sgd_cases():
 
 
 def adam_cases(decay: tuple[float, ...]):
-    for betas, wd, amsgrad in itertools.product(
-        ((0.9, 0.999), (0.8, 0.95)), decay, (False, True)
-    ):
+    for betas, wd, amsgrad in itertools.product(((0.9, 0.999), (0.8, 0.95)), decay, (False, True)):
         yield dict(lr=0.01, betas=betas, eps=1e-8, weight_decay=wd, amsgrad=amsgrad)
 
 
@@ -142,12 +140,42 @@ def as_per_element_trees(kwargs, params):
 
 
 TENSOR_CASES = [
-    ("sgd", torch.optim.SGD, fm.optim.sgd, dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01)),
-    ("sgd", torch.optim.SGD, fm.optim.sgd, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
-    ("adam", torch.optim.Adam, fm.optim.adam, dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.05, amsgrad=True)),
-    ("adamw", torch.optim.AdamW, fm.optim.adamw, dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.05)),
-    ("rmsprop", torch.optim.RMSprop, fm.optim.rmsprop, dict(lr=0.005, alpha=0.9, eps=1e-8, momentum=0.8, centered=True, weight_decay=0.02)),
-    ("adagrad", torch.optim.Adagrad, fm.optim.adagrad, dict(lr=0.05, lr_decay=0.01, weight_decay=0.02, initial_accumulator_value=0.1, eps=1e-10)),
+    (
+        "sgd",
+        torch.optim.SGD,
+        fm.optim.sgd,
+        dict(lr=0.05, momentum=0.9, dampening=0.3, weight_decay=0.01),
+    ),
+    (
+        "sgd",
+        torch.optim.SGD,
+        fm.optim.sgd,
+        dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    ),
+    (
+        "adam",
+        torch.optim.Adam,
+        fm.optim.adam,
+        dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.05, amsgrad=True),
+    ),
+    (
+        "adamw",
+        torch.optim.AdamW,
+        fm.optim.adamw,
+        dict(lr=0.01, betas=(0.8, 0.95), eps=1e-8, weight_decay=0.05),
+    ),
+    (
+        "rmsprop",
+        torch.optim.RMSprop,
+        fm.optim.rmsprop,
+        dict(lr=0.005, alpha=0.9, eps=1e-8, momentum=0.8, centered=True, weight_decay=0.02),
+    ),
+    (
+        "adagrad",
+        torch.optim.Adagrad,
+        fm.optim.adagrad,
+        dict(lr=0.05, lr_decay=0.01, weight_decay=0.02, initial_accumulator_value=0.1, eps=1e-10),
+    ),
 ]
 
 

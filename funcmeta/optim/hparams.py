@@ -14,6 +14,16 @@ decay, ...) may be
 
 A tensor hyperparameter always takes its branch: ``momentum=torch.tensor(0.0)`` keeps a
 momentum buffer, ``momentum=0`` does not; the numbers agree either way.
+
+Example:
+    >>> import torch
+    >>> from funcmeta.optim.hparams import per_leaf
+    >>> grads = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    >>> leaves = [grads["a"], grads["b"]]
+    >>> per_leaf({"a": 0.1, "b": 0.2}, grads, leaves, step=0, name="lr")
+    [0.1, 0.2]
+    >>> per_leaf(lambda step: 0.5 ** step, grads, leaves, step=2, name="lr")
+    [0.25, 0.25]
 """
 
 from __future__ import annotations

@@ -5,11 +5,11 @@ number of updates made so far (a Python int), which schedules receive as the ste
 
 Example:
     >>> import torch, funcmeta as fm
-    >>> opt = fm.optim.chain(fm.optim.trace(momentum=0.9), fm.optim.scale_by_learning_rate(0.1))
+    >>> opt = fm.optim.chain(fm.optim.trace(momentum=0.9), fm.optim.scale_by_learning_rate(0.5))
     >>> params = {"w": torch.zeros(2)}
     >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
     >>> updates["w"].tolist()
-    [-0.1, -0.1]
+    [-0.5, -0.5]
 """
 
 from __future__ import annotations
