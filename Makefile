@@ -24,7 +24,7 @@ lint: setup-dev
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts
 
 bench: setup-dev
-	$(PYTHON) benchmarks/optimizer_step.py
+	$(PYTHON) benchmarks/overhead.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache
