@@ -105,7 +105,7 @@ def main() -> None:
             lambda: ours(fmodel, fm.optim.adam(lr=0.01), batch, args.steps),
         ),
     }
-    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
     print(f"device: {device} ({name}); torch {torch.__version__}; threads {torch.get_num_threads()}")
     print(
         f"workload: second-order MAML meta-iteration, sinusoid MLP 40-40, 10-shot, "

@@ -76,6 +76,8 @@ class FunctionalModel:
         """
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
+        if not buffers:
+            return functional_call(self.module, dict(params), args, kwargs), {}
         new_buffers = {k: b.clone() for k, b in buffers.items()}
         out = functional_call(self.module, (dict(params), new_buffers), args, kwargs)
         return out, new_buffers

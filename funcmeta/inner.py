@@ -183,8 +183,9 @@ def adapt(
         second = graph and not first_order
         with torch.enable_grad():
             if second:
-                leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
-                adapted = tree.unflatten(spec, leaves)
+                if not all(p.requires_grad for p in leaves):
+                    leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
+                    adapted = tree.unflatten(spec, leaves)
                 wrt = leaves
             else:
                 wrt = [p.detach().requires_grad_() for p in leaves]

@@ -45,7 +45,10 @@ Hyperparameter = float | Tensor | Tree | Callable[[int], Any]
 
 def is_number(value: Any) -> bool:
     """A Python real number (bools excluded)."""
-    return isinstance(value, Real) and not isinstance(value, bool)
+    kind = type(value)
+    if kind is float or kind is int:  # the hot path: skip the ABC machinery
+        return True
+    return isinstance(value, Real) and kind is not bool
 
 
 def is_zero(value: Any) -> bool:
