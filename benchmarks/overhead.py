@@ -24,7 +24,9 @@ import funcmeta as fm
 
 
 def sinusoid_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1))
+    return nn.Sequential(
+        nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1)
+    )
 
 
 def hand_sgd(model, params, batch, steps, lr):
@@ -105,8 +107,14 @@ def main() -> None:
             lambda: ours(fmodel, fm.optim.adam(lr=0.01), batch, args.steps),
         ),
     }
-    name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
-    print(f"device: {device} ({name}); torch {torch.__version__}; threads {torch.get_num_threads()}")
+    name = (
+        torch.cuda.get_device_name()
+        if device == "cuda"
+        else (platform.processor() or platform.machine())
+    )
+    print(
+        f"device: {device} ({name}); torch {torch.__version__}; threads {torch.get_num_threads()}"
+    )
     print(
         f"workload: second-order MAML meta-iteration, sinusoid MLP 40-40, 10-shot, "
         f"{args.steps} inner steps, meta-batch {args.meta_batch} (task loop)"
@@ -115,7 +123,9 @@ def main() -> None:
     for label, (hand, mine) in workloads.items():
         _, g_hand = timed(hand, params, device)
         _, g_ours = timed(mine, params, device)
-        agree = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_hand, g_ours, strict=True))
+        agree = all(
+            torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_hand, g_ours, strict=True)
+        )
         for _ in range(3):  # warm-up
             timed(hand, params, device)
             timed(mine, params, device)
