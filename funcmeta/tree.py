@@ -89,7 +89,7 @@ def paths(tree: Tree) -> list[str]:
 
 
 def _is_container(node: Any) -> bool:
-    return node is not None and not optree.tree_is_leaf(node)
+    return node is not None and not optree.treespec_is_leaf(optree.tree_structure(node))
 
 
 def _child(node: Any, entry: Any) -> tuple[bool, Any]:

@@ -105,13 +105,11 @@ def test_double_backward_finite_when_a_gradient_entry_is_zero(opt_name):
     (xs, ys), (xq, yq) = batches(2, inputs=3, outputs=1)
     xs = xs.clone()
     xs[:, 0] = 0
-    lr = torch.tensor(0.05, dtype=DTYPE, requires_grad=True)
     opt = ZERO_GRAD_OPTIMIZERS[opt_name]
     result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=3)
     loss = F.mse_loss(fmodel(result.params, xq), yq)
     grads = torch.autograd.grad(loss, list(fmodel.params.values()))
     assert all(torch.isfinite(g).all() for g in grads)
-    del lr
 
 
 def test_plain_sqrt_would_give_nan_in_that_setting():
