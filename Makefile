@@ -24,7 +24,9 @@ lint: setup-dev
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts
 
 bench: setup-dev
+	$(PIP) install -q -e ".[dev,bench]"
 	$(PYTHON) benchmarks/overhead.py
+	$(PYTHON) benchmarks/memory.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache

@@ -17,7 +17,7 @@ Example:
     >>> outer.step()
 """
 
-from funcmeta import data, hyper, optim, tree
+from funcmeta import checkpoint, data, hyper, optim, tree
 from funcmeta.functional import FunctionalModel, functionalize
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.optim.base import apply_updates
@@ -31,6 +31,7 @@ __all__ = [
     "__version__",
     "adapt",
     "apply_updates",
+    "checkpoint",
     "data",
     "functionalize",
     "hyper",

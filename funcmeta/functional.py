@@ -25,6 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from funcmeta.checkpoint import CheckpointSpec, select, shadow, sync_training
+
 __all__ = ["FunctionalModel", "functionalize"]
 
 
@@ -33,6 +35,7 @@ class FunctionalModel:
 
     Attributes:
         module: the wrapped module; never mutated by calls.
+        checkpointed: names of the submodules run under per-layer checkpointing.
         params: ``dict[str, Tensor]`` of the module's own Parameters, by reference (tied
             weights appear once, under their first name), so meta-gradients reach
             ``param.grad`` and an outer ``torch.optim`` optimizer over
@@ -40,10 +43,12 @@ class FunctionalModel:
         buffers: ``dict[str, Tensor]`` of the module's buffers, by reference.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, checkpoint: CheckpointSpec = None) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
         self.module = module
+        self.checkpointed = select(module, checkpoint)
+        self._runner, self._copies = shadow(module, self.checkpointed)
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self._param_shapes = {k: v.shape for k, v in self._params.items()}
@@ -76,16 +81,19 @@ class FunctionalModel:
         """
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
+        if self._copies:
+            sync_training(self._copies)
         if not buffers:
-            return functional_call(self.module, dict(params), args, kwargs), {}
+            return functional_call(self._runner, dict(params), args, kwargs), {}
         new_buffers = {k: b.clone() for k, b in buffers.items()}
-        out = functional_call(self.module, (dict(params), new_buffers), args, kwargs)
+        out = functional_call(self._runner, (dict(params), new_buffers), args, kwargs)
         return out, new_buffers
 
     def __repr__(self) -> str:
+        checkpointed = f", checkpointed={self.checkpointed}" if self.checkpointed else ""
         return (
             f"FunctionalModel({type(self.module).__name__}, params={len(self._params)}, "
-            f"buffers={len(self._buffers)})"
+            f"buffers={len(self._buffers)}{checkpointed})"
         )
 
 
@@ -113,8 +121,15 @@ def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str
             )
 
 
-def functionalize(module: nn.Module) -> FunctionalModel:
+def functionalize(module: nn.Module, *, checkpoint: CheckpointSpec = None) -> FunctionalModel:
     """Turn ``module`` into a :class:`FunctionalModel`.
+
+    ``checkpoint`` chooses layers to run under per-layer activation checkpointing (see
+    :mod:`funcmeta.checkpoint`): ``None``; a policy name (``"sequential"``: the children of
+    every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of submodule names; or a
+    predicate ``(name, module) -> bool``. Outputs and gradients, second order included, are
+    those of the unchecked model. Unknown names, or a predicate that matches nothing, raise
+    ``ValueError``.
 
     Example:
         >>> import torch, funcmeta as fm
@@ -123,4 +138,4 @@ def functionalize(module: nn.Module) -> FunctionalModel:
         >>> fmodel(params, torch.ones(1, 2)).item()
         0.0
     """
-    return FunctionalModel(module)
+    return FunctionalModel(module, checkpoint)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta import tree
 from funcmeta.functional import FunctionalModel
@@ -101,6 +103,89 @@ def _validate(
         _check_max_norm(clip_grad_norm)
 
 
+@dataclass(frozen=True)
+class _Inner:
+    """Everything one call of :func:`adapt` holds fixed; :meth:`step` is one pure inner step."""
+
+    fmodel: FunctionalModel
+    loss_fn: LossFn
+    batch: tuple[Any, Any]
+    opt: GradientTransformation
+    spec: Any
+    names: list[str]
+    fixed: Tree | None
+    clip_grad_norm: float | Tensor | None
+    loss_scale: float | None
+    on_nonfinite: str | None
+    allow_unused: bool
+    offload: bool
+
+    def step(
+        self,
+        k: int,
+        graph: bool,
+        second: bool,
+        state: Any,
+        buffers: dict[str, Tensor],
+        *leaves: Tensor,
+    ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        """Step ``k``: ``(new_leaves, new_state, new_buffers, loss, skipped)``.
+
+        Pure (it writes nothing outside its return value), so that step-level checkpointing
+        can run it again during backward.
+        """
+        with self._offload(graph, leaves):
+            return self._step(k, graph, second, state, buffers, list(leaves))
+
+    def _offload(
+        self, graph: bool, leaves: tuple[Tensor, ...]
+    ) -> contextlib.AbstractContextManager:
+        if not (self.offload and graph):
+            return contextlib.nullcontext()
+        pin = any(p.is_cuda for p in leaves)
+        return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+
+    def _step(
+        self,
+        k: int,
+        graph: bool,
+        second: bool,
+        state: Any,
+        buffers: dict[str, Tensor],
+        leaves: list[Tensor],
+    ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        with torch.enable_grad():
+            if second:
+                if not all(p.requires_grad for p in leaves):
+                    leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
+                wrt = leaves
+            else:
+                wrt = [p.detach().requires_grad_() for p in leaves]
+            current = tree.unflatten(self.spec, wrt)
+            full = current if self.fixed is None else tree.combine(current, self.fixed)
+            loss, new_buffers = _forward_loss(self.fmodel, full, buffers, self.loss_fn, self.batch)
+            scaled = loss if self.loss_scale is None else loss * self.loss_scale
+            grads = torch.autograd.grad(scaled, wrt, create_graph=second, allow_unused=True)
+        grads = _fill_unused(grads, wrt, self.names, self.allow_unused)
+        if self.loss_scale is not None:
+            inv = 1.0 / self.loss_scale
+            grads = [g * inv for g in grads]
+        if not second:
+            loss = loss.detach()
+        if self.on_nonfinite is not None and not _all_finite(loss, grads):
+            if self.on_nonfinite == "raise":
+                raise NonFiniteError(_nonfinite_message(k, loss, grads, self.names))
+            return leaves, state, buffers, loss, True
+        grad_tree = tree.unflatten(self.spec, grads)
+        if self.clip_grad_norm is not None:
+            grad_tree = clip_grads_by_global_norm(grad_tree, self.clip_grad_norm)
+        adapted = tree.unflatten(self.spec, leaves)
+        with contextlib.nullcontext() if graph else torch.no_grad():
+            updates, state = self.opt.update(grad_tree, state, adapted)
+            adapted = apply_updates(adapted, updates)
+        return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
+
+
 def adapt(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
@@ -118,6 +203,8 @@ def adapt(
     loss_scale: float | None = None,
     on_nonfinite: Literal["raise", "skip"] | None = None,
     allow_unused: bool = False,
+    checkpoint_steps: bool = False,
+    offload_activations: bool = False,
 ) -> AdaptResult:
     """Take ``steps`` optimizer steps on ``loss_fn(fmodel(params, inputs), targets)``.
 
@@ -153,6 +240,12 @@ def adapt(
         allow_unused: treat the gradient of an adapted parameter that the loss does not use
             as zero (optimizer weight decay and momentum still apply to it); by default such
             a parameter raises ``ValueError`` naming it.
+        checkpoint_steps: run each inner step (forward, ``autograd.grad`` and update) inside
+            one non-reentrant checkpoint: only each step's parameters, optimizer state and
+            buffers are kept, and the step is recomputed during the outer backward. Same
+            meta-gradients; the memory that saves second-order loops (docs/memory.md).
+        offload_activations: keep the tensors the inner steps save for backward in CPU
+            memory (``torch.autograd.graph.save_on_cpu``, pinned on CUDA). Same results.
 
     Returns:
         :class:`AdaptResult` ``(params, buffers, losses, state, skipped)``.
@@ -171,57 +264,51 @@ def adapt(
     names, leaves, spec = _adapted_leaves(adapted)
     if state is None:
         state = opt.init(adapted)
+    inner = _Inner(
+        fmodel,
+        loss_fn,
+        batch,
+        opt,
+        spec,
+        names,
+        fixed,
+        clip_grad_norm,
+        loss_scale,
+        on_nonfinite,
+        allow_unused,
+        offload_activations,
+    )
 
     losses: list[Tensor] = []
     skipped: list[int] = []
-    start = adapted
+    start = leaves
     for k in range(steps):
         if k == truncate and truncate > 0:
-            adapted = _reenter(adapted, start)
-            leaves = spec.flatten_up_to(adapted)
+            leaves = _reenter(leaves, start)
         graph = k >= truncate
         second = graph and not first_order
-        with torch.enable_grad():
-            if second:
-                if not all(p.requires_grad for p in leaves):
-                    leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
-                    adapted = tree.unflatten(spec, leaves)
-                wrt = leaves
-            else:
-                wrt = [p.detach().requires_grad_() for p in leaves]
-            current = adapted if second else tree.unflatten(spec, wrt)
-            full = current if fixed is None else tree.combine(current, fixed)
-            loss, new_buffers = _forward_loss(fmodel, full, buffers, loss_fn, batch)
-            scaled = loss if loss_scale is None else loss * loss_scale
-            grads = torch.autograd.grad(scaled, wrt, create_graph=second, allow_unused=True)
-        grads = _fill_unused(grads, wrt, names, allow_unused)
-        if loss_scale is not None:
-            inv = 1.0 / loss_scale
-            grads = [g * inv for g in grads]
-        losses.append(loss if second else loss.detach())
-        if on_nonfinite is not None and not _all_finite(loss, grads):
-            if on_nonfinite == "raise":
-                raise NonFiniteError(_nonfinite_message(k, loss, grads, names))
+        if checkpoint_steps and graph and torch.is_grad_enabled():
+            # state and buffers are bound now: the recomputation must see these values
+            out = torch_checkpoint(
+                inner.step, k, graph, second, state, buffers, *leaves, use_reentrant=False
+            )
+        else:
+            out = inner.step(k, graph, second, state, buffers, *leaves)
+        leaves, state, buffers, loss, was_skipped = out
+        losses.append(loss)
+        if was_skipped:
             skipped.append(k)
-            continue
-        buffers = new_buffers
-        grad_tree = tree.unflatten(spec, grads)
-        if clip_grad_norm is not None:
-            grad_tree = clip_grads_by_global_norm(grad_tree, clip_grad_norm)
-        with contextlib.nullcontext() if graph else torch.no_grad():
-            updates, state = opt.update(grad_tree, state, adapted)
-            adapted = apply_updates(adapted, updates)
-        leaves = spec.flatten_up_to(adapted)
     if truncate > 0 and truncate == steps:
-        adapted = _reenter(adapted, start)
+        leaves = _reenter(leaves, start)
+    adapted = tree.unflatten(spec, leaves)
     final = adapted if fixed is None else tree.combine(adapted, fixed)
     stacked = torch.stack(losses) if losses else torch.empty(0)
     return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
 
 
-def _reenter(truncated: Tree, start: Tree) -> Tree:
+def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
     """The truncated unroll's values with an identity Jacobian to the initial parameters."""
-    return tree.map(lambda p, p0: p + (p0 - p0.detach()), truncated, start)
+    return [p + (p0 - p0.detach()) for p, p0 in zip(truncated, start, strict=True)]
 
 
 def _adapted_leaves(adapted: Tree) -> tuple[list[str], list[Tensor], Any]:

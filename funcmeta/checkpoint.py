@@ -1,0 +1,213 @@
+"""Per-layer activation checkpointing of a module's *pure* layer functions.
+
+:func:`funcmeta.functionalize` takes ``checkpoint=`` to choose layers. Each chosen layer runs
+as ``torch.utils.checkpoint.checkpoint(layer_fn, *layer_params, *layer_buffers, *args,
+use_reentrant=False)``, where ``layer_fn`` calls the layer through
+``torch.func.functional_call`` with exactly those tensors. The parameters are explicit inputs
+of the checkpointed function, so the recomputation in backward uses the tensors of the
+forward (adapted parameters included), never whatever the module holds at that time.
+Non-reentrant checkpoints compose with ``torch.autograd.grad(create_graph=True)``, so
+second-order meta-gradients flow through them.
+
+The user's module is not modified. A private shadow of the module tree shares every
+parameter and buffer by reference. Only the modules on the path to a checkpointed layer are
+shallow copies, and the chosen layers are wrappers.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> fm.checkpoint.select(net, "sequential")
+    ['0', '2']
+    >>> fmodel = fm.functionalize(net, checkpoint="sequential")
+    >>> x = torch.randn(4, 2)
+    >>> torch.allclose(fmodel(fmodel.params, x), net(x))
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+__all__ = ["POLICIES", "CheckpointSpec", "select", "shadow", "sync_training"]
+
+CheckpointSpec = None | str | Sequence[str] | Callable[[str, nn.Module], bool]
+"""``None``; a policy name (see :data:`POLICIES`); submodule names; or a predicate
+``(name, module) -> bool``."""
+
+
+def _has_tensors(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
+def _sequential_children(root: nn.Module) -> list[str]:
+    out = []
+    for name, m in root.named_modules():
+        if isinstance(m, nn.Sequential | nn.ModuleList):
+            prefix = f"{name}." if name else ""
+            out += [prefix + c for c, child in m.named_children() if _has_tensors(child)]
+    return out
+
+
+def _leaves(root: nn.Module) -> list[str]:
+    return [
+        name
+        for name, m in root.named_modules()
+        if name and not any(True for _ in m.children()) and _has_tensors(m)
+    ]
+
+
+POLICIES: dict[str, Callable[[nn.Module], list[str]]] = {
+    "sequential": _sequential_children,
+    "leaves": _leaves,
+}
+"""Named policies. ``"sequential"`` selects every child, with parameters or buffers, of each
+``nn.Sequential``/``nn.ModuleList`` (outermost first: the blocks of a network of blocks).
+``"leaves"`` selects every module without children that holds parameters or buffers."""
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".") if name else []
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if parts else []
+
+
+def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
+    """The names of the submodules ``spec`` chooses, outermost only, in module order.
+
+    Raises ``ValueError`` for an unknown policy, unknown names (listing them), explicitly
+    named modules nested in one another, or a predicate or policy that matches nothing.
+    """
+    if spec is None:
+        return []
+    named = dict(module.named_modules())
+    if isinstance(spec, str):
+        if spec not in POLICIES:
+            raise ValueError(
+                f"unknown checkpoint policy {spec!r}; policies are {sorted(POLICIES)} "
+                "(pass submodule names as a list)"
+            )
+        chosen = POLICIES[spec](module)
+        what = f"policy {spec!r}"
+    elif callable(spec):
+        chosen = [name for name, m in named.items() if spec(name, m)]
+        what = "the checkpoint predicate"
+    else:
+        chosen = list(spec)
+        if not all(isinstance(n, str) for n in chosen):
+            raise TypeError("checkpoint names must be strings")
+        unknown = [n for n in chosen if n not in named]
+        if unknown:
+            available = [n for n in named if n]
+            raise ValueError(
+                f"checkpoint names {unknown} are not submodules; submodules are {available}"
+            )
+        nested = [n for n in chosen if any(a in chosen for a in _ancestors(n))]
+        if nested:
+            raise ValueError(f"checkpoint names {nested} lie inside other checkpointed modules")
+        what = "the checkpoint names"
+    chosen_set = set(chosen)
+    outermost = [
+        n for n in named if n in chosen_set and not any(a in chosen_set for a in _ancestors(n))
+    ]
+    if not outermost:
+        raise ValueError(f"{what} matches no submodule of {type(module).__name__}")
+    return outermost
+
+
+class _Checkpointed(nn.Module):
+    """Stands in for a layer in the shadow tree and runs it as a checkpointed pure function.
+
+    It shares the layer's parameter, buffer and child dicts, so every name resolves to the
+    same tensors as in the original tree (and ``functional_call`` swaps them as usual). It has
+    hook dicts of its own, so the layer's hooks run once, inside the checkpointed call.
+    """
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_parameters"] = original._parameters
+        self.__dict__["_buffers"] = original._buffers
+        self.__dict__["_modules"] = original._modules
+        self.__dict__["_fm_original"] = original
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_fm_original"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.__dict__["_fm_original"]
+        pnames, ptensors = _named(original.named_parameters())
+        bnames, btensors = _named(original.named_buffers())
+        n_p, n_b = len(pnames), len(bnames)
+        calls = [0]
+
+        def layer_fn(*flat: Any, **kw: Any) -> Any:
+            params = dict(zip(pnames, flat[:n_p], strict=True))
+            if calls[0] == 0:
+                # The forward: writes into the buffers (BatchNorm running statistics) land in
+                # the real ones, once.
+                buffers = dict(zip(bnames, btensors, strict=True))
+            else:
+                # A recomputation: start from the buffers as they were before the forward and
+                # write into copies.
+                snapshots = flat[n_p : n_p + n_b]
+                buffers = {k: v.clone() for k, v in zip(bnames, snapshots, strict=True)}
+            calls[0] += 1
+            return functional_call(original, (params, buffers), flat[n_p + n_b :], kw)
+
+        # The checkpoint keeps its inputs with a version check, and the forward may write into
+        # the buffers: it gets snapshots of them instead (for BatchNorm, a few numbers).
+        snapshots = [b.clone() for b in btensors]
+        return torch_checkpoint(
+            layer_fn, *ptensors, *snapshots, *args, use_reentrant=False, **kwargs
+        )
+
+
+def _named(items: Any) -> tuple[list[str], list[Tensor]]:
+    pairs = list(items)
+    return [n for n, _ in pairs], [t for _, t in pairs]
+
+
+def shadow(
+    module: nn.Module, names: list[str]
+) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
+    """A tree that runs like ``module`` with the layers ``names`` checkpointed.
+
+    Returns ``(root, copies)``. ``copies`` pairs each shallow copy with its original, so that
+    the caller can keep the ``training`` flags in step. Nothing in ``module`` is changed.
+    """
+    if not names:
+        return module, []
+    chosen = set(names)
+    on_path = {a for n in names for a in _ancestors(n)}
+    copies: list[tuple[nn.Module, nn.Module]] = []
+
+    def build(m: nn.Module, name: str) -> nn.Module:
+        if name in chosen:
+            return _Checkpointed(m)
+        if name not in on_path:
+            return m
+        twin = copy.copy(m)
+        prefix = f"{name}." if name else ""
+        twin.__dict__["_modules"] = {
+            child_name: (None if child is None else build(child, prefix + child_name))
+            for child_name, child in m._modules.items()
+        }
+        copies.append((twin, m))
+        return twin
+
+    return build(module, ""), copies
+
+
+def sync_training(copies: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Give each shallow copy its original's ``training`` flag (``.train()``/``.eval()``
+    called on the user's module after :func:`funcmeta.functionalize`)."""
+    for twin, original in copies:
+        if twin.training != original.training:
+            twin.__dict__["training"] = original.training
