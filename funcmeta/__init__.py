@@ -17,10 +17,11 @@ Example:
     >>> outer.step()
 """
 
-from funcmeta import checkpoint, data, hyper, optim, tree
+from funcmeta import checkpoint, data, hyper, optim, tasks, tree
 from funcmeta.functional import FunctionalModel, functionalize
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.optim.base import apply_updates
+from funcmeta.tasks import adapt_tasks, apply_tasks
 
 __version__ = "0.1.0"
 
@@ -30,11 +31,14 @@ __all__ = [
     "NonFiniteError",
     "__version__",
     "adapt",
+    "adapt_tasks",
+    "apply_tasks",
     "apply_updates",
     "checkpoint",
     "data",
     "functionalize",
     "hyper",
     "optim",
+    "tasks",
     "tree",
 ]

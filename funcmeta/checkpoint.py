@@ -30,9 +30,12 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import optree
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from funcmeta._functorch import call_outside_vmap, is_batched
 
 __all__ = ["POLICIES", "CheckpointSpec", "select", "shadow", "sync_training"]
 
@@ -147,25 +150,37 @@ class _Checkpointed(nn.Module):
         n_p, n_b = len(pnames), len(bnames)
         calls = [0]
 
-        def layer_fn(*flat: Any, **kw: Any) -> Any:
-            params = dict(zip(pnames, flat[:n_p], strict=True))
+        def layer_fn(inputs: tuple[Any, ...], kw: dict[str, Any], live: list[Tensor]) -> Any:
+            params = dict(zip(pnames, inputs[:n_p], strict=True))
             if calls[0] == 0:
                 # The forward: writes into the buffers (BatchNorm running statistics) land in
                 # the real ones, once.
-                buffers = dict(zip(bnames, btensors, strict=True))
+                buffers = dict(zip(bnames, live, strict=True))
             else:
                 # A recomputation: start from the buffers as they were before the forward and
                 # write into copies.
-                snapshots = flat[n_p : n_p + n_b]
+                snapshots = inputs[n_p : n_p + n_b]
                 buffers = {k: v.clone() for k, v in zip(bnames, snapshots, strict=True)}
             calls[0] += 1
-            return functional_call(original, (params, buffers), flat[n_p + n_b :], kw)
+            return functional_call(original, (params, buffers), inputs[n_p + n_b :], kw)
 
         # The checkpoint keeps its inputs with a version check, and the forward may write into
         # the buffers: it gets snapshots of them instead (for BatchNorm, a few numbers).
         snapshots = [b.clone() for b in btensors]
+        inputs = (*ptensors, *snapshots, *args)
+        if any(is_batched(x) for x in optree.tree_leaves((inputs, kwargs))):
+            # Under task batching (vmap): checkpoint(vmap(layer)) outside the vmap level.
+            return call_outside_vmap(
+                lambda f, flat: torch_checkpoint(f, *flat, use_reentrant=False),
+                lambda inp, kw, live: layer_fn(inp, kw, live),
+                (inputs, kwargs),
+                extra=(list(btensors),),
+            )
         return torch_checkpoint(
-            layer_fn, *ptensors, *snapshots, *args, use_reentrant=False, **kwargs
+            lambda *inp, **kw: layer_fn(inp, kw, btensors),
+            *inputs,
+            use_reentrant=False,
+            **kwargs,
         )
 
 

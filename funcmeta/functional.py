@@ -27,7 +27,7 @@ from torch.func import functional_call
 
 from funcmeta.checkpoint import CheckpointSpec, select, shadow, sync_training
 
-__all__ = ["FunctionalModel", "functionalize"]
+__all__ = ["FunctionalModel", "check_keys", "functionalize"]
 
 
 class FunctionalModel:
@@ -57,6 +57,16 @@ class FunctionalModel:
     @property
     def params(self) -> dict[str, Tensor]:
         return dict(self._params)
+
+    @property
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """The shape of each parameter, by name."""
+        return dict(self._param_shapes)
+
+    @property
+    def buffer_shapes(self) -> dict[str, torch.Size]:
+        """The shape of each buffer, by name."""
+        return dict(self._buffer_shapes)
 
     @property
     def buffers(self) -> dict[str, Tensor]:
@@ -97,20 +107,26 @@ class FunctionalModel:
         )
 
 
-def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str) -> None:
+def check_keys(given: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the keys when ``given`` does not have
+    exactly the keys of ``expected``."""
     if not isinstance(given, Mapping):
         raise TypeError(
             f"{what} must be a dict of tensors keyed by name, got {type(given).__name__}"
         )
-    if given.keys() != shapes.keys():
-        missing = sorted(shapes.keys() - given.keys())
-        unexpected = sorted(given.keys() - shapes.keys())
+    if given.keys() != expected.keys():
+        missing = sorted(expected.keys() - given.keys())
+        unexpected = sorted(given.keys() - expected.keys())
         parts = []
         if missing:
             parts.append(f"missing keys {missing}")
         if unexpected:
             parts.append(f"unexpected keys {unexpected}")
         raise ValueError(f"{what} do not match the module: " + "; ".join(parts))
+
+
+def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str) -> None:
+    check_keys(given, shapes, what)
     for name, shape in shapes.items():
         value = given[name]
         if not isinstance(value, Tensor):

@@ -16,6 +16,7 @@ Example (5 second-order steps of SGD, then a meta-gradient for the initial param
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -61,11 +62,13 @@ class NonFiniteError(FloatingPointError):
 
 def _forward_loss(
     fmodel: FunctionalModel,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
     loss_fn: LossFn,
     batch: tuple[Any, Any],
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss_fn(fmodel(params, inputs), targets), new_buffers)`` for ``batch = (inputs,
+    targets)``; a tuple ``inputs`` is unpacked into positional arguments."""
     inputs, targets = batch
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     out, new_buffers = fmodel.apply(params, buffers, *args)
@@ -103,13 +106,19 @@ def _validate(
         _check_max_norm(clip_grad_norm)
 
 
+Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+
+
 @dataclass(frozen=True)
 class _Inner:
-    """Everything one call of :func:`adapt` holds fixed; :meth:`step` is one pure inner step."""
+    """What one inner loop holds fixed; :meth:`step` is one pure inner step.
 
-    fmodel: FunctionalModel
-    loss_fn: LossFn
-    batch: tuple[Any, Any]
+    ``forward(params, buffers) -> (loss, new_buffers)`` gives one loss, or one per task
+    (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
+    of their sum, which is each task's own gradient since the tasks share nothing.
+    """
+
+    forward: Forward
     opt: GradientTransformation
     spec: Any
     names: list[str]
@@ -119,6 +128,7 @@ class _Inner:
     on_nonfinite: str | None
     allow_unused: bool
     offload: bool
+    tasks: int | None = None
 
     def step(
         self,
@@ -163,9 +173,11 @@ class _Inner:
                 wrt = [p.detach().requires_grad_() for p in leaves]
             current = tree.unflatten(self.spec, wrt)
             full = current if self.fixed is None else tree.combine(current, self.fixed)
-            loss, new_buffers = _forward_loss(self.fmodel, full, buffers, self.loss_fn, self.batch)
-            scaled = loss if self.loss_scale is None else loss * self.loss_scale
-            grads = torch.autograd.grad(scaled, wrt, create_graph=second, allow_unused=True)
+            loss, new_buffers = self.forward(full, buffers)
+            objective = loss if self.tasks is None else loss.sum()
+            if self.loss_scale is not None:
+                objective = objective * self.loss_scale
+            grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
         grads = _fill_unused(grads, wrt, self.names, self.allow_unused)
         if self.loss_scale is not None:
             inv = 1.0 / self.loss_scale
@@ -174,16 +186,57 @@ class _Inner:
             loss = loss.detach()
         if self.on_nonfinite is not None and not _all_finite(loss, grads):
             if self.on_nonfinite == "raise":
-                raise NonFiniteError(_nonfinite_message(k, loss, grads, self.names))
+                raise NonFiniteError(_nonfinite_message(k, loss, grads, self.names, self.tasks))
             return leaves, state, buffers, loss, True
         grad_tree = tree.unflatten(self.spec, grads)
         if self.clip_grad_norm is not None:
-            grad_tree = clip_grads_by_global_norm(grad_tree, self.clip_grad_norm)
+            grad_tree = clip_grads_by_global_norm(
+                grad_tree, self.clip_grad_norm, task_axis=self.tasks is not None
+            )
         adapted = tree.unflatten(self.spec, leaves)
         with contextlib.nullcontext() if graph else torch.no_grad():
             updates, state = self.opt.update(grad_tree, state, adapted)
             adapted = apply_updates(adapted, updates)
         return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
+
+
+def _run(
+    inner: _Inner,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+    steps: int,
+    *,
+    truncate: int,
+    first_order: bool,
+    checkpoint_steps: bool,
+) -> AdaptResult:
+    """The loop of :func:`adapt` and :func:`funcmeta.adapt_tasks` over :meth:`_Inner.step`."""
+    losses: list[Tensor] = []
+    skipped: list[int] = []
+    start = leaves
+    for k in range(steps):
+        if k == truncate and truncate > 0:
+            leaves = _reenter(leaves, start)
+        graph = k >= truncate
+        second = graph and not first_order
+        if checkpoint_steps and graph and torch.is_grad_enabled():
+            # state and buffers are bound now: the recomputation must see these values
+            out = torch_checkpoint(
+                inner.step, k, graph, second, state, buffers, *leaves, use_reentrant=False
+            )
+        else:
+            out = inner.step(k, graph, second, state, buffers, *leaves)
+        leaves, state, buffers, loss, was_skipped = out
+        losses.append(loss)
+        if was_skipped:
+            skipped.append(k)
+    if truncate > 0 and truncate == steps:
+        leaves = _reenter(leaves, start)
+    adapted = tree.unflatten(inner.spec, leaves)
+    final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
+    stacked = torch.stack(losses) if losses else torch.empty(0)
+    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
 
 
 def adapt(
@@ -264,10 +317,9 @@ def adapt(
     names, leaves, spec = _adapted_leaves(adapted)
     if state is None:
         state = opt.init(adapted)
+    forward = functools.partial(_forward_loss, fmodel, loss_fn, batch)
     inner = _Inner(
-        fmodel,
-        loss_fn,
-        batch,
+        forward,
         opt,
         spec,
         names,
@@ -278,32 +330,16 @@ def adapt(
         allow_unused,
         offload_activations,
     )
-
-    losses: list[Tensor] = []
-    skipped: list[int] = []
-    start = leaves
-    for k in range(steps):
-        if k == truncate and truncate > 0:
-            leaves = _reenter(leaves, start)
-        graph = k >= truncate
-        second = graph and not first_order
-        if checkpoint_steps and graph and torch.is_grad_enabled():
-            # state and buffers are bound now: the recomputation must see these values
-            out = torch_checkpoint(
-                inner.step, k, graph, second, state, buffers, *leaves, use_reentrant=False
-            )
-        else:
-            out = inner.step(k, graph, second, state, buffers, *leaves)
-        leaves, state, buffers, loss, was_skipped = out
-        losses.append(loss)
-        if was_skipped:
-            skipped.append(k)
-    if truncate > 0 and truncate == steps:
-        leaves = _reenter(leaves, start)
-    adapted = tree.unflatten(spec, leaves)
-    final = adapted if fixed is None else tree.combine(adapted, fixed)
-    stacked = torch.stack(losses) if losses else torch.empty(0)
-    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
+    return _run(
+        inner,
+        leaves,
+        state,
+        buffers,
+        steps,
+        truncate=truncate,
+        first_order=first_order,
+        checkpoint_steps=checkpoint_steps,
+    )
 
 
 def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
@@ -339,10 +375,21 @@ def _all_finite(loss: Tensor, grads: list[Tensor]) -> bool:
     return bool(torch.stack(checks).all())
 
 
-def _nonfinite_message(k: int, loss: Tensor, grads: list[Tensor], names: list[str]) -> str:
+def _nonfinite_message(
+    k: int, loss: Tensor, grads: list[Tensor], names: list[str], tasks: int | None
+) -> str:
     bad = [n for n, g in zip(names, grads, strict=True) if not bool(torch.isfinite(g).all())]
-    value = loss.detach().float().item()
+    what = "loss" if not bool(torch.isfinite(loss).all()) else "gradient"
+    where = ""
+    if tasks is not None:
+        finite = torch.isfinite(loss)
+        for g in grads:
+            finite = finite & torch.isfinite(g).flatten(1).all(1)
+        where = f" in tasks {(~finite).nonzero().flatten().tolist()}"
+        value = loss.detach().float().tolist()
+    else:
+        value = loss.detach().float().item()
     return (
-        f"inner step {k}: non-finite {'loss' if not math.isfinite(value) else 'gradient'} "
-        f"(loss={value}); parameters with non-finite gradients: {bad}"
+        f"inner step {k}: non-finite {what}{where} (loss={value}); parameters with "
+        f"non-finite gradients: {bad}"
     )

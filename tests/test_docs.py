@@ -29,7 +29,7 @@ def test_docstring_examples(name):
 
 def test_every_public_module_has_examples():
     without = []
-    for name in MODULES:
+    for name in (m for m in MODULES if not any(part.startswith("_") for part in m.split("."))):
         module = importlib.import_module(name)
         finder = doctest.DocTestFinder()
         if not any(t.examples for t in finder.find(module)):

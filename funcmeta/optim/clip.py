@@ -23,20 +23,35 @@ from funcmeta.tree import Tree
 __all__ = ["ClipState", "clip_by_global_norm", "clip_grads_by_global_norm", "global_norm"]
 
 
-def global_norm(grads: Tree) -> Tensor:
-    """The 2-norm of all leaves together; its derivatives stay finite when all are zero."""
+def global_norm(grads: Tree, *, task_axis: bool = False) -> Tensor:
+    """The 2-norm of all leaves together; its derivatives stay finite when all are zero.
+
+    With ``task_axis``, every leaf has a leading task axis and the result is one norm per
+    task, shape ``(T,)``.
+    """
     g = tree.leaves(grads)
     if not g:
         raise ValueError("global_norm of a tree with no tensors")
-    total = torch.stack([x.pow(2).sum() for x in g]).sum()
+    if task_axis:
+        total = torch.stack([x.pow(2).flatten(1).sum(1) for x in g]).sum(0)
+    else:
+        total = torch.stack([x.pow(2).sum() for x in g]).sum()
     return safe_sqrt(total)
 
 
-def clip_grads_by_global_norm(grads: Tree, max_norm: float | Tensor) -> Tree:
+def clip_grads_by_global_norm(
+    grads: Tree, max_norm: float | Tensor, *, task_axis: bool = False
+) -> Tree:
     """Scale ``grads`` by ``min(1, max_norm / (global_norm + 1e-6))``, as
-    ``torch.nn.utils.clip_grad_norm_`` does; differentiable in ``grads`` and ``max_norm``."""
-    coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
-    return tree.map(lambda x: x * coef, grads)
+    ``torch.nn.utils.clip_grad_norm_`` does; differentiable in ``grads`` and ``max_norm``.
+
+    With ``task_axis``, every leaf has a leading task axis and each task is clipped by its
+    own norm.
+    """
+    coef = torch.clamp(max_norm / (global_norm(grads, task_axis=task_axis) + 1e-6), max=1.0)
+    if not task_axis:
+        return tree.map(lambda x: x * coef, grads)
+    return tree.map(lambda x: x * coef.reshape(-1, *([1] * (x.dim() - 1))), grads)
 
 
 class ClipState(NamedTuple):

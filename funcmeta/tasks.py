@@ -1,0 +1,241 @@
+"""Many tasks at once: :func:`adapt_tasks` runs :func:`funcmeta.adapt`'s inner loop for T
+tasks in one batched computation, and :func:`apply_tasks` runs a model for T tasks.
+
+Every tensor of the batch has a leading task axis ``T``. A parameter, buffer or
+hyperparameter tensor shaped like the module's is shared by all tasks. One with a leading
+task axis, ``(T, *shape)``, holds a value per task. A per-task learning rate for a parameter
+of shape ``(a, b)`` is ``(T, a, b)``, or ``(T, 1, 1)`` for one rate per task: ordinary
+broadcasting against the per-task parameters ``(T, a, b)``. Results carry the task axis:
+adapted parameters, optimizer state and buffers are ``(T, ...)``, and losses are
+``(steps, T)``.
+
+How it works: the model's forward runs under ``torch.func.vmap`` over the task axis, and the
+inner gradient is ``torch.autograd.grad`` of the *sum* of the per-task losses, taken outside
+vmap. The tasks share nothing, so that sum's gradient with respect to the per-task
+parameters is each task's own gradient. Second order, BatchNorm, per-layer and step-level
+checkpointing compose with it. ``vmap(torch.func.grad(...))`` gives wrong second-order
+meta-gradients with BatchNorm (see docs/tasks.md); this does not.
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
+    >>> fmodel = fm.functionalize(net)
+    >>> b = fm.data.Sinusoid().sample(16, support=10, query=10)
+    >>> opt = fm.optim.sgd(lr=0.01)
+    >>> result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (b.x_support, b.y_support), opt, steps=5)
+    >>> result.params["0.weight"].shape, result.losses.shape
+    (torch.Size([16, 40, 1]), torch.Size([5, 16]))
+    >>> out, _ = fm.apply_tasks(fmodel, result.params, result.buffers, b.x_query)
+    >>> F.mse_loss(out, b.y_query).backward()   # the mean of the 16 query losses
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import optree
+import torch
+from torch import Tensor
+
+from funcmeta import tree
+from funcmeta.functional import FunctionalModel, check_keys
+from funcmeta.inner import (
+    AdaptResult,
+    LossFn,
+    _adapted_leaves,
+    _forward_loss,
+    _Inner,
+    _run,
+    _validate,
+)
+from funcmeta.optim.base import GradientTransformation
+from funcmeta.tree import Filter
+
+__all__ = ["adapt_tasks", "apply_tasks", "task_count"]
+
+
+def task_count(batch: Any) -> int:
+    """The size of the leading task axis shared by every tensor of ``batch``.
+
+    Raises ``ValueError`` naming the tensors whose leading axis differs.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    tensors = [
+        (tree.path_str(p), x) for p, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)
+    ]
+    if not tensors:
+        raise ValueError("the batch holds no tensors: nothing gives the task axis")
+    scalars = [p or "batch" for p, x in tensors if x.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"batch tensors {scalars} are scalars; every one needs a leading task axis"
+        )
+    first = tensors[0][1].shape[0]
+    odd = {p or "batch": tuple(x.shape) for p, x in tensors if x.shape[0] != first}
+    if odd:
+        raise ValueError(
+            f"every batch tensor needs the same leading task axis (expected {first} tasks, as "
+            f"batch tensor {tensors[0][0] or 'batch'!r} has); these differ: {odd}"
+        )
+    return first
+
+
+def _task_dims(
+    given: Mapping[str, Tensor], shapes: Mapping[str, torch.Size], tasks: int, what: str
+) -> dict[str, int | None]:
+    """0 for each tensor with a leading task axis, None for one shared by all tasks."""
+    check_keys(given, shapes, what)
+    dims: dict[str, int | None] = {}
+    for name, shape in shapes.items():
+        value = given[name]
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{what}[{name!r}] is a {type(value).__name__}, not a tensor")
+        if value.shape == shape:
+            dims[name] = None
+        elif value.shape == (tasks, *shape):
+            dims[name] = 0
+        else:
+            raise ValueError(
+                f"{what}[{name!r}] has shape {tuple(value.shape)}; expected {tuple(shape)} "
+                f"(shared by all tasks) or {(tasks, *shape)} (one per task, task axis first)"
+            )
+    return dims
+
+
+def _per_task_buffers(
+    fmodel: FunctionalModel, buffers: Mapping[str, Tensor], tasks: int
+) -> dict[str, Tensor]:
+    dims = _task_dims(buffers, fmodel.buffer_shapes, tasks, "buffers")
+    return {k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()}
+
+
+def _batch_dims(batch: Any) -> Any:
+    return optree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
+
+
+def apply_tasks(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor] | None,
+    *args: Any,
+) -> tuple[Any, dict[str, Tensor]]:
+    """``fmodel.apply`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
+
+    ``args`` carry a leading task axis; ``params`` and ``buffers`` (default: the module's)
+    may be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
+    """
+    tasks = task_count(args)
+    buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
+    pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    run = torch.func.vmap(
+        fmodel.apply,
+        in_dims=(pdims, {k: 0 for k in buffers}, *_batch_dims(args)),
+        randomness="different",
+    )
+    return run(dict(params), buffers, *args)
+
+
+def _task_forward(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+    tasks: int,
+    params: Mapping[str, Tensor],
+    buffers: dict[str, Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap."""
+    pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+
+    def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
+        return _forward_loss(fmodel, loss_fn, b, p, bufs)
+
+    run = torch.func.vmap(
+        one_task,
+        in_dims=(_batch_dims(batch), pdims, {k: 0 for k in buffers}),
+        randomness="different",
+    )
+    return run(batch, dict(params), buffers)
+
+
+def adapt_tasks(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+    opt: GradientTransformation,
+    steps: int,
+    *,
+    first_order: bool = False,
+    buffers: Mapping[str, Tensor] | None = None,
+    state: Any = None,
+    trainable: Filter | None = None,
+    clip_grad_norm: float | Tensor | None = None,
+    truncate: int = 0,
+    loss_scale: float | None = None,
+    on_nonfinite: Literal["raise"] | None = None,
+    allow_unused: bool = False,
+    checkpoint_steps: bool = False,
+    offload_activations: bool = False,
+) -> AdaptResult:
+    """:func:`funcmeta.adapt` for T tasks at once; the batch carries a leading task axis.
+
+    Takes the arguments of :func:`funcmeta.adapt` with the same meanings, per task:
+    ``loss_fn`` sees one task's outputs and targets, ``clip_grad_norm`` clips each task's
+    gradient by its own norm, and ``on_nonfinite="raise"`` names the step and the tasks.
+    ``params``, ``buffers`` and hyperparameters are shared by all tasks unless given with a
+    leading task axis. ``on_nonfinite="skip"`` is not available: the tasks share the
+    optimizer's step count, so one task cannot skip a step alone.
+
+    Returns:
+        :class:`funcmeta.AdaptResult` with task axes: adapted parameters, optimizer state and
+        buffers ``(T, ...)`` (parameters held fixed by ``trainable`` are passed through as
+        given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
+    """
+    _validate(steps, truncate, batch, loss_scale, on_nonfinite, clip_grad_norm)
+    if on_nonfinite == "skip":
+        raise ValueError(
+            "on_nonfinite='skip' is not available with task batching: the tasks share the "
+            "optimizer's step count; use 'raise', or adapt the tasks one by one"
+        )
+    if loss_scale is not None and on_nonfinite is None:
+        on_nonfinite = "raise"
+    tasks = task_count(batch)
+    buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
+    dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    if trainable is None:
+        adapted, fixed = dict(params), None
+    else:
+        adapted, fixed = tree.partition(dict(params), trainable)
+    # every task adapts its own copy: shared initial parameters get a task axis (a view)
+    adapted = {
+        k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape) for k, v in adapted.items()
+    }
+    names, leaves, spec = _adapted_leaves(adapted)
+    if state is None:
+        state = opt.init(adapted)
+    forward = functools.partial(_task_forward, fmodel, loss_fn, batch, tasks)
+    inner = _Inner(
+        forward,
+        opt,
+        spec,
+        names,
+        fixed,
+        clip_grad_norm,
+        loss_scale,
+        on_nonfinite,
+        allow_unused,
+        offload_activations,
+        tasks=tasks,
+    )
+    return _run(
+        inner,
+        leaves,
+        state,
+        buffers,
+        steps,
+        truncate=truncate,
+        first_order=first_order,
+        checkpoint_steps=checkpoint_steps,
+    )
