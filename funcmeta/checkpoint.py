@@ -10,8 +10,8 @@ Non-reentrant checkpoints compose with ``torch.autograd.grad(create_graph=True)`
 second-order meta-gradients flow through them.
 
 The user's module is not modified. A private shadow of the module tree shares every
-parameter and buffer by reference. Only the modules on the path to a checkpointed layer are
-shallow copies, and the chosen layers are wrappers.
+parameter and buffer by reference (``funcmeta._shadow``). Only the modules on the path to a
+checkpointed layer are shallow copies, and the chosen layers are stand-ins.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,8 +35,9 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta._functorch import call_outside_vmap, is_batched
+from funcmeta._shadow import Standin, ancestors, shadow
 
-__all__ = ["POLICIES", "CheckpointSpec", "select", "shadow", "sync_training"]
+__all__ = ["POLICIES", "CheckpointSpec", "checkpointed_runner", "select"]
 
 CheckpointSpec = None | str | Sequence[str] | Callable[[str, nn.Module], bool]
 """``None``; a policy name (see :data:`POLICIES`); submodule names; or a predicate
@@ -74,11 +74,6 @@ POLICIES: dict[str, Callable[[nn.Module], list[str]]] = {
 ``"leaves"`` selects every module without children that holds parameters or buffers."""
 
 
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".") if name else []
-    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if parts else []
-
-
 def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
     """The names of the submodules ``spec`` chooses, outermost only, in module order.
 
@@ -109,39 +104,21 @@ def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
             raise ValueError(
                 f"checkpoint names {unknown} are not submodules; submodules are {available}"
             )
-        nested = [n for n in chosen if any(a in chosen for a in _ancestors(n))]
+        nested = [n for n in chosen if any(a in chosen for a in ancestors(n))]
         if nested:
             raise ValueError(f"checkpoint names {nested} lie inside other checkpointed modules")
         what = "the checkpoint names"
     chosen_set = set(chosen)
     outermost = [
-        n for n in named if n in chosen_set and not any(a in chosen_set for a in _ancestors(n))
+        n for n in named if n in chosen_set and not any(a in chosen_set for a in ancestors(n))
     ]
     if not outermost:
         raise ValueError(f"{what} matches no submodule of {type(module).__name__}")
     return outermost
 
 
-class _Checkpointed(nn.Module):
-    """Stands in for a layer in the shadow tree and runs it as a checkpointed pure function.
-
-    It shares the layer's parameter, buffer and child dicts, so every name resolves to the
-    same tensors as in the original tree (and ``functional_call`` swaps them as usual). It has
-    hook dicts of its own, so the layer's hooks run once, inside the checkpointed call.
-    """
-
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        self.__dict__["_parameters"] = original._parameters
-        self.__dict__["_buffers"] = original._buffers
-        self.__dict__["_modules"] = original._modules
-        self.__dict__["_fm_original"] = original
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.__dict__["_fm_original"], name)
+class _Checkpointed(Standin):
+    """Runs its layer as a checkpointed pure function (see the module docstring)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.__dict__["_fm_original"]
@@ -189,40 +166,15 @@ def _named(items: Any) -> tuple[list[str], list[Tensor]]:
     return [n for n, _ in pairs], [t for _, t in pairs]
 
 
-def shadow(
-    module: nn.Module, names: list[str]
+def checkpointed_runner(
+    module: nn.Module,
+    names: list[str],
+    extra: dict[str, Callable[[nn.Module], nn.Module]] | None = None,
 ) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
-    """A tree that runs like ``module`` with the layers ``names`` checkpointed.
-
-    Returns ``(root, copies)``. ``copies`` pairs each shallow copy with its original, so that
-    the caller can keep the ``training`` flags in step. Nothing in ``module`` is changed.
-    """
-    if not names:
-        return module, []
-    chosen = set(names)
-    on_path = {a for n in names for a in _ancestors(n)}
-    copies: list[tuple[nn.Module, nn.Module]] = []
-
-    def build(m: nn.Module, name: str) -> nn.Module:
-        if name in chosen:
-            return _Checkpointed(m)
-        if name not in on_path:
-            return m
-        twin = copy.copy(m)
-        prefix = f"{name}." if name else ""
-        twin.__dict__["_modules"] = {
-            child_name: (None if child is None else build(child, prefix + child_name))
-            for child_name, child in m._modules.items()
-        }
-        copies.append((twin, m))
-        return twin
-
-    return build(module, ""), copies
-
-
-def sync_training(copies: list[tuple[nn.Module, nn.Module]]) -> None:
-    """Give each shallow copy its original's ``training`` flag (``.train()``/``.eval()``
-    called on the user's module after :func:`funcmeta.functionalize`)."""
-    for twin, original in copies:
-        if twin.training != original.training:
-            twin.__dict__["training"] = original.training
+    """A shadow of ``module`` with the layers ``names`` checkpointed (and the stand-ins of
+    ``extra`` for other submodules not inside those layers)."""
+    replace: dict[str, Callable[[nn.Module], nn.Module]] = {n: _Checkpointed for n in names}
+    for name, make in (extra or {}).items():
+        if not any(name == n or name.startswith(n + ".") for n in names):
+            replace[name] = make
+    return shadow(module, replace)

@@ -18,14 +18,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from funcmeta.checkpoint import CheckpointSpec, select, shadow, sync_training
+from funcmeta._functorch import is_batched, task_linears
+from funcmeta._shadow import sync_training
+from funcmeta.checkpoint import CheckpointSpec, checkpointed_runner, select
 
 __all__ = ["FunctionalModel", "check_keys", "functionalize"]
 
@@ -48,7 +50,12 @@ class FunctionalModel:
             raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
         self.module = module
         self.checkpointed = select(module, checkpoint)
-        self._runner, self._copies = shadow(module, self.checkpointed)
+        self._runner, self._copies = checkpointed_runner(module, self.checkpointed)
+        # the runner used under task batching (vmap): nn.Linear on the baddbmm fast path
+        self._task_runner, self._task_copies = checkpointed_runner(
+            module, self.checkpointed, task_linears(module)
+        )
+        self._swap = _Swap(module, self._runner)
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self._param_shapes = {k: v.shape for k, v in self._params.items()}
@@ -91,12 +98,15 @@ class FunctionalModel:
         """
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
-        if self._copies:
-            sync_training(self._copies)
-        if not buffers:
-            return functional_call(self._runner, dict(params), args, kwargs), {}
+        batched = any(is_batched(p) for p in params.values())
+        runner, copies = (
+            (self._task_runner, self._task_copies) if batched else (self._runner, self._copies)
+        )
+        if copies:
+            sync_training(copies)
         new_buffers = {k: b.clone() for k, b in buffers.items()}
-        out = functional_call(self._runner, (dict(params), new_buffers), args, kwargs)
+        with self._swap(params, new_buffers):
+            out = runner(*args, **kwargs)
         return out, new_buffers
 
     def __repr__(self) -> str:
@@ -105,6 +115,59 @@ class FunctionalModel:
             f"FunctionalModel({type(self.module).__name__}, params={len(self._params)}, "
             f"buffers={len(self._buffers)}{checkpointed})"
         )
+
+
+class _Swap:
+    """Puts given tensors in place of a module's parameters and buffers for one call.
+
+    What ``torch.func.functional_call`` does, with the module's layout worked out once: for
+    each name, every ``_parameters``/``_buffers`` dict that holds the tensor (tied weights and
+    modules registered twice included). On exit the original tensors go back. A buffer the
+    forward replaced (``self.stat = ...``) is written back to the ``buffers`` dict given.
+    """
+
+    def __init__(self, module: nn.Module, runner: nn.Module) -> None:
+        self.params = self._places(module, runner, "_parameters")
+        self.buffers = self._places(module, runner, "_buffers")
+
+    @staticmethod
+    def _places(
+        module: nn.Module, runner: nn.Module, kind: str
+    ) -> list[tuple[str, list[tuple[dict, str]]]]:
+        named = (
+            module.named_parameters(remove_duplicate=False)
+            if kind == "_parameters"
+            else module.named_buffers(remove_duplicate=False)
+        )
+        first: dict[int, str] = {}
+        places: dict[str, list[tuple[dict, str]]] = {}
+        for name, tensor in named:
+            key = first.setdefault(id(tensor), name)
+            path, _, attr = name.rpartition(".")
+            owner = getattr(runner.get_submodule(path), kind)
+            slots = places.setdefault(key, [])
+            if not any(d is owner and a == attr for d, a in slots):
+                slots.append((owner, attr))
+        return list(places.items())
+
+    @contextlib.contextmanager
+    def __call__(self, params: Mapping[str, Tensor], buffers: dict[str, Tensor]) -> Iterator[None]:
+        saved: list[tuple[dict, str, Any]] = []
+        try:
+            for places, values in ((self.params, params), (self.buffers, buffers)):
+                for key, slots in places:
+                    value = values[key]
+                    for owner, attr in slots:
+                        saved.append((owner, attr, owner[attr]))
+                        owner[attr] = value
+            yield
+        finally:
+            for key, slots in self.buffers:
+                owner, attr = slots[0]
+                if owner[attr] is not buffers[key]:
+                    buffers[key] = owner[attr]
+            for owner, attr, value in reversed(saved):
+                owner[attr] = value
 
 
 def check_keys(given: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
+from funcmeta._functorch import fast_vmap
 from funcmeta.functional import FunctionalModel, check_keys
 from funcmeta.inner import (
     AdaptResult,
@@ -129,34 +130,49 @@ def apply_tasks(
     tasks = task_count(args)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
-    run = torch.func.vmap(
-        fmodel.apply,
-        in_dims=(pdims, {k: 0 for k in buffers}, *_batch_dims(args)),
-        randomness="different",
-    )
-    return run(dict(params), buffers, *args)
+
+    def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], a: tuple[Any, ...]) -> Any:
+        return fmodel.apply(p, bufs, *a)
+
+    trees = (dict(params), buffers, args)
+    return _flat_vmap(one_task, trees, (pdims, {k: 0 for k in buffers}, _batch_dims(args)))
+
+
+def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
+    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims``, the trees passed flat: vmap then
+    walks a flat argument list instead of dicts (its pytree walk is a visible share of a small
+    model's step)."""
+    flat, spec = optree.tree_flatten(trees, none_is_leaf=False)
+    flat_dims = optree.tree_flatten(dims, none_is_leaf=True)[0]
+    if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
+        raise AssertionError("in_dims do not line up with the arguments")
+    size = next(x.shape[d] for x, d in zip(flat, flat_dims, strict=True) if d is not None)
+
+    def unflat(*xs: Any) -> Any:
+        return fn(*optree.tree_unflatten(spec, list(xs)))
+
+    return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
 
 
 def _task_forward(
     fmodel: FunctionalModel,
     loss_fn: LossFn,
     batch: tuple[Any, Any],
-    tasks: int,
+    dims: dict[str, int | None],
     params: Mapping[str, Tensor],
     buffers: dict[str, Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap."""
-    pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap.
+
+    ``dims`` says which parameters carry the task axis (0) and which are shared (None).
+    """
 
     def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
         return _forward_loss(fmodel, loss_fn, b, p, bufs)
 
-    run = torch.func.vmap(
-        one_task,
-        in_dims=(_batch_dims(batch), pdims, {k: 0 for k in buffers}),
-        randomness="different",
-    )
-    return run(batch, dict(params), buffers)
+    trees = (batch, dict(params), buffers)
+    in_dims = (_batch_dims(batch), dims, {k: 0 for k in buffers})
+    return _flat_vmap(one_task, trees, in_dims)
 
 
 def adapt_tasks(
@@ -215,7 +231,9 @@ def adapt_tasks(
     names, leaves, spec = _adapted_leaves(adapted)
     if state is None:
         state = opt.init(adapted)
-    forward = functools.partial(_task_forward, fmodel, loss_fn, batch, tasks)
+    # from here on, adapted parameters carry the task axis and fixed ones keep their dims
+    step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
+    forward = functools.partial(_task_forward, fmodel, loss_fn, batch, step_dims)
     inner = _Inner(
         forward,
         opt,

@@ -134,3 +134,40 @@ def test_buffers_are_checked_too():
     ):
         buffers = {k: v for k, v in fmodel.buffers.items() if k != "1.num_batches_tracked"}
         fmodel.apply(fmodel.params, buffers, torch.randn(4, 3, dtype=DTYPE))
+
+
+def test_module_registered_twice_and_buffer_reassigned_in_forward():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.calls = self.calls + 1  # replaces the buffer instead of writing into it
+            return x
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = nn.Linear(3, 3)
+            self.a, self.b = shared, shared  # one module under two names
+            self.counter = Counter()
+
+        def forward(self, x):
+            return self.counter(self.b(torch.tanh(self.a(x))))
+
+    torch.manual_seed(0)
+    net = Twice().to(DTYPE)
+    fmodel = fm.functionalize(net)
+    assert list(fmodel.params) == ["a.weight", "a.bias"]
+    new = {k: torch.randn_like(v) for k, v in fmodel.params.items()}
+    x = torch.randn(4, 3, dtype=DTYPE)
+    out, buffers = fmodel.apply(new, fmodel.buffers, x)
+    expected = F.linear(
+        torch.tanh(F.linear(x, new["a.weight"], new["a.bias"])), new["a.weight"], new["a.bias"]
+    )
+    torch.testing.assert_close(out, expected)
+    assert int(buffers["counter.calls"]) == 1
+    assert int(net.counter.calls) == 0
+    assert net.a.weight is net.b.weight and isinstance(net.a.weight, nn.Parameter)
+    torch.testing.assert_close(fmodel(fmodel.params, x), net(x))

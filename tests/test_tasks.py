@@ -348,3 +348,14 @@ def test_cuda_batched_equals_loop(ck):
     reference = loop(net, support, query, loss_fn, "adam")
     ours = batched(net, support, query, loss_fn, "adam", **CHECKPOINTS[ck])
     assert_same(ours, reference, rtol=1e-8, atol=1e-10)
+
+
+def test_the_torch_func_vmap_fallback_gives_the_same_results(monkeypatch):
+    """Without functorch's batching primitives, task batching runs on torch.func.vmap."""
+    import funcmeta._functorch as functorch_glue
+
+    monkeypatch.setattr(functorch_glue, "USE_PRIMITIVES", False)
+    net, support, query, loss_fn = make("mlp")
+    reference = loop(net, support, query, loss_fn, "adam")
+    ours = batched(net, support, query, loss_fn, "adam", checkpoint="sequential")
+    assert_same(ours, reference)

@@ -1,0 +1,87 @@
+"""Shadow module trees: a stand-in for some submodules of a tree, the tree itself untouched.
+
+:func:`shadow` builds a tree that runs like the original, with chosen submodules replaced by
+stand-ins. The chosen submodules are layers under per-layer checkpointing, or the task-batched
+fast path for ``nn.Linear``. Only the modules on the path from the root to a replaced one
+are shallow copies, with their own child dicts. Every parameter and buffer dict is shared
+with the original, so a name reaches the same tensors in both trees.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["Standin", "ancestors", "shadow", "sync_training"]
+
+
+def ancestors(name: str) -> list[str]:
+    """The names of the modules above submodule ``name`` (``""`` is the root)."""
+    parts = name.split(".") if name else []
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if parts else []
+
+
+class Standin(nn.Module):
+    """Stands in for ``original`` in a shadow tree and shares its parameter, buffer and child
+    dicts, so names resolve to the same tensors. It has hook dicts of its own, so the
+    original's hooks run once, when the stand-in calls the original. Attributes it lacks are
+    read from the original."""
+
+    def __init__(self, original: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["_parameters"] = original._parameters
+        self.__dict__["_buffers"] = original._buffers
+        self.__dict__["_modules"] = original._modules
+        self.__dict__["_fm_original"] = original
+
+    @property
+    def original(self) -> nn.Module:
+        return self.__dict__["_fm_original"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_fm_original"], name)
+
+
+def shadow(
+    module: nn.Module, replace: dict[str, Callable[[nn.Module], nn.Module]]
+) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
+    """A tree that runs like ``module`` with the submodules named in ``replace`` swapped for
+    ``replace[name](submodule)``.
+
+    Returns ``(root, copies)``. ``copies`` pairs each shallow copy with its original, for
+    :func:`sync_training`. Nothing in ``module`` is changed.
+    """
+    if not replace:
+        return module, []
+    on_path = {a for n in replace for a in ancestors(n)}
+    copies: list[tuple[nn.Module, nn.Module]] = []
+
+    def build(m: nn.Module, name: str) -> nn.Module:
+        if name in replace:
+            return replace[name](m)
+        if name not in on_path:
+            return m
+        twin = copy.copy(m)
+        prefix = f"{name}." if name else ""
+        twin.__dict__["_modules"] = {
+            child_name: (None if child is None else build(child, prefix + child_name))
+            for child_name, child in m._modules.items()
+        }
+        copies.append((twin, m))
+        return twin
+
+    return build(module, ""), copies
+
+
+def sync_training(copies: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Give each shallow copy its original's ``training`` flag (``.train()``/``.eval()``
+    called on the user's module after the shadow was built)."""
+    for twin, original in copies:
+        if twin.training != original.training:
+            twin.__dict__["training"] = original.training
