@@ -2,10 +2,10 @@
 
 A 1-40-40-1 ReLU network is meta-trained so that one SGD step on 10 points of a new sine
 wave fits it; the script then reports the query MSE on held-out tasks before and after
-adaptation (mean and 95% interval).
+adaptation (mean and 95% interval). Each meta-batch is adapted at once (``fm.adapt_tasks``).
 
-    python examples/sinusoid_maml.py                  # the demo (about a minute on CPU)
-    python examples/sinusoid_maml.py --iterations 20000 --meta-batch 25
+    python examples/sinusoid_maml.py                  # the demo (under a minute on CPU)
+    python examples/sinusoid_maml.py --iterations 70000 --inner-steps 5
 """
 
 from __future__ import annotations
@@ -33,26 +33,23 @@ def build_model() -> nn.Module:
 
 
 def meta_loss(fmodel, opt, batch, steps: int) -> torch.Tensor:
-    """Mean query loss over the tasks of ``batch`` after ``steps`` second-order inner steps."""
-    losses = []
-    for t in range(batch.x_support.shape[0]):
-        support = (batch.x_support[t], batch.y_support[t])
-        adapted = fm.adapt(fmodel, fmodel.params, F.mse_loss, support, opt, steps=steps)
-        losses.append(F.mse_loss(fmodel(adapted.params, batch.x_query[t]), batch.y_query[t]))
-    return torch.stack(losses).mean()
+    """Mean query loss over the tasks of ``batch`` after ``steps`` second-order inner steps,
+    all tasks adapted at once."""
+    support = (batch.x_support, batch.y_support)
+    adapted = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, support, opt, steps=steps)
+    out, _ = fm.apply_tasks(fmodel, adapted.params, adapted.buffers, batch.x_query)
+    return F.mse_loss(out, batch.y_query)  # equal task sizes: the mean of the task losses
 
 
 def evaluate(fmodel, opt, batch, steps: int) -> list[float]:
     """Query MSE per task after ``steps`` inner steps (0: the meta-learned initialisation)."""
-    out = []
-    for t in range(batch.x_support.shape[0]):
-        support = (batch.x_support[t], batch.y_support[t])
-        with torch.no_grad():
-            params = fmodel.params
-            if steps:
-                params = fm.adapt(fmodel, params, F.mse_loss, support, opt, steps=steps).params
-            out.append(F.mse_loss(fmodel(params, batch.x_query[t]), batch.y_query[t]).item())
-    return out
+    with torch.no_grad():
+        params = fmodel.params
+        if steps:
+            support = (batch.x_support, batch.y_support)
+            params = fm.adapt_tasks(fmodel, params, F.mse_loss, support, opt, steps=steps).params
+        out, _ = fm.apply_tasks(fmodel, params, None, batch.x_query)
+        return (out - batch.y_query).pow(2).mean(dim=(1, 2)).tolist()
 
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
@@ -65,8 +62,8 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description="Second-order MAML on sinusoid regression.")
-    parser.add_argument("--iterations", type=int, default=6000)
-    parser.add_argument("--meta-batch", type=int, default=10)
+    parser.add_argument("--iterations", type=int, default=20000)
+    parser.add_argument("--meta-batch", type=int, default=25)
     parser.add_argument("--shots", type=int, default=10)
     parser.add_argument("--inner-steps", type=int, default=1)
     parser.add_argument("--inner-lr", type=float, default=0.01)

@@ -307,19 +307,61 @@ def adapt(
     graph is kept.
     """
     _validate(steps, truncate, batch, loss_scale, on_nonfinite, clip_grad_norm)
+    return _adapt(
+        params,
+        opt,
+        steps,
+        fmodel.buffers if buffers is None else dict(buffers),
+        make_forward=lambda adapted: functools.partial(_forward_loss, fmodel, loss_fn, batch),
+        first_order=first_order,
+        state=state,
+        trainable=trainable,
+        clip_grad_norm=clip_grad_norm,
+        truncate=truncate,
+        loss_scale=loss_scale,
+        on_nonfinite=on_nonfinite,
+        allow_unused=allow_unused,
+        checkpoint_steps=checkpoint_steps,
+        offload_activations=offload_activations,
+    )
+
+
+def _adapt(
+    params: Mapping[str, Tensor],
+    opt: GradientTransformation,
+    steps: int,
+    buffers: dict[str, Tensor],
+    *,
+    make_forward: Callable[[dict[str, Tensor | None]], Forward],
+    prepare: Callable[[dict[str, Tensor | None]], dict[str, Tensor | None]] | None = None,
+    tasks: int | None = None,
+    first_order: bool,
+    state: Any,
+    trainable: Filter | None,
+    clip_grad_norm: float | Tensor | None,
+    truncate: int,
+    loss_scale: float | None,
+    on_nonfinite: str | None,
+    allow_unused: bool,
+    checkpoint_steps: bool,
+    offload_activations: bool,
+) -> AdaptResult:
+    """What :func:`adapt` and :func:`funcmeta.adapt_tasks` share, once the arguments are
+    checked: split off the adapted parameters (``prepare`` may reshape them), initialise the
+    optimizer, run the loop with the forward ``make_forward(adapted)``."""
     if loss_scale is not None and on_nonfinite is None:
         on_nonfinite = "raise"
-    buffers = fmodel.buffers if buffers is None else dict(buffers)
     if trainable is None:
         adapted, fixed = dict(params), None
     else:
         adapted, fixed = tree.partition(dict(params), trainable)
+    if prepare is not None:
+        adapted = prepare(adapted)
     names, leaves, spec = _adapted_leaves(adapted)
     if state is None:
         state = opt.init(adapted)
-    forward = functools.partial(_forward_loss, fmodel, loss_fn, batch)
     inner = _Inner(
-        forward,
+        make_forward(adapted),
         opt,
         spec,
         names,
@@ -329,6 +371,7 @@ def adapt(
         on_nonfinite,
         allow_unused,
         offload_activations,
+        tasks=tasks,
     )
     return _run(
         inner,

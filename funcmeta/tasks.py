@@ -42,15 +42,7 @@ from torch import Tensor
 from funcmeta import tree
 from funcmeta._functorch import fast_vmap
 from funcmeta.functional import FunctionalModel, check_keys
-from funcmeta.inner import (
-    AdaptResult,
-    LossFn,
-    _adapted_leaves,
-    _forward_loss,
-    _Inner,
-    _run,
-    _validate,
-)
+from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.tree import Filter
 
@@ -215,45 +207,41 @@ def adapt_tasks(
             "on_nonfinite='skip' is not available with task batching: the tasks share the "
             "optimizer's step count; use 'raise', or adapt the tasks one by one"
         )
-    if loss_scale is not None and on_nonfinite is None:
-        on_nonfinite = "raise"
     tasks = task_count(batch)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
-    if trainable is None:
-        adapted, fixed = dict(params), None
-    else:
-        adapted, fixed = tree.partition(dict(params), trainable)
-    # every task adapts its own copy: shared initial parameters get a task axis (a view)
-    adapted = {
-        k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape) for k, v in adapted.items()
-    }
-    names, leaves, spec = _adapted_leaves(adapted)
-    if state is None:
-        state = opt.init(adapted)
-    # from here on, adapted parameters carry the task axis and fixed ones keep their dims
-    step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
-    forward = functools.partial(_task_forward, fmodel, loss_fn, batch, step_dims)
-    inner = _Inner(
-        forward,
+
+    def prepare(adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+        # Every task adapts its own copy: shared initial parameters get a task axis (a view).
+        # The view is made with grad enabled: a view made under no_grad reports
+        # requires_grad but is no graph node of its own, so gradients would skip it.
+        with torch.enable_grad():
+            return {
+                k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
+                for k, v in adapted.items()
+            }
+
+    def make_forward(adapted: dict[str, Tensor | None]) -> Any:
+        # adapted parameters carry the task axis now; fixed ones keep their dims
+        step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
+        return functools.partial(_task_forward, fmodel, loss_fn, batch, step_dims)
+
+    return _adapt(
+        params,
         opt,
-        spec,
-        names,
-        fixed,
-        clip_grad_norm,
-        loss_scale,
-        on_nonfinite,
-        allow_unused,
-        offload_activations,
-        tasks=tasks,
-    )
-    return _run(
-        inner,
-        leaves,
-        state,
-        buffers,
         steps,
-        truncate=truncate,
+        buffers,
+        make_forward=make_forward,
+        prepare=prepare,
+        tasks=tasks,
         first_order=first_order,
+        state=state,
+        trainable=trainable,
+        clip_grad_norm=clip_grad_norm,
+        truncate=truncate,
+        loss_scale=loss_scale,
+        on_nonfinite=on_nonfinite,
+        allow_unused=allow_unused,
         checkpoint_steps=checkpoint_steps,
+        offload_activations=offload_activations,
     )

@@ -359,3 +359,18 @@ def test_the_torch_func_vmap_fallback_gives_the_same_results(monkeypatch):
     reference = loop(net, support, query, loss_fn, "adam")
     ours = batched(net, support, query, loss_fn, "adam", checkpoint="sequential")
     assert_same(ours, reference)
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_under_no_grad_for_evaluation(first_order):
+    net, support, _, loss_fn = make("mlp")
+    fmodel = fm.functionalize(net)
+    opt = fm.optim.sgd(lr=0.05)
+    with torch.no_grad():
+        evaluated = fm.adapt_tasks(
+            fmodel, fmodel.params, loss_fn, support, opt, steps=2, first_order=first_order
+        )
+    trained = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=2)
+    for k, v in trained.params.items():
+        assert not evaluated.params[k].requires_grad
+        torch.testing.assert_close(evaluated.params[k], v.detach(), rtol=1e-12, atol=1e-14)
