@@ -27,6 +27,8 @@ bench: setup-dev
 	$(PIP) install -q -e ".[dev,bench]"
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/memory.py
+	$(PYTHON) benchmarks/tasks.py
+	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache

@@ -8,7 +8,7 @@ images per class, 5 SGD steps). The implementations of one workload are timed in
 one process; the table gives medians. Before timing, the script checks that the
 implementations give the same meta-gradients.
 
-    python benchmarks/tasks.py [--device cpu] [--repeats 15] [--meta-batch 4 16 32 64]
+    python benchmarks/tasks.py [--device cpu] [--repeats 9] [--meta-batch 4 16 32 64]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def fmt(value: float | None, width: int, digits: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--meta-batch", type=int, nargs="+", default=[4, 16, 32, 64])
     parser.add_argument("--workloads", nargs="+", default=["sinusoid", "conv4"])
     args = parser.parse_args()
