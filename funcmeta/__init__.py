@@ -17,11 +17,11 @@ Example:
     >>> outer.step()
 """
 
-from funcmeta import checkpoint, data, hyper, optim, tasks, tree
+from funcmeta import checkpoint, data, hyper, optim, recipes, tasks, tree
 from funcmeta.functional import FunctionalModel, functionalize
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.optim.base import apply_updates
-from funcmeta.tasks import adapt_tasks, apply_tasks
+from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,8 @@ __all__ = [
     "functionalize",
     "hyper",
     "optim",
+    "recipes",
+    "task_losses",
     "tasks",
     "tree",
 ]

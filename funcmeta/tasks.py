@@ -46,7 +46,7 @@ from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.tree import Filter
 
-__all__ = ["adapt_tasks", "apply_tasks", "task_count"]
+__all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
 
 
 def task_count(batch: Any) -> int:
@@ -144,6 +144,32 @@ def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
         return fn(*optree.tree_unflatten(spec, list(xs)))
 
     return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
+
+
+def task_losses(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor] | None,
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(losses, new_buffers)``: ``loss_fn`` of each task's outputs and targets, shape ``(T,)``.
+
+    ``batch = (inputs, targets)`` with a leading task axis; ``params`` and ``buffers``
+    (default: the module's) shared or per task, as in :func:`apply_tasks`.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, funcmeta as fm
+        >>> fmodel = fm.functionalize(torch.nn.Linear(1, 1))
+        >>> b = fm.data.Sinusoid().sample(4, 5, 5)
+        >>> losses, _ = fm.task_losses(fmodel, fmodel.params, None, F.mse_loss, (b.x_query, b.y_query))
+        >>> losses.shape
+        torch.Size([4])
+    """
+    tasks = task_count(batch)
+    buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
+    dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    return _task_forward(fmodel, loss_fn, batch, dims, params, buffers)
 
 
 def _task_forward(

@@ -32,9 +32,11 @@ from funcmeta.optim.clip import (
 from funcmeta.optim.hparams import Hyperparameter
 from funcmeta.optim.primitives import (
     AddDecayedWeightsState,
+    AddProximalState,
     ScaleByLearningRateState,
     TraceState,
     add_decayed_weights,
+    add_proximal,
     scale_by_learning_rate,
     trace,
 )
@@ -43,6 +45,7 @@ from funcmeta.optim.sgd import sgd
 
 __all__ = [
     "AddDecayedWeightsState",
+    "AddProximalState",
     "ClipState",
     "GradientTransformation",
     "Hyperparameter",
@@ -55,6 +58,7 @@ __all__ = [
     "adam",
     "adamw",
     "add_decayed_weights",
+    "add_proximal",
     "apply_updates",
     "chain",
     "clip_by_global_norm",

@@ -26,9 +26,11 @@ from funcmeta.tree import Tree
 
 __all__ = [
     "AddDecayedWeightsState",
+    "AddProximalState",
     "ScaleByLearningRateState",
     "TraceState",
     "add_decayed_weights",
+    "add_proximal",
     "scale_by_learning_rate",
     "trace",
 ]
@@ -100,6 +102,42 @@ def add_decayed_weights(weight_decay: Hyperparameter) -> GradientTransformation:
             for x, w, d in zip(g, p, wds, strict=True)
         ]
         return tree.unflatten(spec, out), AddDecayedWeightsState(state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+class AddProximalState(NamedTuple):
+    count: int
+
+
+def add_proximal(strength: Hyperparameter, anchor: Tree) -> GradientTransformation:
+    """``updates = updates + strength * (params - anchor)``: the gradient of the proximal term
+    ``strength / 2 * ||params - anchor||^2`` (iMAML's inner objective).
+
+    ``anchor`` has the structure of the parameters. Its leaves broadcast against them, so
+    shared initial parameters serve as the anchor of task-batched ones. It is used as given:
+    detach it if no gradient should flow into it.
+    """
+    check_number(strength, "strength")
+
+    def init(params: Tree) -> AddProximalState:
+        validate(strength, params, "strength")
+        tree.broadcast_prefix(anchor, params, name="anchor")
+        return AddProximalState(0)
+
+    def update(
+        updates: Tree, state: AddProximalState, params: Tree | None = None
+    ) -> tuple[Tree, AddProximalState]:
+        if params is None:
+            raise ValueError(
+                "the proximal term needs the parameters: call update(grads, state, params)"
+            )
+        g, spec = tree.flatten(updates)
+        p = spec.flatten_up_to(params)
+        anchors = tree.broadcast_prefix(anchor, updates, name="anchor")
+        strengths = per_leaf(strength, updates, g, state.count, "strength")
+        out = [x + scale(w - a, s) for x, w, a, s in zip(g, p, anchors, strengths, strict=True)]
+        return tree.unflatten(spec, out), AddProximalState(state.count + 1)
 
     return GradientTransformation(init, update)
 

@@ -1,0 +1,278 @@
+"""Each recipe against an independent reference (hand-written unrolls of a hand-written MLP
+forward, or a closed form), float64, plus each method's defining property."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+
+DTYPE = torch.float64
+T, K = 3, 2
+
+
+def net_and_tasks(seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    b = fm.data.Sinusoid().sample(T, 5, 7, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
+    return net, (b.x_support, b.y_support), (b.x_query, b.y_query)
+
+
+def hand_forward(p, x):
+    h = torch.tanh(x @ p["0.weight"].T + p["0.bias"])
+    return h @ p["2.weight"].T + p["2.bias"]
+
+
+def hand_unroll(params, x, y, rate, steps, *, second=True, keys=None):
+    """SGD by hand; ``rate(k, name)`` gives step k's rate for a parameter."""
+    p = dict(params)
+    keys = list(p) if keys is None else keys
+    for k in range(steps):
+        loss = F.mse_loss(hand_forward(p, x), y)
+        grads = torch.autograd.grad(loss, [p[n] for n in keys], create_graph=second)
+        for n, g in zip(keys, grads, strict=True):
+            p[n] = p[n] - rate(k, n) * g
+    return p
+
+
+def hand_meta_loss(params, support, query, rate, steps, **kwargs):
+    losses = []
+    for t in range(T):
+        p = hand_unroll(params, support[0][t], support[1][t], rate, steps, **kwargs)
+        losses.append(F.mse_loss(hand_forward(p, query[0][t]), query[1][t]))
+    return torch.stack(losses).mean()
+
+
+def grads_of(loss, inputs):
+    return [
+        torch.zeros_like(i) if g is None else g
+        for g, i in zip(torch.autograd.grad(loss, inputs, allow_unused=True), inputs, strict=True)
+    ]
+
+
+def assert_close_all(a, b, rtol=1e-10, atol=1e-12):
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_maml_and_fomaml(first_order):
+    net, support, query = net_and_tasks()
+    fmodel = fm.functionalize(net)
+    lr = torch.tensor(0.3, dtype=DTYPE, requires_grad=True)
+    recipe = fm.recipes.fomaml if first_order else fm.recipes.maml
+    ours = grads_of(
+        recipe(fmodel, support, query, F.mse_loss, lr=lr, steps=K), [*net.parameters(), lr]
+    )
+    ref = hand_meta_loss(fmodel.params, support, query, lambda k, n: lr, K, second=not first_order)
+    assert_close_all(ours, grads_of(ref, [*net.parameters(), lr]))
+
+
+def test_metasgd_rates_learn_per_element():
+    net, support, query = net_and_tasks()
+    fmodel = fm.functionalize(net)
+    rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(3))
+    values = rates()
+    assert all(((v >= 0.005) & (v <= 0.1)).all() for v in values.values())
+    inputs = [*net.parameters(), *rates.parameters()]
+    ours = grads_of(fm.recipes.metasgd(fmodel, rates, support, query, F.mse_loss, steps=K), inputs)
+    ref = hand_meta_loss(fmodel.params, support, query, lambda k, n: values[n], K)
+    assert_close_all(ours, grads_of(ref, inputs))
+    for g in ours[len(list(net.parameters())) :]:
+        assert (
+            g.shape != () and (g != 0).any()
+        )  # one learned rate per element, all receive gradients
+
+
+def test_anil_adapts_only_the_head():
+    net, support, query = net_and_tasks()
+    fmodel = fm.functionalize(net)
+    inputs = list(net.parameters())
+    ours = grads_of(
+        fm.recipes.anil(fmodel, support, query, F.mse_loss, head="2", lr=0.3, steps=K), inputs
+    )
+    ref = hand_meta_loss(
+        fmodel.params, support, query, lambda k, n: 0.3, K, keys=["2.weight", "2.bias"]
+    )
+    assert_close_all(ours, grads_of(ref, inputs))
+    assert (ours[0] != 0).any()  # the body learns through the query loss
+    result = fm.adapt_tasks(
+        fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=0.3), K, trainable="2"
+    )
+    assert result.params["0.weight"] is fmodel.params["0.weight"]
+
+
+def test_reptile_gradient_is_the_average_displacement():
+    net, support, _ = net_and_tasks()
+    fmodel = fm.functionalize(net)
+    fm.recipes.reptile(fmodel, support, F.mse_loss, steps=4, lr=0.1).backward()
+    with torch.enable_grad():
+        adapted = []
+        for t in range(T):
+            p = {k: v.detach().requires_grad_() for k, v in fmodel.params.items()}
+            p = hand_unroll(p, support[0][t], support[1][t], lambda k, n: 0.1, 4, second=False)
+            adapted.append({k: v.detach() for k, v in p.items()})
+    for name, param in net.named_parameters():
+        mean = torch.stack([a[name] for a in adapted]).mean(0)
+        torch.testing.assert_close(param.grad, param.detach() - mean, rtol=1e-10, atol=1e-12)
+    # an outer SGD step of size eps moves theta a fraction eps towards the average
+    before = {k: v.detach().clone() for k, v in net.named_parameters()}
+    torch.optim.SGD(net.parameters(), lr=0.5).step()
+    for name, param in net.named_parameters():
+        mean = torch.stack([a[name] for a in adapted]).mean(0)
+        torch.testing.assert_close(param.detach(), before[name] + 0.5 * (mean - before[name]))
+
+
+def test_mamlpp_against_hand_unroll():
+    net, support, query = net_and_tasks()
+    fmodel = fm.functionalize(net)
+    rates = fm.hyper.per_layer(fmodel.params, 0.2, steps=K)
+    with torch.no_grad():
+        rates.raw.copy_(torch.tensor([[0.3, 0.1], [0.2, 0.25]], dtype=DTYPE))
+    weights = torch.tensor([0.3, 0.7], dtype=DTYPE)
+    for first_order in (False, True):
+        out = fm.recipes.mamlpp(
+            fmodel,
+            rates,
+            support,
+            query,
+            F.mse_loss,
+            steps=K,
+            step_weights=weights,
+            first_order=first_order,
+        )
+        inputs = [*net.parameters(), rates.raw]
+        ours = grads_of(out.loss, inputs)
+
+        def rate(k, n):
+            return rates.raw[k, 0 if n.startswith("0.") else 1]
+
+        total = 0
+        for t in range(T):
+            p = dict(fmodel.params)
+            for k in range(K):
+                p = hand_unroll(
+                    p,
+                    support[0][t],
+                    support[1][t],
+                    lambda _k, n, k=k: rate(k, n),
+                    1,
+                    second=not first_order,
+                )
+                total = total + weights[k] * F.mse_loss(hand_forward(p, query[0][t]), query[1][t])
+        assert_close_all(ours, grads_of(total / T, inputs))
+
+
+def test_mamlpp_step_weights_schedule():
+    w0 = fm.recipes.mamlpp_step_weights(5, epoch=0, msl_epochs=10)
+    torch.testing.assert_close(w0, torch.full((5,), 0.2, dtype=DTYPE))
+    w5 = fm.recipes.mamlpp_step_weights(5, epoch=5, msl_epochs=10)
+    assert (w5[:-1] < 0.2).all() and w5[-1] > 0.2
+    late = fm.recipes.mamlpp_step_weights(5, epoch=100, msl_epochs=10)
+    torch.testing.assert_close(late[:-1], torch.full((4,), 0.006, dtype=DTYPE))
+    torch.testing.assert_close(late.sum(), torch.tensor(1.0, dtype=DTYPE))
+    with pytest.raises(ValueError):
+        fm.recipes.mamlpp_step_weights(0, epoch=0, msl_epochs=10)
+
+
+def test_mamlpp_keeps_batchnorm_statistics_per_step():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    _, support, query = net_and_tasks()
+    fmodel = fm.functionalize(net)
+    rates = fm.hyper.per_layer(fmodel.params, 0.1, steps=3)
+    weights = fm.recipes.mamlpp_step_weights(3, 0, 10)
+    out = fm.recipes.mamlpp(
+        fmodel, rates, support, query, F.mse_loss, steps=3, step_weights=weights
+    )
+    assert len(out.step_buffers) == 3
+    means = [b["1.running_mean"] for b in out.step_buffers]
+    assert means[0].shape == (8,) and not torch.allclose(means[0], means[2])
+    again = fm.recipes.mamlpp(
+        fmodel,
+        rates,
+        support,
+        query,
+        F.mse_loss,
+        steps=3,
+        step_weights=weights,
+        step_buffers=out.step_buffers,
+    )
+    assert int(again.step_buffers[0]["1.num_batches_tracked"]) == 2
+    assert int(net[1].num_batches_tracked) == 0
+    with pytest.raises(ValueError, match="step_weights"):
+        fm.recipes.mamlpp(
+            fmodel, rates, support, query, F.mse_loss, steps=3, step_weights=weights[:2]
+        )
+
+
+def linear_problem(seed=0, dims=4):
+    g = torch.Generator().manual_seed(seed)
+    net = nn.Linear(dims, 1, bias=False).to(DTYPE)
+    with torch.no_grad():
+        net.weight.copy_(torch.randn(1, dims, generator=g, dtype=DTYPE))
+    xs, xq = (
+        torch.randn(T, 12, dims, generator=g, dtype=DTYPE),
+        torch.randn(T, 9, dims, generator=g, dtype=DTYPE),
+    )
+    ys, yq = (
+        torch.randn(T, 12, 1, generator=g, dtype=DTYPE),
+        torch.randn(T, 9, 1, generator=g, dtype=DTYPE),
+    )
+    return net, (xs, ys), (xq, yq)
+
+
+def imaml_closed_form(theta, support, query, lam):
+    """phi* = (A + lam I)^-1 (b + lam theta); meta-gradient lam (A + lam I)^-1 grad L_q(phi*)."""
+    dims = theta.numel()
+    grads = []
+    for t in range(T):
+        x, y = support[0][t], support[1][t]
+        a = 2 / x.shape[0] * x.T @ x
+        b = 2 / x.shape[0] * x.T @ y
+        m = a + lam * torch.eye(dims, dtype=DTYPE)
+        phi = torch.linalg.solve(m, b + lam * theta.T)
+        xq, yq = query[0][t], query[1][t]
+        gq = 2 / xq.shape[0] * xq.T @ (xq @ phi - yq)
+        grads.append(lam * torch.linalg.solve(m, gq))
+    return torch.stack(grads).mean(0).T
+
+
+def test_imaml_matches_the_closed_form_and_ignores_the_inner_path():
+    lam = 2.0
+    found = []
+    for lr, steps in ((0.1, 600), (0.05, 1200)):
+        net, support, query = linear_problem()
+        fmodel = fm.functionalize(net)
+        out = fm.recipes.imaml(
+            fmodel, support, query, F.mse_loss, lam=lam, steps=steps, lr=lr, cg_steps=4
+        )
+        out.surrogate.backward()
+        expected = imaml_closed_form(net.weight.detach(), support, query, lam)
+        torch.testing.assert_close(net.weight.grad, expected, rtol=1e-7, atol=1e-9)
+        assert (out.residual < 1e-8).all()
+        found.append(net.weight.grad.clone())
+    torch.testing.assert_close(found[0], found[1], rtol=1e-7, atol=1e-9)
+
+
+def test_imaml_errors():
+    net, support, query = linear_problem()
+    fmodel = fm.functionalize(net)
+    with pytest.raises(ValueError, match="lam"):
+        fm.recipes.imaml(fmodel, support, query, F.mse_loss, lam=0.0)
+    with pytest.raises(ValueError, match="cg_steps"):
+        fm.recipes.imaml(fmodel, support, query, F.mse_loss, lam=1.0, cg_steps=0)
+
+
+def test_add_proximal_is_the_gradient_of_the_proximal_term():
+    anchor = {"w": torch.tensor([1.0, -1.0], dtype=DTYPE)}
+    params = {"w": torch.tensor([0.5, 2.0], dtype=DTYPE, requires_grad=True)}
+    opt = fm.optim.add_proximal(3.0, anchor)
+    updates, _ = opt.update({"w": torch.zeros(2, dtype=DTYPE)}, opt.init(params), params)
+    term = 1.5 * (params["w"] - anchor["w"]).pow(2).sum()
+    torch.testing.assert_close(updates["w"], torch.autograd.grad(term, params["w"])[0])
+    with pytest.raises(fm.tree.TreeMismatchError, match="anchor"):
+        fm.optim.add_proximal(1.0, {"v": anchor["w"]}).init(params)
