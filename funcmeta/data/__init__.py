@@ -8,6 +8,15 @@ Example:
     (torch.Size([4, 10, 1]), torch.Size([4, 15, 1]))
 """
 
+from funcmeta.data.episodes import EpisodeBatch, Episodes, split_classes
+from funcmeta.data.omniglot import load_omniglot
 from funcmeta.data.sinusoid import Sinusoid, SinusoidBatch
 
-__all__ = ["Sinusoid", "SinusoidBatch"]
+__all__ = [
+    "EpisodeBatch",
+    "Episodes",
+    "Sinusoid",
+    "SinusoidBatch",
+    "load_omniglot",
+    "split_classes",
+]

@@ -1,0 +1,138 @@
+"""Task data: sinusoids, N-way K-shot episodes, class splits, the Omniglot folder loader."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import funcmeta as fm
+
+
+def test_sinusoid_distribution_and_reproducibility():
+    tasks = fm.data.Sinusoid()
+    b = tasks.sample(500, 10, 20, generator=torch.Generator().manual_seed(0))
+    assert b.x_support.shape == (500, 10, 1) and b.y_query.shape == (500, 20, 1)
+    assert b.amplitude.min() >= 0.1 and b.amplitude.max() <= 5.0
+    assert b.phase.min() >= 0 and b.phase.max() <= math.pi
+    assert b.x_support.min() >= -5 and b.x_query.max() <= 5
+    torch.testing.assert_close(
+        b.y_support, b.amplitude[:, None, None] * torch.sin(b.x_support - b.phase[:, None, None])
+    )
+    again = tasks.sample(500, 10, 20, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.x_support, b.x_support)
+    with pytest.raises(ValueError, match="num_tasks"):
+        tasks.sample(0, 10, 10)
+    with pytest.raises(ValueError, match="amplitude"):
+        fm.data.Sinusoid(amplitude=(5, 1))
+
+
+def labelled(classes=10, per_class=8):
+    labels = torch.arange(classes).repeat_interleave(per_class)
+    inputs = torch.stack([labels.float(), torch.arange(len(labels)).float()], dim=1)  # (label, id)
+    return inputs, labels
+
+
+def test_episodes_relabel_and_keep_support_and_query_apart():
+    inputs, labels = labelled()
+    episodes = fm.data.Episodes(inputs, labels, ways=4, shots=2, query=3)
+    b = episodes.sample(50, generator=torch.Generator().manual_seed(0))
+    assert b.x_support.shape == (50, 8, 2) and b.x_query.shape == (50, 12, 2)
+    for t in range(50):
+        classes = b.classes[t]
+        assert len(set(classes.tolist())) == 4
+        # each relabelled way holds examples of exactly the original class it stands for
+        assert torch.equal(b.x_support[t, :, 0].long(), classes[b.y_support[t]])
+        assert torch.equal(b.x_query[t, :, 0].long(), classes[b.y_query[t]])
+        ids_s, ids_q = set(b.x_support[t, :, 1].tolist()), set(b.x_query[t, :, 1].tolist())
+        assert not ids_s & ids_q and len(ids_s) == 8 and len(ids_q) == 12
+    # relabelling is random: way 0 is not always the smallest class
+    assert len({int(b.classes[t, 0]) for t in range(50)}) > 3
+    again = episodes.sample(50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.x_query, b.x_query)
+
+
+def test_class_splits_restrict_episodes():
+    inputs, labels = labelled(classes=20)
+    train, val, test = fm.data.split_classes(
+        labels, [12, 4, 4], generator=torch.Generator().manual_seed(0)
+    )
+    assert not set(train) & set(val) and not set(train) & set(test) and not set(val) & set(test)
+    assert len(train) == 12 and len(set(train + val + test)) == 20
+    b = fm.data.Episodes(inputs, labels, ways=3, shots=1, query=1, classes=test).sample(30)
+    assert set(b.classes.flatten().tolist()) <= set(test)
+    with pytest.raises(ValueError, match="cannot split 20 classes"):
+        fm.data.split_classes(labels, [15, 10])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(ways=11, shots=1, query=1), "11-way episodes need at least 11 classes; there are 10"),
+        (dict(ways=2, shots=5, query=4), r"need 9 examples per class.*\{0: 8, 1: 8"),
+        (dict(ways=2, shots=1, query=1, classes=[0, 42]), r"classes \[42\] have no examples"),
+        (dict(ways=0, shots=1, query=1), "ways must be"),
+    ],
+)
+def test_episode_errors(kwargs, match):
+    inputs, labels = labelled()
+    with pytest.raises(ValueError, match=match):
+        fm.data.Episodes(inputs, labels, **kwargs)
+
+
+def test_episode_label_checks():
+    inputs, labels = labelled()
+    with pytest.raises(ValueError, match="integer"):
+        fm.data.Episodes(inputs, labels.float(), ways=2, shots=1, query=1)
+    with pytest.raises(ValueError, match="examples but labels"):
+        fm.data.Episodes(inputs[:5], labels, ways=2, shots=1, query=1)
+
+
+def make_omniglot(root, alphabets=2, characters=2, drawings=3):
+    from PIL import Image, ImageDraw
+
+    for a in range(alphabets):
+        for c in range(characters):
+            folder = root / "images_background" / f"Alphabet_{a}" / f"character{c + 1:02d}"
+            folder.mkdir(parents=True)
+            for d in range(drawings):
+                img = Image.new("L", (105, 105), 255)
+                # a black bar in the top-left quarter: its place tells rotations apart
+                ImageDraw.Draw(img).rectangle([0, 0, 52, 10 + 5 * d], fill=0)
+                img.save(folder / f"{a}{c}_{d:02d}.png")
+
+
+def test_omniglot_folder_loader(tmp_path):
+    make_omniglot(tmp_path)
+    images, labels, names = fm.data.load_omniglot(tmp_path, "background", size=28)
+    assert images.shape == (12, 1, 28, 28) and images.dtype == torch.float32
+    assert names == [
+        "Alphabet_0/character01",
+        "Alphabet_0/character02",
+        "Alphabet_1/character01",
+        "Alphabet_1/character02",
+    ]
+    assert labels.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+    assert images[0, 0, 0, 0] > 0.9 and images[0, 0, -1, -1] < 0.1  # inverted: strokes are 1
+    raw, _, _ = fm.data.load_omniglot(tmp_path, "background", size=28, invert=False)
+    torch.testing.assert_close(raw, 1 - images)
+    rotated, rlabels, rnames = fm.data.load_omniglot(
+        tmp_path, "background", size=28, rotations=True
+    )
+    assert len(rnames) == 16 and rnames[1] == "Alphabet_0/character01/rot90"
+    torch.testing.assert_close(
+        rotated[rlabels == 1], torch.rot90(images[labels == 0], 1, dims=(2, 3))
+    )
+    b = fm.data.Episodes(images, labels, ways=3, shots=1, query=2).sample(2)
+    assert b.x_support.shape == (2, 3, 1, 28, 28)
+
+
+def test_omniglot_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="images_evaluation"):
+        fm.data.load_omniglot(tmp_path, "evaluation")
+    with pytest.raises(ValueError, match="split must be"):
+        fm.data.load_omniglot(tmp_path, "train")
+    (tmp_path / "images_background" / "A" / "character01").mkdir(parents=True)
+    with pytest.raises(ValueError, match="no PNG drawings"):
+        fm.data.load_omniglot(tmp_path)
