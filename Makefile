@@ -14,7 +14,7 @@ setup-dev:
 	$(PIP) install -q -e ".[dev]"
 
 demo: setup
-	$(PYTHON) examples/sinusoid_maml.py
+	$(PYTHON) examples/sinusoid.py --iterations 4000 --plot examples/out/sinusoid_demo.png
 
 test: setup-dev
 	$(PYTHON) -m pytest -q

@@ -38,7 +38,10 @@ def test_every_public_module_has_examples():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
+PAGES = [
+    "README.md",
+    *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")),
+]
 
 
 def python_blocks(text: str) -> list[str]:
