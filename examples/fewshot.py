@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--inner-lr", type=float, default=0.4)
     parser.add_argument("--meta-lr", type=float, default=1e-3)
     parser.add_argument("--reptile-eps", type=float, default=0.5)
-    parser.add_argument("--imaml-lam", type=float, default=0.5)
+    parser.add_argument("--imaml-lam", type=float, default=2.0)
     parser.add_argument("--meta-batch", type=int, default=8)
     parser.add_argument("--iterations", type=int, default=600)
     parser.add_argument("--channels", type=int, default=32)

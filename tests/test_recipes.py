@@ -276,3 +276,19 @@ def test_add_proximal_is_the_gradient_of_the_proximal_term():
     torch.testing.assert_close(updates["w"], torch.autograd.grad(term, params["w"])[0])
     with pytest.raises(fm.tree.TreeMismatchError, match="anchor"):
         fm.optim.add_proximal(1.0, {"v": anchor["w"]}).init(params)
+
+
+def test_imaml_stops_at_non_positive_curvature_and_stays_finite():
+    """A concave support loss (negative MSE) makes I + H/lam indefinite for small lam:
+    conjugate gradient must stop there, not divide by a non-positive curvature."""
+    net, support, query = linear_problem()
+    fmodel = fm.functionalize(net)
+
+    def concave(out, y):
+        return -F.mse_loss(out, y)
+
+    out = fm.recipes.imaml(fmodel, support, query, concave, lam=0.1, steps=3, lr=0.01, cg_steps=4)
+    out.surrogate.backward()
+    assert out.curvature_stop.all()
+    assert torch.isfinite(net.weight.grad).all()
+    assert torch.isfinite(out.residual).all()

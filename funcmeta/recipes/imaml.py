@@ -40,11 +40,13 @@ __all__ = ["ImamlResult", "imaml"]
 class ImamlResult(NamedTuple):
     """``surrogate``: call ``.backward()`` on it (gradient = the implicit meta-gradient);
     ``query_loss``: the mean query loss at the adapted parameters (for logging, no graph);
-    ``residual``: the final relative CG residual, one per task."""
+    ``residual``: ``||rhs - (I + H/lam) x|| / ||rhs||`` of the returned solution, one per task; ``curvature_stop``: the
+    tasks whose CG met non-positive curvature and stopped there (see :func:`imaml`)."""
 
     surrogate: Tensor
     query_loss: Tensor
     residual: Tensor
+    curvature_stop: Tensor
 
 
 def _dot(a: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
@@ -76,6 +78,14 @@ def imaml(
     ``(I + H/lam) x = grad L_query(phi*)`` per task, stopping early once the residual is
     below ``cg_tol`` relative to the right-hand side. The parameters must all be adapted.
     Buffers (BatchNorm) are used as the module holds them.
+
+    ``I + H/lam`` is positive definite when ``lam`` exceeds the most negative curvature of the
+    support loss at ``phi*``. It need not be for a non-convex network that the inner loop has
+    not brought to a minimum. Conjugate gradient then stops, per task, at the first direction
+    of non-positive curvature (truncated CG) and keeps the solution reached so far. If that
+    happens at the first step, the task falls back to ``x = grad L_query(phi*)``, the
+    solution with ``H`` taken as 0. ``result.curvature_stop`` flags those tasks. A larger
+    ``lam``, or more inner steps, avoids them.
     """
     if lam <= 0:
         raise ValueError(f"lam must be positive, got {lam}")
@@ -104,18 +114,36 @@ def imaml(
     p = {k: t.clone() for k, t in rhs.items()}
     rr = _dot(r, r)
     rhs_norm = rr.sqrt().clamp_min(1e-30)
-    for _ in range(cg_steps):
-        if bool((rr.sqrt() / rhs_norm <= cg_tol).all()):
+    active = torch.ones_like(rr, dtype=torch.bool)
+    stopped = torch.zeros_like(active)
+    for it in range(cg_steps):
+        active = active & (rr.sqrt() / rhs_norm > cg_tol)
+        if not bool(active.any()):
             break
         ap = operator(p)
-        alpha = rr / _dot(p, ap).clamp_min(1e-30)
+        pap = _dot(p, ap)
+        curved = pap > 0
+        if it == 0:
+            # No positive curvature along the right-hand side itself: fall back to x = rhs,
+            # the solution with H taken as 0 (first-order).
+            first = active & ~curved
+            x = {k: torch.where(_per_task(first, v), rhs[k], v) for k, v in x.items()}
+        stopped = stopped | (active & ~curved)
+        step = active & curved
+        alpha = torch.where(step, rr / torch.where(step, pap, 1.0), 0.0)
         x = {k: x[k] + _per_task(alpha, x[k]) * p[k] for k in x}
         r = {k: r[k] - _per_task(alpha, r[k]) * ap[k] for k in r}
+        active = step
         rr_new = _dot(r, r)
-        beta = rr_new / rr.clamp_min(1e-30)
+        beta = torch.where(active, rr_new / torch.where(active, rr, 1.0), 0.0)
         p = {k: r[k] + _per_task(beta, r[k]) * p[k] for k in p}
-        rr = rr_new
+        rr = torch.where(active, rr_new, rr)
     meta_grad = {k: v.mean(0).detach() for k, v in x.items()}
     params = fmodel.params
     surrogate = sum((params[k] * g).sum() for k, g in meta_grad.items())
-    return ImamlResult(surrogate, q_losses.detach().mean(), (rr.sqrt() / rhs_norm).detach())
+    # the true residual of the x returned (one more product; CG's running r is not it for
+    # the tasks that stopped or fell back)
+    ax = operator(x)
+    left = {k: rhs[k] - ax[k] for k in rhs}
+    residual = (_dot(left, left).sqrt() / rhs_norm).detach()
+    return ImamlResult(surrogate, q_losses.detach().mean(), residual, stopped)
