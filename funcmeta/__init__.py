@@ -17,7 +17,7 @@ Example:
     >>> outer.step()
 """
 
-from funcmeta import checkpoint, data, hyper, optim, recipes, tasks, tree
+from funcmeta import checkpoint, data, distributed, hyper, optim, recipes, tasks, tree
 from funcmeta.functional import FunctionalModel, functionalize
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.optim.base import apply_updates
@@ -36,6 +36,7 @@ __all__ = [
     "apply_updates",
     "checkpoint",
     "data",
+    "distributed",
     "functionalize",
     "hyper",
     "optim",
