@@ -17,7 +17,7 @@ Example:
     >>> outer.step()
 """
 
-from funcmeta import checkpoint, data, distributed, hyper, optim, recipes, tasks, tree
+from funcmeta import checkpoint, data, distributed, hyper, optim, recipes, resume, tasks, tree
 from funcmeta.functional import FunctionalModel, functionalize
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.optim.base import apply_updates
@@ -41,6 +41,7 @@ __all__ = [
     "hyper",
     "optim",
     "recipes",
+    "resume",
     "task_losses",
     "tasks",
     "tree",
