@@ -71,8 +71,8 @@ def fast_vmap(
     dimension first, for flat positional arguments.
 
     It is the core of ``torch.func.vmap`` without its argument and output processing. For a
-    small model that processing costs more than the model, once per inner step. ``fn``
-    must return a pytree of tensors.
+    small model that processing costs more than the model, once per inner step. Tensor
+    outputs get the batch dimension first; other outputs pass through as they are.
     """
     if not USE_PRIMITIVES:
         return torch.func.vmap(fn, in_dims=in_dims, randomness=randomness)(*flat_args)
@@ -87,7 +87,11 @@ def fast_vmap(
         out = fn(*batched)
         leaves, spec = optree.tree_flatten(out)
         return optree.tree_unflatten(
-            spec, [_remove_batch_dim(t, level, batch_size, 0) for t in leaves]
+            spec,
+            [
+                _remove_batch_dim(t, level, batch_size, 0) if isinstance(t, Tensor) else t
+                for t in leaves
+            ],
         )
     finally:
         _vmap_decrement_nesting()
