@@ -29,6 +29,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/memory.py
 	$(PYTHON) benchmarks/tasks.py
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
+	$(PYTHON) benchmarks/ddp_check.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache
