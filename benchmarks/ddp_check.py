@@ -7,6 +7,8 @@
 2. An inner ``torch.autograd.grad(..., create_graph=True)`` of a loss computed through
    ``ddp(x)``: whether it raises, and whether the gradient it returns is averaged across
    ranks.
+3. The same inner gradient through an FSDP-sharded model (``fully_shard``), then a double
+   backward through it.
 
     python benchmarks/ddp_check.py
 """
@@ -67,6 +69,20 @@ def worker(rank: int, init: str, out: str) -> None:
         )
     except RuntimeError as e:
         results["inner"] = f"raised: {str(e).splitlines()[0][:150]}"
+    # 3. FSDP (fully_shard): inner autograd.grad(create_graph=True), then double backward
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        sharded = model()
+        fully_shard(sharded)
+        loss = F.mse_loss(sharded(xs[0]), ys[0])
+        grads = torch.autograd.grad(loss, list(sharded.parameters()), create_graph=True)
+        results["fsdp_inner"] = "returned"
+        sum((g * g).sum() for g in grads).backward()
+        results["fsdp_double"] = "ran"
+    except (RuntimeError, ImportError) as e:
+        results.setdefault("fsdp_inner", "raised")
+        results["fsdp_double"] = f"raised: {str(e).splitlines()[0][:150]}"
     torch.save(results, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -88,6 +104,10 @@ def main() -> None:
                 f"; equals the rank's local (un-averaged) gradient: {res['inner_equals_local']}"
             )
         print(f"rank {r}: DDP forward + inner autograd.grad(create_graph=True): {inner}")
+        print(
+            f"rank {r}: FSDP fully_shard: inner autograd.grad(create_graph=True) "
+            f"{res['fsdp_inner']}; double backward {res['fsdp_double']}"
+        )
 
 
 if __name__ == "__main__":
