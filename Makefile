@@ -30,6 +30,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/tasks.py
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 	$(PYTHON) benchmarks/ddp_check.py
+	$(PYTHON) benchmarks/peers.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache

@@ -95,7 +95,7 @@ def per_leaf(
         values = tree.broadcast_prefix(value, grads, name=name)
     for i, (v, g) in enumerate(zip(values, grad_leaves, strict=True)):
         if isinstance(v, Tensor):
-            if v.dim() and _broadcast_shape(v.shape, g.shape) != g.shape:
+            if v.dim() and v.shape != g.shape and _broadcast_shape(v.shape, g.shape) != g.shape:
                 raise ValueError(
                     f"{name} for parameter {tree.paths(grads)[i]!r} has shape "
                     f"{tuple(v.shape)}, which does not broadcast to the parameter's shape "
