@@ -49,10 +49,6 @@ def scale(x: Tensor, factor: Any) -> Tensor:
     return x.mul(factor) if is_number(factor) else x * factor
 
 
-def one_minus(value: Any) -> Any:
-    return 1 - value
-
-
 class ScaleByLearningRateState(NamedTuple):
     count: int
 
@@ -177,7 +173,7 @@ def trace(
             old = spec.flatten_up_to(state.momentum_buffer)
             damps = per_leaf(dampening, updates, g, state.count, "dampening")
             bufs = [
-                scale(b, m) + (x if is_zero(d) else scale(x, one_minus(d)))
+                scale(b, m) + (x if is_zero(d) else scale(x, 1 - d))
                 for b, x, m, d in zip(old, g, moms, damps, strict=True)
             ]
         out = [x + scale(b, m) for x, b, m in zip(g, bufs, moms, strict=True)] if nesterov else bufs
