@@ -17,9 +17,22 @@ Example:
     >>> outer.step()
 """
 
-from funcmeta import checkpoint, data, distributed, hyper, optim, recipes, resume, tasks, tree
+from funcmeta import (
+    checkpoint,
+    data,
+    distributed,
+    hyper,
+    inputs,
+    kernels,
+    optim,
+    recipes,
+    resume,
+    tasks,
+    tree,
+)
 from funcmeta.functional import FunctionalModel, functionalize
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
+from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
 
@@ -27,6 +40,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdaptResult",
+    "Args",
     "FunctionalModel",
     "NonFiniteError",
     "__version__",
@@ -39,6 +53,8 @@ __all__ = [
     "distributed",
     "functionalize",
     "hyper",
+    "inputs",
+    "kernels",
     "optim",
     "recipes",
     "resume",

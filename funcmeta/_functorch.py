@@ -1,36 +1,52 @@
-"""Leaving a ``vmap`` level around a checkpointed layer.
+"""Leaving a ``vmap`` level: checkpointed layers and layers without batching rules.
 
 ``torch.utils.checkpoint`` cannot run inside ``torch.func.vmap`` (its recomputation happens
 in backward, outside the vmap, on tensors of a finished vmap level). ``vmap`` *inside* a
 checkpoint works. So when a checkpointed layer is called under task batching,
 :func:`call_outside_vmap` unwraps the batched arguments of the innermost vmap level into
-ordinary tensors with a task axis. It runs ``checkpoint(vmap(fn))`` on them and wraps the
-outputs back into that level. Autograd sees ordinary tensors throughout, so second-order
-gradients flow as without vmap.
+ordinary tensors with a task axis, steps out of that level, runs ``checkpoint(vmap(fn))`` on
+them and wraps the outputs back into the level. Autograd sees ordinary tensors throughout,
+so second-order gradients flow as without vmap. The same function with ``per_task=True``
+runs ``fn`` once per task instead of vmapping it: for layers that have no vmap batching rule
+(``aten::lstm``, ``aten::gru``), see :class:`TaskLoop`.
 
 :class:`TaskLinear` is the task-batched fast path for ``nn.Linear``. Under ``vmap``, a linear
 layer whose weights are batched costs about ten times an unbatched one (torch 2.13, CPU): the
 generic batching rule. When the input, weight and bias are batched at the same level,
-``TaskLinear`` does the whole batch as one ``torch.baddbmm`` on the unwrapped tensors.
+``TaskLinear`` does the whole batch as one ``torch.baddbmm`` on the unwrapped tensors. A layer
+with hooks runs as it is (the hooks see what they would see in a per-task loop).
 
 Both use functorch's batching primitives from ``torch._C._functorch`` (present from torch
-2.0 to at least 2.13). If a torch release lacks them, :func:`call_outside_vmap` raises an
+2.0 to at least 2.15). If a torch release lacks them, :func:`call_outside_vmap` raises an
 error that says so, and :class:`TaskLinear` falls back to ``F.linear``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import optree
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as torch_pytree
 from torch import Tensor, nn
 
-from funcmeta._shadow import Standin
+from funcmeta._shadow import Standin, has_hooks
+from funcmeta.kernels import in_twice_differentiable
 
-__all__ = ["TaskLinear", "call_outside_vmap", "fast_vmap", "is_batched"]
+__all__ = [
+    "TaskLinear",
+    "TaskLoop",
+    "call_outside_vmap",
+    "fast_vmap",
+    "innermost_level",
+    "is_batched",
+    "named_tensors",
+    "recurrent_layers",
+    "task_standins",
+]
 
 try:
     from torch._C._functorch import (
@@ -47,6 +63,15 @@ except ImportError:  # pragma: no cover - depends on the torch release
     _vmap_decrement_nesting = _vmap_increment_nesting = None
     is_batchedtensor = maybe_get_level = None
 
+try:
+    from torch._C._functorch import (
+        peek_interpreter_stack,
+        pop_dynamic_layer_stack,
+        push_dynamic_layer_stack,
+    )
+except ImportError:  # pragma: no cover - depends on the torch release
+    peek_interpreter_stack = pop_dynamic_layer_stack = push_dynamic_layer_stack = None
+
 #: Whether :func:`fast_vmap` uses the primitives (tests switch it off to check the fallback).
 USE_PRIMITIVES = _vmap_increment_nesting is not None
 _PREPARED = False
@@ -58,6 +83,15 @@ def _prepare() -> None:
     global _PREPARED
     torch.func.vmap(torch.neg)(torch.zeros(1))
     _PREPARED = True
+
+
+def _map_outputs(fn: Callable[[Tensor], Any], out: Any) -> Any:
+    """``fn`` on every tensor of ``out``; other leaves as they are. Walks torch's pytree
+    registry too, so registered output types (HuggingFace ``ModelOutput``) are opened."""
+    leaves, spec = torch_pytree.tree_flatten(out)
+    return torch_pytree.tree_unflatten(
+        [fn(t) if isinstance(t, Tensor) else t for t in leaves], spec
+    )
 
 
 def fast_vmap(
@@ -85,14 +119,7 @@ def fast_vmap(
             for x, d in zip(flat_args, in_dims, strict=True)
         ]
         out = fn(*batched)
-        leaves, spec = optree.tree_flatten(out)
-        return optree.tree_unflatten(
-            spec,
-            [
-                _remove_batch_dim(t, level, batch_size, 0) if isinstance(t, Tensor) else t
-                for t in leaves
-            ],
-        )
+        return _map_outputs(lambda t: _remove_batch_dim(t, level, batch_size, 0), out)
     finally:
         _vmap_decrement_nesting()
 
@@ -102,28 +129,65 @@ def is_batched(x: Any) -> bool:
     return is_batchedtensor is not None and isinstance(x, Tensor) and is_batchedtensor(x)
 
 
+def innermost_level(tree: Any) -> int | None:
+    """The innermost vmap level at which a tensor of ``tree`` is batched, or None."""
+    levels = [maybe_get_level(x) for x in optree.tree_leaves(tree) if is_batched(x)]
+    return max(levels) if levels else None
+
+
+@contextlib.contextmanager
+def _outside(level: int) -> Iterator[None]:
+    """Step out of vmap level ``level`` for the block, when it is the innermost one. Inside
+    it, random operations on ordinary tensors are no longer batched by that level."""
+    top = peek_interpreter_stack() if peek_interpreter_stack is not None else None
+    if top is None or top.level() != level:
+        yield
+        return
+    saved = pop_dynamic_layer_stack()
+    try:
+        yield
+    finally:
+        push_dynamic_layer_stack(saved)
+
+
+def _stack_outputs(outs: list[Any]) -> Any:
+    """One output with a leading task axis from the outputs of each task."""
+    flat = [torch_pytree.tree_flatten(o) for o in outs]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat[1:]):
+        raise RuntimeError("a layer run per task returned differently structured outputs")
+    stacked = [
+        torch.stack([leaves[i] for leaves, _ in flat]) if isinstance(leaf, Tensor) else leaf
+        for i, leaf in enumerate(flat[0][0])
+    ]
+    return torch_pytree.tree_unflatten(stacked, spec)
+
+
 def call_outside_vmap(
     wrap: Callable[[Callable[..., Any], tuple[Any, ...]], Any],
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     extra: tuple[Any, ...] = (),
     randomness: str = "different",
+    per_task: bool = False,
 ) -> Any:
-    """Run ``fn(*args, *extra)`` vmapped, outside the innermost vmap level of its inputs.
+    """Run ``fn(*args, *extra)`` for every task, outside the innermost vmap level of its inputs.
 
     ``wrap(f, flat_args)`` calls ``f(*flat_args)``, typically under a checkpoint that keeps
     ``flat_args`` for the recomputation. ``extra`` reaches ``fn`` without passing through
     ``wrap``: tensors the first call writes into. Tensors batched at the innermost level are
-    unwrapped (vmapped over their batch dimension), and everything else is passed as it is
-    (broadcast across the batch). The outputs come back batched at that level.
+    unwrapped; everything else is passed as it is (shared by the tasks). ``fn`` is vmapped
+    over the tasks, or with ``per_task=True`` called once per task on each task's slice and
+    its outputs stacked. The outputs come back batched at that level.
     """
     if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
         raise RuntimeError(
-            "checkpointed layers under task batching need torch._C._functorch's batching "
-            f"primitives, which torch {torch.__version__} does not have"
+            "checkpointed layers and layers without vmap batching rules need "
+            "torch._C._functorch's batching primitives, which torch "
+            f"{torch.__version__} does not have"
         )
     leaves, spec = optree.tree_flatten((args, extra))
-    level = max(maybe_get_level(x) for x in leaves if is_batched(x))
+    level = innermost_level(leaves)
     flat, dims = [], []
     for x in leaves:
         if is_batched(x) and maybe_get_level(x) == level:
@@ -143,12 +207,21 @@ def call_outside_vmap(
     flat_args, flat_extra = tuple(flat[:n_args]), tuple(flat[n_args:])
 
     def batched_fn(*xs: Any) -> Any:
-        return fast_vmap(unflat_fn, (*xs, *flat_extra), tuple(dims), size, randomness)
+        every = (*xs, *flat_extra)
+        if not per_task:
+            return fast_vmap(unflat_fn, every, tuple(dims), size, randomness)
+        return _stack_outputs(
+            [
+                unflat_fn(
+                    *(x if d is None else x.select(d, t) for x, d in zip(every, dims, strict=True))
+                )
+                for t in range(size)
+            ]
+        )
 
-    out = wrap(batched_fn, flat_args)
-    return optree.tree_map(
-        lambda t: _add_batch_dim(t, 0, level) if isinstance(t, Tensor) else t, out
-    )
+    with _outside(level):
+        out = wrap(batched_fn, flat_args)
+    return _map_outputs(lambda t: _add_batch_dim(t, 0, level), out)
 
 
 def _physical(x: Tensor, level: int) -> Tensor:
@@ -158,10 +231,14 @@ def _physical(x: Tensor, level: int) -> Tensor:
 
 class TaskLinear(Standin):
     """Stands in for an ``nn.Linear`` under task batching: one ``baddbmm`` for all tasks when
-    the input, weight and bias are batched at the same vmap level, ``F.linear`` otherwise."""
+    the input, weight and bias are batched at the same vmap level, ``F.linear`` otherwise.
+    A layer with hooks (its own or global ones) runs as it is, hooks included."""
 
     def forward(self, x: Tensor) -> Tensor:
-        w, b = self.weight, self.bias
+        original = self.original
+        if has_hooks(original):
+            return original(x)
+        w, b = original.weight, original.bias
         if not (is_batched(x) and is_batched(w)):
             return F.linear(x, w, b)
         level = maybe_get_level(w)
@@ -181,9 +258,72 @@ class TaskLinear(Standin):
         return _add_batch_dim(out, 0, level)
 
 
-def task_linears(module: nn.Module) -> dict[str, type[TaskLinear]]:
-    """The submodules of ``module`` that are plain ``nn.Linear`` (subclasses may override
-    ``forward``), for the task-batched runner."""
+@contextlib.contextmanager
+def _rnn_kernels() -> Iterator[None]:
+    """cuDNN off inside a twice-differentiable block: its RNN kernels have no double
+    backward. Other blocks keep the user's setting."""
+    if not in_twice_differentiable() or not torch.backends.cudnn.enabled:
+        yield
+        return
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = True
+
+
+class TaskLoop(Standin):
+    """Stands in for a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), which has no vmap
+    batching rule: under task batching it runs once per task outside the vmap level, with
+    that task's parameters, buffers and inputs, and its outputs are stacked. Unbatched calls
+    run the layer as it is. Inside :func:`funcmeta.kernels.twice_differentiable` it runs
+    without cuDNN, whose RNN kernels have no double backward."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        pnames, ptensors = named_tensors(original.named_parameters())
+        bnames, btensors = named_tensors(original.named_buffers())
+        tensors = ptensors + btensors
+        with _rnn_kernels():
+            if innermost_level((tensors, args, kwargs)) is None:
+                return original(*args, **kwargs)
+
+            def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+                params = dict(zip(pnames, ts[: len(pnames)], strict=True))
+                buffers = dict(zip(bnames, ts[len(pnames) :], strict=True))
+                return torch.func.functional_call(original, (params, buffers), a, kw)
+
+            return call_outside_vmap(
+                lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
+            )
+
+
+def named_tensors(items: Any) -> tuple[list[str], list[Tensor]]:
+    pairs = list(items)
+    return [n for n, _ in pairs], [t for _, t in pairs]
+
+
+def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
+    """The recurrent layers of ``module`` (outermost), each to be run by :class:`TaskLoop`."""
+    out: dict[str, type[Standin]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, nn.RNNBase) and not any(_inside(name, n) for n in out):
+            out[name] = TaskLoop
+    return out
+
+
+def _inside(name: str, outer: str) -> bool:
+    return outer == "" or name.startswith(outer + ".")
+
+
+def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
+    """The stand-ins of the task-batched runner, by submodule name: :class:`TaskLoop` for
+    recurrent layers, :class:`TaskLinear` for plain ``nn.Linear`` (subclasses may override
+    ``forward``) elsewhere."""
     if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
         return {}
-    return {name: TaskLinear for name, m in module.named_modules() if type(m) is nn.Linear}
+    out = recurrent_layers(module)
+    for name, m in module.named_modules():
+        if type(m) is nn.Linear and not any(_inside(name, n) for n in list(out)):
+            out[name] = TaskLinear
+    return out

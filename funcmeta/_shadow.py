@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Standin", "ancestors", "shadow", "sync_training"]
+__all__ = ["Standin", "ancestors", "has_hooks", "shadow", "sync_training"]
 
 
 def ancestors(name: str) -> list[str]:
@@ -24,11 +24,27 @@ def ancestors(name: str) -> list[str]:
     return [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if parts else []
 
 
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward or backward hooks, its own or global ones."""
+    hooks = nn.modules.module
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    )
+
+
 class Standin(nn.Module):
     """Stands in for ``original`` in a shadow tree and shares its parameter, buffer and child
-    dicts, so names resolve to the same tensors. It has hook dicts of its own, so the
-    original's hooks run once, when the stand-in calls the original. Attributes it lacks are
-    read from the original."""
+    dicts, so names resolve to the same tensors. Calling it runs its ``forward`` directly,
+    without hooks: the original's hooks (and global ones) run once, when the stand-in calls
+    the original, or the stand-in computes the layer itself only when there are none.
+    Attributes it lacks are read from the original."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
@@ -36,6 +52,9 @@ class Standin(nn.Module):
         self.__dict__["_buffers"] = original._buffers
         self.__dict__["_modules"] = original._modules
         self.__dict__["_fm_original"] = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
     @property
     def original(self) -> nn.Module:

@@ -34,7 +34,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funcmeta._functorch import call_outside_vmap, is_batched
+from funcmeta import kernels
+from funcmeta._functorch import call_outside_vmap, is_batched, named_tensors
 from funcmeta._shadow import Standin, ancestors, shadow
 
 __all__ = ["POLICIES", "CheckpointSpec", "checkpointed_runner", "select"]
@@ -82,6 +83,11 @@ def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
     """
     if spec is None:
         return []
+    if isinstance(spec, bool) or (not isinstance(spec, str | Sequence) and not callable(spec)):
+        raise TypeError(
+            f"checkpoint must be None, a policy name {sorted(POLICIES)}, a list of submodule "
+            f"names or a predicate (name, module) -> bool; got {spec!r}"
+        )
     named = dict(module.named_modules())
     if isinstance(spec, str):
         if spec not in POLICIES:
@@ -118,12 +124,18 @@ def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
 
 
 class _Checkpointed(Standin):
-    """Runs its layer as a checkpointed pure function (see the module docstring)."""
+    """Runs its layer as a checkpointed pure function (see the module docstring). ``inner``
+    runs like the layer: the layer itself, or a shadow of it with stand-ins inside."""
+
+    def __init__(self, original: nn.Module, inner: nn.Module) -> None:
+        super().__init__(original)
+        self.__dict__["_fm_inner"] = inner
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.__dict__["_fm_original"]
-        pnames, ptensors = _named(original.named_parameters())
-        bnames, btensors = _named(original.named_buffers())
+        inner = self.__dict__["_fm_inner"]
+        pnames, ptensors = named_tensors(original.named_parameters())
+        bnames, btensors = named_tensors(original.named_buffers())
         n_p, n_b = len(pnames), len(bnames)
         calls = [0]
 
@@ -139,17 +151,22 @@ class _Checkpointed(Standin):
                 snapshots = inputs[n_p : n_p + n_b]
                 buffers = {k: v.clone() for k, v in zip(bnames, snapshots, strict=True)}
             calls[0] += 1
-            return functional_call(original, (params, buffers), inputs[n_p + n_b :], kw)
+            return functional_call(inner, (params, buffers), inputs[n_p + n_b :], kw)
 
         # The checkpoint keeps its inputs with a version check, and the forward may write into
         # the buffers: it gets snapshots of them instead (for BatchNorm, a few numbers).
         snapshots = [b.clone() for b in btensors]
         inputs = (*ptensors, *snapshots, *args)
+        # The recomputation runs on the kernels of this forward, whatever is in force when the
+        # backward that needs it runs.
+        context_fn = kernels.recompute_with(kernels.capture())
         if any(is_batched(x) for x in optree.tree_leaves((inputs, kwargs))):
             # Under task batching (vmap): checkpoint(vmap(layer)) outside the vmap level.
             return call_outside_vmap(
-                lambda f, flat: torch_checkpoint(f, *flat, use_reentrant=False),
-                lambda inp, kw, live: layer_fn(inp, kw, live),
+                lambda f, flat: torch_checkpoint(
+                    f, *flat, use_reentrant=False, context_fn=context_fn
+                ),
+                layer_fn,
                 (inputs, kwargs),
                 extra=(list(btensors),),
             )
@@ -157,24 +174,42 @@ class _Checkpointed(Standin):
             lambda *inp, **kw: layer_fn(inp, kw, btensors),
             *inputs,
             use_reentrant=False,
+            context_fn=context_fn,
             **kwargs,
         )
-
-
-def _named(items: Any) -> tuple[list[str], list[Tensor]]:
-    pairs = list(items)
-    return [n for n, _ in pairs], [t for _, t in pairs]
 
 
 def checkpointed_runner(
     module: nn.Module,
     names: list[str],
-    extra: dict[str, Callable[[nn.Module], nn.Module]] | None = None,
+    standins: dict[str, Callable[[nn.Module], nn.Module]] | None = None,
 ) -> tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]:
-    """A shadow of ``module`` with the layers ``names`` checkpointed (and the stand-ins of
-    ``extra`` for other submodules not inside those layers)."""
-    replace: dict[str, Callable[[nn.Module], nn.Module]] = {n: _Checkpointed for n in names}
-    for name, make in (extra or {}).items():
-        if not any(name == n or name.startswith(n + ".") for n in names):
+    """A shadow of ``module`` with the layers ``names`` checkpointed and the submodules named
+    in ``standins`` replaced, inside checkpointed layers too.
+
+    Returns ``(root, copies)`` as :func:`funcmeta._shadow.shadow` does.
+    """
+    standins = standins or {}
+    replace: dict[str, Callable[[nn.Module], nn.Module]] = {}
+    copies: list[tuple[nn.Module, nn.Module]] = []
+    for n in names:
+        layer = module.get_submodule(n)
+        within = {_relative(name, n): make for name, make in standins.items() if _within(name, n)}
+        inner, inner_copies = shadow(layer, within)
+        copies += inner_copies
+        replace[n] = lambda m, inner=inner: _Checkpointed(m, inner)
+    for name, make in standins.items():
+        if not any(_within(name, n) for n in names):
             replace[name] = make
-    return shadow(module, replace)
+    root, outer_copies = shadow(module, replace)
+    return root, copies + outer_copies
+
+
+def _within(name: str, layer: str) -> bool:
+    """Whether submodule ``name`` is ``layer`` or lies inside it."""
+    return layer == "" or name == layer or name.startswith(layer + ".")
+
+
+def _relative(name: str, layer: str) -> str:
+    """``name`` relative to ``layer`` (``""`` for the layer itself)."""
+    return name if layer == "" else name[len(layer) + 1 :]

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from funcmeta._functorch import is_batched, task_linears
+from funcmeta import kernels
+from funcmeta._functorch import (
+    call_outside_vmap,
+    is_batched,
+    recurrent_layers,
+    task_standins,
+)
 from funcmeta._shadow import sync_training
 from funcmeta.checkpoint import CheckpointSpec, checkpointed_runner, select
 
@@ -50,16 +56,21 @@ class FunctionalModel:
             raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
         self.module = module
         self.checkpointed = select(module, checkpoint)
-        self._runner, self._copies = checkpointed_runner(module, self.checkpointed)
-        # the runner used under task batching (vmap): nn.Linear on the baddbmm fast path
+        self._runner, self._copies = checkpointed_runner(
+            module, self.checkpointed, recurrent_layers(module)
+        )
+        # the runner used under task batching (vmap): nn.Linear on the baddbmm fast path,
+        # recurrent layers run per task
         self._task_runner, self._task_copies = checkpointed_runner(
-            module, self.checkpointed, task_linears(module)
+            module, self.checkpointed, task_standins(module)
         )
         self._swap = _Swap(module, self._runner)
+        self._task_swap = _Swap(module, self._task_runner)
         self._params = dict(module.named_parameters())
         self._buffers = dict(module.named_buffers())
         self._param_shapes = {k: v.shape for k, v in self._params.items()}
         self._buffer_shapes = {k: v.shape for k, v in self._buffers.items()}
+        self._task_loop: bool | None = None
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -79,6 +90,20 @@ class FunctionalModel:
     def buffers(self) -> dict[str, Tensor]:
         return dict(self._buffers)
 
+    @property
+    def frozen(self) -> list[str]:
+        """Names of the module's parameters with ``requires_grad=False``, read at each access.
+        :func:`funcmeta.adapt` holds them fixed, and they get no meta-gradient."""
+        return [k for k, p in self._params.items() if not p.requires_grad]
+
+    @property
+    def task_loop(self) -> bool | None:
+        """Whether task batching runs this model once per task, because part of its forward
+        cannot run under ``vmap`` (data-dependent control flow, as in HuggingFace's attention
+        mask code, or an operator without a batching rule). ``None`` until the first
+        task-batched call finds out."""
+        return self._task_loop
+
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         """The module's output with ``params`` and the module's buffers (left unmutated)."""
         return self.apply(params, self._buffers, *args, **kwargs)[0]
@@ -90,7 +115,7 @@ class FunctionalModel:
         *args: Any,
         **kwargs: Any,
     ) -> tuple[Any, dict[str, Tensor]]:
-        """Run the module on ``args`` with ``params`` and ``buffers``.
+        """Run the module on ``args`` and ``kwargs`` with ``params`` and ``buffers``.
 
         Returns ``(out, new_buffers)``. ``new_buffers`` are new tensors holding whatever the
         forward wrote into its buffers (BatchNorm running statistics in train mode); the
@@ -98,16 +123,71 @@ class FunctionalModel:
         """
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
-        batched = any(is_batched(p) for p in params.values())
-        runner, copies = (
-            (self._task_runner, self._task_copies) if batched else (self._runner, self._copies)
-        )
+        if any(is_batched(p) for p in params.values()):
+            with kernels.no_fast_path():
+                return self._apply_tasks(params, buffers, args, kwargs)
+        return self._run(self._runner, self._copies, self._swap, params, buffers, args, kwargs)
+
+    @staticmethod
+    def _run(
+        runner: nn.Module,
+        copies: list[tuple[nn.Module, nn.Module]],
+        swap: _Swap,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
         if copies:
             sync_training(copies)
         new_buffers = {k: b.clone() for k, b in buffers.items()}
-        with self._swap(params, new_buffers):
+        with swap(params, new_buffers):
             out = runner(*args, **kwargs)
         return out, new_buffers
+
+    def _apply_tasks(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """``apply`` under task batching: batched, or once per task when the model cannot
+        run under vmap (found out once, by a run without a graph and with the random number
+        generators restored, so that a checkpoint around this call sees one forward)."""
+        task_run = (self._task_runner, self._task_copies, self._task_swap)
+        if self._task_loop is None:
+            self._task_loop = not self._vmaps(task_run, params, buffers, args, kwargs)
+        if not self._task_loop:
+            try:
+                return self._run(*task_run, params, buffers, args, kwargs)
+            except RuntimeError as error:
+                if not _vmap_limit(error):
+                    raise
+                self._task_loop = True
+
+        def one_task(p: Any, b: Any, a: Any, kw: Any) -> tuple[Any, dict[str, Tensor]]:
+            return self._run(self._runner, self._copies, self._swap, p, b, a, kw)
+
+        return call_outside_vmap(
+            lambda f, flat: f(*flat),
+            one_task,
+            (dict(params), dict(buffers), args, kwargs),
+            per_task=True,
+        )
+
+    def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> bool:
+        devices = sorted(
+            {t.device.index or 0 for t in self._params.values() if t.device.type == "cuda"}
+        )
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            try:
+                self._run(*task_run, *inputs)
+            except RuntimeError as error:
+                if _vmap_limit(error):
+                    return False
+                raise
+        return True
 
     def __repr__(self) -> str:
         checkpointed = f", checkpointed={self.checkpointed}" if self.checkpointed else ""
@@ -168,6 +248,20 @@ class _Swap:
                     buffers[key] = owner[attr]
             for owner, attr, value in reversed(saved):
                 owner[attr] = value
+
+
+_VMAP_LIMITS = (
+    "vmap:",
+    "Batching rule not implemented",
+    "batching rule",
+    "vmap support",
+    "data-dependent control flow",
+)
+
+
+def _vmap_limit(error: RuntimeError) -> bool:
+    """Whether ``error`` is vmap saying it cannot batch something."""
+    return any(text in str(error) for text in _VMAP_LIMITS)
 
 
 def check_keys(given: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:

@@ -26,8 +26,9 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funcmeta import tree
+from funcmeta import kernels, tree
 from funcmeta.functional import FunctionalModel
+from funcmeta.inputs import CallInputs, check_batch, check_call, split_inputs
 from funcmeta.optim.base import GradientTransformation, apply_updates
 from funcmeta.optim.clip import _check_max_norm, clip_grads_by_global_norm
 from funcmeta.tree import Filter, Tree
@@ -63,15 +64,14 @@ class NonFiniteError(FloatingPointError):
 def _forward_loss(
     fmodel: FunctionalModel,
     loss_fn: LossFn,
-    batch: tuple[Any, Any],
+    batch: tuple[CallInputs, Any],
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(loss_fn(fmodel(params, inputs), targets), new_buffers)`` for ``batch = (inputs,
-    targets)``; a tuple ``inputs`` is unpacked into positional arguments."""
-    inputs, targets = batch
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    out, new_buffers = fmodel.apply(params, buffers, *args)
+    """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
+    ``((args, kwargs), targets)`` made by :func:`_validate`."""
+    (args, kwargs), targets = batch
+    out, new_buffers = fmodel.apply(params, buffers, *args, **kwargs)
     loss = loss_fn(out, targets)
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
@@ -79,20 +79,38 @@ def _forward_loss(
     return loss, new_buffers
 
 
+def split_batch(batch: Any) -> tuple[CallInputs, Any]:
+    """``((args, kwargs), targets)`` for a batch ``(inputs, targets)``
+    (see :mod:`funcmeta.inputs`)."""
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise TypeError(
+            "batch must be a pair (inputs, targets); inputs may be a tuple of positional "
+            "arguments, a dict of keyword arguments or fm.Args(...)"
+        )
+    return split_inputs(batch[0]), batch[1]
+
+
 def _validate(
+    fmodel: Any,
+    params: Any,
+    opt: Any,
+    batch: Any,
     steps: int,
     truncate: int,
-    batch: Any,
     loss_scale: float | None,
     on_nonfinite: str | None,
     clip_grad_norm: Any,
-) -> None:
+    tasks: bool = False,
+) -> tuple[CallInputs, Any]:
+    """Check the arguments of :func:`adapt` (and :func:`funcmeta.adapt_tasks`) before any
+    computation; the batch split into call arguments and targets."""
+    check_call(fmodel, params, opt)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"steps must be a non-negative int, got {steps!r}")
     if not isinstance(truncate, int) or isinstance(truncate, bool) or not 0 <= truncate <= steps:
         raise ValueError(f"truncate must be an int in [0, steps={steps}], got {truncate!r}")
-    if not isinstance(batch, tuple | list) or len(batch) != 2:
-        raise TypeError("batch must be a pair (inputs, targets); inputs may be a tuple of args")
+    split = split_batch(batch)
+    check_batch(split, params, tasks)
     if loss_scale is not None and (
         isinstance(loss_scale, bool)
         or not isinstance(loss_scale, int | float)
@@ -104,6 +122,7 @@ def _validate(
         raise ValueError(f"on_nonfinite must be None, 'raise' or 'skip', got {on_nonfinite!r}")
     if clip_grad_norm is not None:
         _check_max_norm(clip_grad_norm)
+    return split
 
 
 Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
@@ -127,7 +146,6 @@ class _Inner:
     loss_scale: float | None
     on_nonfinite: str | None
     allow_unused: bool
-    offload: bool
     tasks: int | None = None
 
     def step(
@@ -135,6 +153,7 @@ class _Inner:
         k: int,
         graph: bool,
         second: bool,
+        offload: bool,
         state: Any,
         buffers: dict[str, Tensor],
         *leaves: Tensor,
@@ -142,18 +161,11 @@ class _Inner:
         """Step ``k``: ``(new_leaves, new_state, new_buffers, loss, skipped)``.
 
         Pure (it writes nothing outside its return value), so that step-level checkpointing
-        can run it again during backward.
+        can run it again during backward. ``offload`` keeps what it saves for backward in
+        CPU memory.
         """
-        with self._offload(graph, leaves):
+        with _offload(offload and graph, leaves):
             return self._step(k, graph, second, state, buffers, list(leaves))
-
-    def _offload(
-        self, graph: bool, leaves: tuple[Tensor, ...]
-    ) -> contextlib.AbstractContextManager:
-        if not (self.offload and graph):
-            return contextlib.nullcontext()
-        pin = any(p.is_cuda for p in leaves)
-        return torch.autograd.graph.save_on_cpu(pin_memory=pin)
 
     def _step(
         self,
@@ -173,11 +185,13 @@ class _Inner:
                 wrt = [p.detach().requires_grad_() for p in leaves]
             current = tree.unflatten(self.spec, wrt)
             full = current if self.fixed is None else tree.combine(current, self.fixed)
-            loss, new_buffers = self.forward(full, buffers)
-            objective = loss if self.tasks is None else loss.sum()
-            if self.loss_scale is not None:
-                objective = objective * self.loss_scale
-            grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
+            # a graph differentiated again (second order) runs on kernels that allow it
+            with kernels.twice_differentiable() if second else contextlib.nullcontext():
+                loss, new_buffers = self.forward(full, buffers)
+                objective = loss if self.tasks is None else loss.sum()
+                if self.loss_scale is not None:
+                    objective = objective * self.loss_scale
+                grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
         grads = _fill_unused(grads, wrt, self.names, self.allow_unused)
         if self.loss_scale is not None:
             inv = 1.0 / self.loss_scale
@@ -200,6 +214,14 @@ class _Inner:
         return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
 
 
+def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
+    """``save_on_cpu`` (pinned when the parameters are on CUDA) if ``on``."""
+    if not on:
+        return contextlib.nullcontext()
+    pin = any(p.is_cuda for p in leaves)
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+
+
 def _run(
     inner: _Inner,
     leaves: list[Tensor],
@@ -210,6 +232,7 @@ def _run(
     truncate: int,
     first_order: bool,
     checkpoint_steps: bool,
+    offload: bool,
 ) -> AdaptResult:
     """The loop of :func:`adapt` and :func:`funcmeta.adapt_tasks` over :meth:`_Inner.step`."""
     losses: list[Tensor] = []
@@ -221,12 +244,24 @@ def _run(
         graph = k >= truncate
         second = graph and not first_order
         if checkpoint_steps and graph and torch.is_grad_enabled():
-            # state and buffers are bound now: the recomputation must see these values
-            out = torch_checkpoint(
-                inner.step, k, graph, second, state, buffers, *leaves, use_reentrant=False
-            )
+            # State and buffers are bound now: the recomputation must see these values, on
+            # the kernels of this forward. Offload, if asked, applies to what the checkpoint
+            # keeps (inside it, it would keep everything and recompute nothing).
+            with _offload(offload, leaves):
+                out = torch_checkpoint(
+                    inner.step,
+                    k,
+                    graph,
+                    second,
+                    False,
+                    state,
+                    buffers,
+                    *leaves,
+                    use_reentrant=False,
+                    context_fn=kernels.recompute_with(kernels.capture()),
+                )
         else:
-            out = inner.step(k, graph, second, state, buffers, *leaves)
+            out = inner.step(k, graph, second, offload, state, buffers, *leaves)
         leaves, state, buffers, loss, was_skipped = out
         losses.append(loss)
         if was_skipped:
@@ -266,7 +301,9 @@ def adapt(
         params: the initial parameters, usually ``fmodel.params`` (meta-gradients then reach
             the module's ``.grad``); a dict with the module's parameter names.
         loss_fn: ``(output, targets) -> scalar tensor``, e.g. ``F.mse_loss``.
-        batch: ``(inputs, targets)``; a tuple ``inputs`` is unpacked into positional args.
+        batch: ``(inputs, targets)``. ``inputs`` are the model's arguments: a tuple is
+            positional, a dict (a HuggingFace batch) is keywords, ``fm.Args(x, mask=m)`` is
+            both, anything else is the one argument (:mod:`funcmeta.inputs`).
         opt: a :class:`~funcmeta.optim.GradientTransformation` (hyperparameters may require grad).
         steps: number of inner steps K.
         first_order: take gradients of detached parameters (FOMAML): the result is exactly the
@@ -276,7 +313,9 @@ def adapt(
         state: optimizer state to continue from (default: ``opt.init`` of the adapted params).
         trainable: a filter (predicate ``(path, tensor) -> bool``, a name prefix or several)
             choosing the parameters to adapt; the rest are held fixed in the inner loop and
-            still receive outer gradients through the forward (ANIL).
+            still receive outer gradients through the forward (ANIL). Parameters frozen on
+            the module (``requires_grad=False``, see ``fmodel.frozen``) are never adapted
+            and get no meta-gradient.
         clip_grad_norm: clip each step's gradients to this global 2-norm (differentiable,
             ``torch.nn.utils.clip_grad_norm_`` numbers).
         truncate: run the first ``truncate`` steps without building a graph; the parameters
@@ -303,16 +342,22 @@ def adapt(
     Returns:
         :class:`AdaptResult` ``(params, buffers, losses, state, skipped)``.
 
+    Second-order steps run on kernels that can be differentiated twice (math attention,
+    RNNs without cuDNN: :mod:`funcmeta.kernels`); other steps keep the kernels in force.
+
     Works under ``torch.no_grad()`` too (evaluation): gradients are still taken, no outer
     graph is kept.
     """
-    _validate(steps, truncate, batch, loss_scale, on_nonfinite, clip_grad_norm)
+    split = _validate(
+        fmodel, params, opt, batch, steps, truncate, loss_scale, on_nonfinite, clip_grad_norm
+    )
     return _adapt(
         params,
         opt,
         steps,
         fmodel.buffers if buffers is None else dict(buffers),
-        make_forward=lambda adapted: functools.partial(_forward_loss, fmodel, loss_fn, batch),
+        make_forward=lambda adapted: functools.partial(_forward_loss, fmodel, loss_fn, split),
+        frozen=fmodel.frozen,
         first_order=first_order,
         state=state,
         trainable=trainable,
@@ -335,6 +380,7 @@ def _adapt(
     make_forward: Callable[[dict[str, Tensor | None]], Forward],
     prepare: Callable[[dict[str, Tensor | None]], dict[str, Tensor | None]] | None = None,
     tasks: int | None = None,
+    frozen: list[str],
     first_order: bool,
     state: Any,
     trainable: Filter | None,
@@ -351,13 +397,10 @@ def _adapt(
     optimizer, run the loop with the forward ``make_forward(adapted)``."""
     if loss_scale is not None and on_nonfinite is None:
         on_nonfinite = "raise"
-    if trainable is None:
-        adapted, fixed = dict(params), None
-    else:
-        adapted, fixed = tree.partition(dict(params), trainable)
+    adapted, fixed = _split_adapted(dict(params), trainable, frozen)
     if prepare is not None:
         adapted = prepare(adapted)
-    names, leaves, spec = _adapted_leaves(adapted)
+    names, leaves, spec = _adapted_leaves(adapted, frozen)
     if state is None:
         state = opt.init(adapted)
     inner = _Inner(
@@ -370,7 +413,6 @@ def _adapt(
         loss_scale,
         on_nonfinite,
         allow_unused,
-        offload_activations,
         tasks=tasks,
     )
     return _run(
@@ -382,7 +424,22 @@ def _adapt(
         truncate=truncate,
         first_order=first_order,
         checkpoint_steps=checkpoint_steps,
+        offload=offload_activations,
     )
+
+
+def _split_adapted(
+    params: dict[str, Tensor], trainable: Filter | None, frozen: list[str]
+) -> tuple[Tree, Tree | None]:
+    """``(adapted, fixed)``: the parameters ``trainable`` selects, less the frozen ones, and
+    the rest (``None`` when nothing is held fixed)."""
+    if trainable is None and not frozen:
+        return params, None
+    adapted, fixed = (params, None) if trainable is None else tree.partition(params, trainable)
+    if frozen:
+        adapted, held = tree.partition(adapted, lambda path, _: path not in frozen)
+        fixed = held if fixed is None else tree.combine(fixed, held)
+    return adapted, fixed
 
 
 def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
@@ -390,11 +447,14 @@ def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
     return [p + (p0 - p0.detach()) for p, p0 in zip(truncated, start, strict=True)]
 
 
-def _adapted_leaves(adapted: Tree) -> tuple[list[str], list[Tensor], Any]:
+def _adapted_leaves(adapted: Tree, frozen: list[str]) -> tuple[list[str], list[Tensor], Any]:
     names = tree.paths(adapted)
     leaves, spec = tree.flatten(adapted)
     if not leaves:
-        raise ValueError("no parameters to adapt: the trainable filter selected none")
+        why = (
+            f"; the module's frozen parameters (requires_grad=False) are {frozen}" if frozen else ""
+        )
+        raise ValueError(f"no parameters to adapt: the trainable filter selected none{why}")
     for name, leaf in zip(names, leaves, strict=True):
         if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
             raise TypeError(f"parameter {name!r} is not a floating-point tensor")

@@ -42,7 +42,8 @@ from torch import Tensor
 from funcmeta import tree
 from funcmeta._functorch import fast_vmap
 from funcmeta.functional import FunctionalModel, check_keys
-from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate
+from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate, split_batch
+from funcmeta.inputs import CallInputs, check_batch, check_call
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.tree import Filter
 
@@ -66,6 +67,11 @@ def task_count(batch: Any) -> int:
             f"batch tensors {scalars} are scalars; every one needs a leading task axis"
         )
     first = tensors[0][1].shape[0]
+    if first == 0:
+        raise ValueError(
+            f"the batch holds zero tasks (batch tensor {tensors[0][0] or 'batch'!r} has shape "
+            f"{tuple(tensors[0][1].shape)}); the task axis comes first"
+        )
     odd = {p or "batch": tuple(x.shape) for p, x in tensors if x.shape[0] != first}
     if odd:
         raise ValueError(
@@ -113,21 +119,26 @@ def apply_tasks(
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor] | None,
     *args: Any,
+    **kwargs: Any,
 ) -> tuple[Any, dict[str, Tensor]]:
     """``fmodel.apply`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
 
-    ``args`` carry a leading task axis; ``params`` and ``buffers`` (default: the module's)
-    may be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
+    The tensors among ``args`` and ``kwargs`` carry a leading task axis; ``params`` and
+    ``buffers`` (default: the module's) may be shared or per task. Per-task buffers come back
+    new; nothing passed in is mutated.
     """
-    tasks = task_count(args)
+    check_call(fmodel, params)
+    inputs: CallInputs = (args, kwargs)
+    check_batch((inputs, None), params, tasks=True)
+    tasks = task_count(inputs)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
 
-    def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], a: tuple[Any, ...]) -> Any:
-        return fmodel.apply(p, bufs, *a)
+    def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], call: CallInputs) -> Any:
+        return fmodel.apply(p, bufs, *call[0], **call[1])
 
-    trees = (dict(params), buffers, args)
-    return _flat_vmap(one_task, trees, (pdims, {k: 0 for k in buffers}, _batch_dims(args)))
+    trees = (dict(params), buffers, inputs)
+    return _flat_vmap(one_task, trees, (pdims, {k: 0 for k in buffers}, _batch_dims(inputs)))
 
 
 def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
@@ -155,8 +166,9 @@ def task_losses(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(losses, new_buffers)``: ``loss_fn`` of each task's outputs and targets, shape ``(T,)``.
 
-    ``batch = (inputs, targets)`` with a leading task axis; ``params`` and ``buffers``
-    (default: the module's) shared or per task, as in :func:`apply_tasks`.
+    ``batch = (inputs, targets)`` with a leading task axis (``inputs`` as in
+    :func:`funcmeta.adapt`: a tuple, a dict of keyword inputs or ``fm.Args``); ``params`` and
+    ``buffers`` (default: the module's) shared or per task, as in :func:`apply_tasks`.
 
     Example:
         >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -166,16 +178,19 @@ def task_losses(
         >>> losses.shape
         torch.Size([4])
     """
-    tasks = task_count(batch)
+    check_call(fmodel, params)
+    split = split_batch(batch)
+    check_batch(split, params, tasks=True)
+    tasks = task_count(split)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
-    return _task_forward(fmodel, loss_fn, batch, dims, params, buffers)
+    return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
 
 
 def _task_forward(
     fmodel: FunctionalModel,
     loss_fn: LossFn,
-    batch: tuple[Any, Any],
+    batch: tuple[CallInputs, Any],
     dims: dict[str, int | None],
     params: Mapping[str, Tensor],
     buffers: dict[str, Tensor],
@@ -227,13 +242,15 @@ def adapt_tasks(
         buffers ``(T, ...)`` (parameters held fixed by ``trainable`` are passed through as
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
-    _validate(steps, truncate, batch, loss_scale, on_nonfinite, clip_grad_norm)
+    split = _validate(
+        fmodel, params, opt, batch, steps, truncate, loss_scale, on_nonfinite, clip_grad_norm, True
+    )
     if on_nonfinite == "skip":
         raise ValueError(
             "on_nonfinite='skip' is not available with task batching: the tasks share the "
             "optimizer's step count; use 'raise', or adapt the tasks one by one"
         )
-    tasks = task_count(batch)
+    tasks = task_count(split)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
 
@@ -250,7 +267,7 @@ def adapt_tasks(
     def make_forward(adapted: dict[str, Tensor | None]) -> Any:
         # adapted parameters carry the task axis now; fixed ones keep their dims
         step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
-        return functools.partial(_task_forward, fmodel, loss_fn, batch, step_dims)
+        return functools.partial(_task_forward, fmodel, loss_fn, split, step_dims)
 
     return _adapt(
         params,
@@ -260,6 +277,7 @@ def adapt_tasks(
         make_forward=make_forward,
         prepare=prepare,
         tasks=tasks,
+        frozen=fmodel.frozen,
         first_order=first_order,
         state=state,
         trainable=trainable,

@@ -322,7 +322,7 @@ def test_shape_errors_name_the_task_axis():
     ):
         fm.adapt_tasks(fmodel, wrong, loss_fn, (xs, ys), opt, steps=1)
     with pytest.raises(ValueError, match="scalars"):
-        fm.apply_tasks(fmodel, fmodel.params, None, torch.tensor(1.0))
+        fm.apply_tasks(fmodel, fmodel.params, None, torch.tensor(1.0, dtype=DTYPE))
 
 
 def test_module_unchanged_and_batchnorm_buffers_per_task():

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from funcmeta import kernels
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import LossFn
 from funcmeta.optim.base import GradientTransformation, chain
@@ -99,8 +100,10 @@ def imaml(
     with torch.enable_grad():
         q_losses, _ = task_losses(fmodel, phi, None, loss_fn, query)
         rhs = dict(zip(phi, torch.autograd.grad(q_losses.sum(), list(phi.values())), strict=True))
-        s_losses, _ = task_losses(fmodel, phi, None, loss_fn, support)
-        grads = torch.autograd.grad(s_losses.sum(), list(phi.values()), create_graph=True)
+        # differentiated again by every Hessian-vector product: kernels that allow it
+        with kernels.twice_differentiable():
+            s_losses, _ = task_losses(fmodel, phi, None, loss_fn, support)
+            grads = torch.autograd.grad(s_losses.sum(), list(phi.values()), create_graph=True)
 
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(I + H/lam) v`` per task (the tasks are independent: one Hessian-vector product

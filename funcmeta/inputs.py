@@ -1,0 +1,168 @@
+"""What a batch's inputs mean as a call of the model, and the checks made before any step.
+
+A batch is ``(inputs, targets)``. ``inputs`` become the model's arguments:
+
+- a tuple: positional arguments, ``model(*inputs)``;
+- a mapping (a dict, a HuggingFace ``BatchEncoding``): keyword arguments, ``model(**inputs)``;
+- :class:`Args`: both, ``Args(x, attention_mask=m)`` is ``model(x, attention_mask=m)``;
+- anything else: the one positional argument, ``model(inputs)``. A model that takes a
+  dict or a tuple as its single argument gets ``Args(that)``.
+
+Under task batching every tensor among the inputs, keyword ones included, carries the
+leading task axis.
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> class Scaled(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.lin = torch.nn.Linear(3, 1)
+    ...     def forward(self, x, *, scale):
+    ...         return self.lin(x) * scale
+    >>> fmodel = fm.functionalize(Scaled())
+    >>> x, y = torch.randn(5, 3), torch.randn(5, 1)
+    >>> batch = (fm.Args(x, scale=torch.tensor(2.0)), y)
+    >>> fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), steps=1).losses.shape
+    torch.Size([1])
+    >>> batch = ({"x": x, "scale": torch.tensor(2.0)}, y)     # keywords only
+    >>> fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), steps=1).losses.shape
+    torch.Size([1])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor, nn
+
+from funcmeta import tree
+from funcmeta.functional import FunctionalModel
+from funcmeta.optim.base import GradientTransformation
+
+__all__ = ["Args", "CallInputs", "check_batch", "check_call", "split_inputs"]
+
+CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
+"""``(args, kwargs)``: the inputs of a batch as the model's call arguments."""
+
+
+class Args:
+    """Positional and keyword arguments for the model, as the inputs of a batch.
+
+    Example:
+        >>> import funcmeta as fm
+        >>> fm.Args(1, 2, mask=3)
+        Args(1, 2, mask=3)
+    """
+
+    __slots__ = ("args", "kwargs")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"Args({', '.join(parts)})"
+
+
+def split_inputs(inputs: Any) -> CallInputs:
+    """``(args, kwargs)`` for the inputs of a batch (see the module docstring)."""
+    if isinstance(inputs, Args):
+        return tuple(inputs.args), dict(inputs.kwargs)
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    if isinstance(inputs, Mapping):
+        keys = [k for k in inputs if not isinstance(k, str)]
+        if keys:
+            raise TypeError(f"keyword inputs need string keys, got {keys}")
+        return (), dict(inputs)
+    return (inputs,), {}
+
+
+def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
+    """Raise a ``TypeError``/``ValueError`` naming the problem when ``fmodel``, ``params`` or
+    ``opt`` cannot be what :func:`funcmeta.adapt` and the task functions take."""
+    if not isinstance(fmodel, FunctionalModel):
+        hint = (
+            "; wrap it first: fmodel = fm.functionalize(module)"
+            if isinstance(fmodel, nn.Module)
+            else ""
+        )
+        raise TypeError(
+            f"fmodel must be a FunctionalModel from fm.functionalize, got "
+            f"{type(fmodel).__name__}{hint}"
+        )
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            f"params must be a dict of tensors keyed by parameter name (fmodel.params), got "
+            f"{type(params).__name__}"
+        )
+    on_meta = [k for k, v in params.items() if isinstance(v, Tensor) and v.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"parameters {on_meta} are on the meta device and hold no data; materialise the "
+            "module first (module.to_empty(device=...) and initialise it, or load a state dict)"
+        )
+    if opt is not None and not isinstance(opt, GradientTransformation):
+        if isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"opt is a torch.optim.{type(opt).__name__}, which updates .grad in place and "
+                "cannot be differentiated through; use its funcmeta counterpart for the inner "
+                "loop (fm.optim.sgd, adam, adamw, rmsprop, adagrad) and keep torch.optim for "
+                "the outer loop"
+            )
+        raise TypeError(
+            "opt must be a funcmeta GradientTransformation (fm.optim.sgd(lr=0.1), ...), got "
+            f"{type(opt).__name__}"
+        )
+
+
+def _autocast() -> bool:
+    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+
+
+def check_batch(
+    batch: tuple[CallInputs, Any], params: Mapping[str, Tensor], tasks: bool = False
+) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the tensor for an empty batch tensor (with
+    ``tasks``, zero tasks first), or a floating-point input whose dtype differs from the
+    parameters' (outside autocast)."""
+    (args, kwargs), targets = batch
+    named = [
+        *(x for i, a in enumerate(args) for x in _tensors(a, f"inputs[{i}]")),
+        *(x for k, v in kwargs.items() for x in _tensors(v, f"inputs[{k!r}]")),
+        *_tensors(targets, "targets"),
+    ]
+    no_tasks = {name: tuple(x.shape) for name, x in named if tasks and x.dim() and not len(x)}
+    if no_tasks:
+        raise ValueError(f"the batch holds zero tasks: {no_tasks} (the task axis comes first)")
+    empty = {name: tuple(x.shape) for name, x in named if x.dim() > 0 and x.numel() == 0}
+    if empty:
+        raise ValueError(f"batch tensors {empty} are empty: there is nothing to compute a loss on")
+    dtypes = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
+    if len(dtypes) != 1 or _autocast():
+        return
+    (dtype,) = dtypes
+    odd = {
+        name: str(x.dtype)
+        for name, x in named
+        if name.startswith("inputs") and x.is_floating_point() and x.dtype != dtype
+    }
+    if odd:
+        raise TypeError(
+            f"batch inputs {odd} do not have the parameters' dtype {dtype}; cast the data "
+            f"(x.to({dtype})) or the model (module.to({next(iter(odd.values()))}))"
+        )
+
+
+def _tensors(value: Any, prefix: str) -> list[tuple[str, Tensor]]:
+    paths, leaves, _ = optree.tree_flatten_with_path(value)
+    out = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        if isinstance(leaf, Tensor):
+            where = tree.path_str(path)
+            out.append((f"{prefix}.{where}" if where else prefix, leaf))
+    return out

@@ -1,0 +1,145 @@
+"""Kernel choice for graphs that are differentiated twice, and the same kernels on recomputation.
+
+Some of PyTorch's fastest kernels have no derivative of their backward:
+
+- ``F.scaled_dot_product_attention`` (``nn.MultiheadAttention``, ``nn.Transformer*Layer``,
+  HuggingFace models) is twice differentiable only on its math kernel. CPU flash attention and
+  the CUDA flash, memory-efficient and cuDNN kernels raise in second order.
+- cuDNN's RNN kernels (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` on CUDA) have no double backward.
+- The inference fast path of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` has
+  no derivative at all.
+
+:func:`twice_differentiable` selects kernels that have one: the math attention kernel, RNNs
+without cuDNN and no inference fast path. :func:`funcmeta.adapt` enters it for its
+second-order inner steps (forward and inner gradient), the only graphs it builds that are
+differentiated again. First-order steps, the query pass and evaluation keep the user's kernel
+choice and the fast kernels. Use it yourself when you differentiate a model's output twice
+outside :func:`funcmeta.adapt` (a Hessian-vector product, a gradient penalty).
+
+The choice is global state that PyTorch reads when a kernel runs, so a checkpoint that
+recomputes a layer during the outer ``.backward()`` would otherwise pick whatever is in force
+then. funcmeta's checkpoints (per layer and per step) :func:`capture` the state when their
+forward runs and :func:`restore` it for the recomputation.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    >>> x = torch.randn(2, 5, 8)
+    >>> with fm.kernels.twice_differentiable():
+    ...     out = attn(x, x, x, need_weights=False)[0]
+    ...     g = torch.autograd.grad(out.pow(2).sum(), attn.in_proj_weight, create_graph=True)[0]
+    >>> hvp = torch.autograd.grad(g.sum(), attn.in_proj_weight)[0]   # second order works
+    >>> hvp.shape
+    torch.Size([24, 8])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KernelState",
+    "capture",
+    "in_twice_differentiable",
+    "no_fast_path",
+    "recompute_with",
+    "restore",
+    "twice_differentiable",
+]
+
+# The attention backends whose enabled flags torch keeps as global state (torch >= 2.5 has at
+# least the first four; newer releases add more). Read and written through torch._C, as
+# torch.nn.attention.sdpa_kernel does.
+_BACKENDS = tuple(
+    name
+    for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable")
+    if hasattr(torch._C, f"_get_{name}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{name}")
+)
+_get_priority = getattr(torch._C, "_get_sdp_priority_order", None)
+_set_priority = getattr(torch._C, "_set_sdp_priority_order", None)
+
+
+class _Local(threading.local):
+    twice: bool = False
+
+
+_LOCAL = _Local()
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """The kernel choice in force: attention backends (and their priority), the MHA fast
+    path, and whether :func:`twice_differentiable` is active (RNNs then avoid cuDNN)."""
+
+    attention: tuple[bool, ...]
+    priority: tuple[int, ...] | None
+    fast_path: bool
+    twice: bool
+
+
+def capture() -> KernelState:
+    """The kernel choice in force now."""
+    return KernelState(
+        attention=tuple(bool(getattr(torch._C, f"_get_{n}_sdp_enabled")()) for n in _BACKENDS),
+        priority=tuple(_get_priority()) if _get_priority is not None else None,
+        fast_path=torch.backends.mha.get_fastpath_enabled(),
+        twice=_LOCAL.twice,
+    )
+
+
+def _apply(state: KernelState) -> None:
+    for name, enabled in zip(_BACKENDS, state.attention, strict=True):
+        getattr(torch._C, f"_set_sdp_use_{name}")(enabled)
+    if state.priority is not None and _set_priority is not None:
+        _set_priority(list(state.priority))
+    torch.backends.mha.set_fastpath_enabled(state.fast_path)
+    _LOCAL.twice = state.twice
+
+
+class restore(contextlib.AbstractContextManager):
+    """Put ``state`` in force for the block; the choice before it comes back afterwards.
+    Reusable: a checkpoint may recompute more than once."""
+
+    def __init__(self, state: KernelState) -> None:
+        self.state = state
+        self._before: list[KernelState] = []
+
+    def __enter__(self) -> None:
+        self._before.append(capture())
+        _apply(self.state)
+
+    def __exit__(self, *exc: object) -> None:
+        _apply(self._before.pop())
+
+
+def twice_differentiable() -> contextlib.AbstractContextManager[None]:
+    """A block whose graph can be differentiated twice: math attention only, RNNs without
+    cuDNN, no MHA inference fast path (see the module docstring)."""
+    now = capture()
+    attention = tuple(name == "math" for name in _BACKENDS)
+    return restore(KernelState(attention, now.priority, fast_path=False, twice=True))
+
+
+def no_fast_path() -> contextlib.AbstractContextManager[None]:
+    """A block without the MHA/Transformer inference fast path (which has no derivative and no
+    vmap support); other choices unchanged."""
+    now = capture()
+    return restore(KernelState(now.attention, now.priority, fast_path=False, twice=now.twice))
+
+
+def in_twice_differentiable() -> bool:
+    """Whether a :func:`twice_differentiable` block (or a recomputation of one) is running."""
+    return _LOCAL.twice
+
+
+def recompute_with(
+    state: KernelState,
+) -> Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward runs as it is,
+    the recomputation under ``state`` (the choice captured when the forward ran)."""
+    return lambda: (contextlib.nullcontext(), restore(state))
