@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor, nn
 
@@ -123,7 +124,7 @@ class FunctionalModel:
         """
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
-        if any(is_batched(p) for p in params.values()):
+        if _batched(params, buffers, args, kwargs):
             with kernels.no_fast_path():
                 return self._apply_tasks(params, buffers, args, kwargs)
         return self._run(self._runner, self._copies, self._swap, params, buffers, args, kwargs)
@@ -257,6 +258,11 @@ _VMAP_LIMITS = (
     "vmap support",
     "data-dependent control flow",
 )
+
+
+def _batched(*trees: Any) -> bool:
+    """Whether a tensor of ``trees`` is batched by an enclosing vmap (task batching)."""
+    return any(is_batched(x) for x in optree.tree_leaves(trees))
 
 
 def _vmap_limit(error: RuntimeError) -> bool:

@@ -42,7 +42,7 @@ from funcmeta import tree
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
 
-__all__ = ["Args", "CallInputs", "check_batch", "check_call", "split_inputs"]
+__all__ = ["Args", "CallInputs", "check_batch", "check_call", "check_model", "split_inputs"]
 
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """``(args, kwargs)``: the inputs of a batch as the model's call arguments."""
@@ -82,9 +82,8 @@ def split_inputs(inputs: Any) -> CallInputs:
     return (inputs,), {}
 
 
-def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
-    """Raise a ``TypeError``/``ValueError`` naming the problem when ``fmodel``, ``params`` or
-    ``opt`` cannot be what :func:`funcmeta.adapt` and the task functions take."""
+def check_model(fmodel: Any) -> None:
+    """Raise ``TypeError`` unless ``fmodel`` is a :class:`funcmeta.FunctionalModel`."""
     if not isinstance(fmodel, FunctionalModel):
         hint = (
             "; wrap it first: fmodel = fm.functionalize(module)"
@@ -95,6 +94,12 @@ def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
             f"fmodel must be a FunctionalModel from fm.functionalize, got "
             f"{type(fmodel).__name__}{hint}"
         )
+
+
+def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
+    """Raise a ``TypeError``/``ValueError`` naming the problem when ``fmodel``, ``params`` or
+    ``opt`` cannot be what :func:`funcmeta.adapt` and the task functions take."""
+    check_model(fmodel)
     if not isinstance(params, Mapping):
         raise TypeError(
             f"params must be a dict of tensors keyed by parameter name (fmodel.params), got "
@@ -152,8 +157,9 @@ def check_batch(
         if name.startswith("inputs") and x.is_floating_point() and x.dtype != dtype
     }
     if odd:
+        listed = ", ".join(f"{name} is {d}" for name, d in odd.items())
         raise TypeError(
-            f"batch inputs {odd} do not have the parameters' dtype {dtype}; cast the data "
+            f"batch inputs do not have the parameters' dtype {dtype}: {listed}; cast the data "
             f"(x.to({dtype})) or the model (module.to({next(iter(odd.values()))}))"
         )
 

@@ -30,6 +30,7 @@ from torch import Tensor
 from funcmeta import kernels
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import LossFn
+from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation, chain
 from funcmeta.optim.primitives import add_proximal
 from funcmeta.recipes._common import resolve_opt
@@ -88,6 +89,7 @@ def imaml(
     solution with ``H`` taken as 0. ``result.curvature_stop`` flags those tasks. A larger
     ``lam``, or more inner steps, avoids them.
     """
+    check_model(fmodel)
     if lam <= 0:
         raise ValueError(f"lam must be positive, got {lam}")
     if cg_steps < 1:
@@ -96,21 +98,27 @@ def imaml(
     inner = chain(add_proximal(lam, theta), resolve_opt(opt, lr))
     with torch.no_grad():
         adapted = adapt_tasks(fmodel, theta, loss_fn, support, inner, steps)
-    phi = {k: v.detach().requires_grad_() for k, v in adapted.params.items()}
+    # the adapted parameters (frozen ones are held fixed and get no meta-gradient)
+    frozen = set(fmodel.frozen)
+    phi = {
+        k: v.detach() if k in frozen else v.detach().requires_grad_()
+        for k, v in adapted.params.items()
+    }
+    free = {k: v for k, v in phi.items() if k not in frozen}
     with torch.enable_grad():
         q_losses, _ = task_losses(fmodel, phi, None, loss_fn, query)
-        rhs = dict(zip(phi, torch.autograd.grad(q_losses.sum(), list(phi.values())), strict=True))
+        rhs = dict(zip(free, torch.autograd.grad(q_losses.sum(), list(free.values())), strict=True))
         # differentiated again by every Hessian-vector product: kernels that allow it
         with kernels.twice_differentiable():
             s_losses, _ = task_losses(fmodel, phi, None, loss_fn, support)
-            grads = torch.autograd.grad(s_losses.sum(), list(phi.values()), create_graph=True)
+            grads = torch.autograd.grad(s_losses.sum(), list(free.values()), create_graph=True)
 
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(I + H/lam) v`` per task (the tasks are independent: one Hessian-vector product
         of the summed support losses)."""
-        dot = sum((g * v[k]).sum() for g, k in zip(grads, phi, strict=True))
-        hv = torch.autograd.grad(dot, list(phi.values()), retain_graph=True)
-        return {k: v[k] + h / lam for k, h in zip(phi, hv, strict=True)}
+        dot = sum((g * v[k]).sum() for g, k in zip(grads, free, strict=True))
+        hv = torch.autograd.grad(dot, list(free.values()), retain_graph=True)
+        return {k: v[k] + h / lam for k, h in zip(free, hv, strict=True)}
 
     x = {k: torch.zeros_like(r) for k, r in rhs.items()}
     r = {k: t.clone() for k, t in rhs.items()}

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import LossFn
+from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.recipes._common import query_loss, resolve_opt
 from funcmeta.tasks import adapt_tasks
@@ -45,6 +46,7 @@ def maml(
     ``checkpoint_steps``, ...). Call ``.backward()`` on the result: the meta-gradients land in
     the module's ``.grad``.
     """
+    check_model(fmodel)
     result = adapt_tasks(
         fmodel,
         fmodel.params,

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import LossFn
+from funcmeta.inputs import check_model
 from funcmeta.optim.sgd import sgd
 from funcmeta.recipes._common import query_loss
 from funcmeta.tasks import adapt_tasks
@@ -80,6 +81,7 @@ def mamlpp(
     runs with its own BatchNorm running statistics, ``step_buffers[k]`` (default: the
     module's), returned updated (BNRS). ``options`` go to :func:`funcmeta.adapt_tasks`.
     """
+    check_model(fmodel)
     weights = torch.as_tensor(step_weights)
     if weights.shape != (steps,):
         raise ValueError(f"step_weights must have shape ({steps},), got {tuple(weights.shape)}")

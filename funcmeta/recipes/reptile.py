@@ -24,6 +24,7 @@ from torch import Tensor
 
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import LossFn
+from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.recipes._common import resolve_opt
 from funcmeta.tasks import adapt_tasks
@@ -47,6 +48,7 @@ def reptile(
     ``t``'s ``support`` batch, taken without a graph. ``options`` go to
     :func:`funcmeta.adapt_tasks`.
     """
+    check_model(fmodel)
     params = fmodel.params
     with torch.no_grad():
         result = adapt_tasks(
