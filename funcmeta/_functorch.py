@@ -30,7 +30,11 @@ from typing import Any
 import optree
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as torch_pytree
+
+try:  # torch's pytree registry on optree: registered types (HuggingFace ModelOutput), fast
+    import torch.utils._cxx_pytree as torch_pytree
+except ImportError:  # pragma: no cover - depends on the torch and optree releases
+    import torch.utils._pytree as torch_pytree  # type: ignore[no-redef]
 from torch import Tensor, nn
 
 from funcmeta._shadow import Standin, has_hooks

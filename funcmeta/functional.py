@@ -72,6 +72,8 @@ class FunctionalModel:
         self._param_shapes = {k: v.shape for k, v in self._params.items()}
         self._buffer_shapes = {k: v.shape for k, v in self._buffers.items()}
         self._task_loop: bool | None = None
+        # layers with torch's inference fast path, which task batching must keep off
+        self._fast_path_layers = any(isinstance(m, _FAST_PATH_LAYERS) for m in module.modules())
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -125,6 +127,8 @@ class FunctionalModel:
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
         if _batched(params, buffers, args, kwargs):
+            if not self._fast_path_layers:
+                return self._apply_tasks(params, buffers, args, kwargs)
             with kernels.no_fast_path():
                 return self._apply_tasks(params, buffers, args, kwargs)
         return self._run(self._runner, self._copies, self._swap, params, buffers, args, kwargs)
@@ -260,9 +264,25 @@ _VMAP_LIMITS = (
 )
 
 
-def _batched(*trees: Any) -> bool:
-    """Whether a tensor of ``trees`` is batched by an enclosing vmap (task batching)."""
-    return any(is_batched(x) for x in optree.tree_leaves(trees))
+_FAST_PATH_LAYERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+def _batched(
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> bool:
+    """Whether a tensor among the arguments is batched by an enclosing vmap (task batching)."""
+    if any(is_batched(v) for v in params.values()) or any(is_batched(v) for v in buffers.values()):
+        return True
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            if is_batched(value):
+                return True
+        elif value is not None and any(is_batched(x) for x in optree.tree_leaves(value)):
+            return True
+    return False
 
 
 def _vmap_limit(error: RuntimeError) -> bool:

@@ -136,6 +136,14 @@ def check_batch(
     ``tasks``, zero tasks first), or a floating-point input whose dtype differs from the
     parameters' (outside autocast)."""
     (args, kwargs), targets = batch
+    leaves = [x for x in optree.tree_leaves((args, kwargs, targets)) if isinstance(x, Tensor)]
+    dtypes = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 and not _autocast() else None
+    if all(
+        x.numel() and (dtype is None or not x.is_floating_point() or x.dtype == dtype)
+        for x in leaves
+    ):
+        return  # nothing to report: skip naming the tensors
     named = [
         *(x for i, a in enumerate(args) for x in _tensors(a, f"inputs[{i}]")),
         *(x for k, v in kwargs.items() for x in _tensors(v, f"inputs[{k!r}]")),
@@ -147,10 +155,8 @@ def check_batch(
     empty = {name: tuple(x.shape) for name, x in named if x.dim() > 0 and x.numel() == 0}
     if empty:
         raise ValueError(f"batch tensors {empty} are empty: there is nothing to compute a loss on")
-    dtypes = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
-    if len(dtypes) != 1 or _autocast():
+    if dtype is None:
         return
-    (dtype,) = dtypes
     odd = {
         name: str(x.dtype)
         for name, x in named

@@ -60,8 +60,17 @@ _BACKENDS = tuple(
     for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable")
     if hasattr(torch._C, f"_get_{name}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{name}")
 )
+_GETTERS = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in _BACKENDS)
+_SETTERS = tuple(getattr(torch._C, f"_set_sdp_use_{name}") for name in _BACKENDS)
 _get_priority = getattr(torch._C, "_get_sdp_priority_order", None)
 _set_priority = getattr(torch._C, "_set_sdp_priority_order", None)
+_mha = torch.backends.mha
+# the flag itself (torch.backends.mha.get_fastpath_enabled also asks TorchScript each time)
+_fast_path_enabled = (
+    (lambda: _mha._is_fastpath_enabled)
+    if hasattr(_mha, "_is_fastpath_enabled")
+    else _mha.get_fastpath_enabled
+)
 
 
 class _Local(threading.local):
@@ -85,51 +94,105 @@ class KernelState:
 def capture() -> KernelState:
     """The kernel choice in force now."""
     return KernelState(
-        attention=tuple(bool(getattr(torch._C, f"_get_{n}_sdp_enabled")()) for n in _BACKENDS),
+        attention=tuple([get() for get in _GETTERS]),
         priority=tuple(_get_priority()) if _get_priority is not None else None,
-        fast_path=torch.backends.mha.get_fastpath_enabled(),
+        fast_path=_fast_path_enabled(),
         twice=_LOCAL.twice,
     )
 
 
-def _apply(state: KernelState) -> None:
-    for name, enabled in zip(_BACKENDS, state.attention, strict=True):
-        getattr(torch._C, f"_set_sdp_use_{name}")(enabled)
-    if state.priority is not None and _set_priority is not None:
+def _apply(state: KernelState, current: KernelState) -> None:
+    """Put ``state`` in force, setting only what differs from ``current``."""
+    if state.attention != current.attention:
+        _set_attention(state.attention)
+    if state.priority != current.priority and state.priority is not None and _set_priority:
         _set_priority(list(state.priority))
-    torch.backends.mha.set_fastpath_enabled(state.fast_path)
+    if state.fast_path != current.fast_path:
+        _mha.set_fastpath_enabled(state.fast_path)
     _LOCAL.twice = state.twice
 
 
-class restore(contextlib.AbstractContextManager):
-    """Put ``state`` in force for the block; the choice before it comes back afterwards.
-    Reusable: a checkpoint may recompute more than once."""
+class _Switch(contextlib.AbstractContextManager):
+    """Puts a kernel choice made from the one in force on entry in force for the block, and
+    the one before it back afterwards. Reusable: a checkpoint may recompute more than once."""
+
+    def target(self, now: KernelState) -> KernelState:
+        raise NotImplementedError
+
+    def __enter__(self) -> None:
+        now = capture()
+        target = self.target(now)
+        self.__dict__.setdefault("_stack", []).append(now)
+        if target != now:
+            _apply(target, now)
+
+    def __exit__(self, *exc: object) -> None:
+        before = self._stack.pop()
+        now = capture()
+        if now != before:
+            _apply(before, now)
+
+
+class restore(_Switch):
+    """Put ``state`` (from :func:`capture`) in force for the block; the choice before it
+    comes back afterwards."""
 
     def __init__(self, state: KernelState) -> None:
         self.state = state
-        self._before: list[KernelState] = []
+
+    def target(self, now: KernelState) -> KernelState:
+        return self.state
+
+
+_MATH_ONLY = tuple(name == "math" for name in _BACKENDS)
+
+
+def _set_attention(enabled: tuple[bool, ...]) -> None:
+    for set_enabled, on in zip(_SETTERS, enabled, strict=True):
+        set_enabled(on)
+
+
+class _Override:
+    """Math-only attention (if ``math``), no MHA fast path, and the twice-differentiable mark
+    (if ``twice``) for the block; only what differs is set, and put back afterwards. On the
+    path of every inner step, so kept to a few calls."""
+
+    __slots__ = ("_saved", "math", "twice")
+
+    def __init__(self, math: bool, twice: bool) -> None:
+        self.math, self.twice = math, twice
+        self._saved: list[tuple[tuple[bool, ...] | None, bool, bool]] = []
 
     def __enter__(self) -> None:
-        self._before.append(capture())
-        _apply(self.state)
+        attention = tuple([get() for get in _GETTERS]) if self.math else None
+        fast_path, twice = _fast_path_enabled(), _LOCAL.twice
+        self._saved.append((attention, fast_path, twice))
+        if attention is not None and attention != _MATH_ONLY:
+            _set_attention(_MATH_ONLY)
+        if fast_path:
+            _mha.set_fastpath_enabled(False)
+        if self.twice:
+            _LOCAL.twice = True
 
     def __exit__(self, *exc: object) -> None:
-        _apply(self._before.pop())
+        attention, fast_path, twice = self._saved.pop()
+        if attention is not None and attention != tuple([get() for get in _GETTERS]):
+            _set_attention(attention)
+        if fast_path != _fast_path_enabled():
+            _mha.set_fastpath_enabled(fast_path)
+        _LOCAL.twice = twice
 
 
 def twice_differentiable() -> contextlib.AbstractContextManager[None]:
     """A block whose graph can be differentiated twice: math attention only, RNNs without
     cuDNN, no MHA inference fast path (see the module docstring)."""
-    now = capture()
-    attention = tuple(name == "math" for name in _BACKENDS)
-    return restore(KernelState(attention, now.priority, fast_path=False, twice=True))
+    return _Override(math=True, twice=True)  # type: ignore[return-value]
 
 
 def no_fast_path() -> contextlib.AbstractContextManager[None]:
     """A block without the MHA/Transformer inference fast path (which has no derivative and no
     vmap support); other choices unchanged."""
-    now = capture()
-    return restore(KernelState(now.attention, now.priority, fast_path=False, twice=now.twice))
+    return _Override(math=False, twice=False)  # type: ignore[return-value]
 
 
 def in_twice_differentiable() -> bool:
