@@ -185,13 +185,11 @@ class _Inner:
                 wrt = [p.detach().requires_grad_() for p in leaves]
             current = tree.unflatten(self.spec, wrt)
             full = current if self.fixed is None else tree.combine(current, self.fixed)
-            # a graph differentiated again (second order) runs on kernels that allow it
-            with kernels.twice_differentiable() if second else contextlib.nullcontext():
-                loss, new_buffers = self.forward(full, buffers)
-                objective = loss if self.tasks is None else loss.sum()
-                if self.loss_scale is not None:
-                    objective = objective * self.loss_scale
-                grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
+            loss, new_buffers = self.forward(full, buffers)
+            objective = loss if self.tasks is None else loss.sum()
+            if self.loss_scale is not None:
+                objective = objective * self.loss_scale
+            grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
         grads = _fill_unused(grads, wrt, self.names, self.allow_unused)
         if self.loss_scale is not None:
             inv = 1.0 / self.loss_scale
@@ -234,44 +232,82 @@ def _run(
     checkpoint_steps: bool,
     offload: bool,
 ) -> AdaptResult:
-    """The loop of :func:`adapt` and :func:`funcmeta.adapt_tasks` over :meth:`_Inner.step`."""
+    """The loop of :func:`adapt` and :func:`funcmeta.adapt_tasks` over :meth:`_Inner.step`.
+
+    Steps ``truncate`` on build a graph. In second order it is differentiated again, so they
+    run on kernels that allow it (:func:`funcmeta.kernels.twice_differentiable`, entered once
+    for all of them; a recomputation restores the choice of its forward).
+    """
+    # Without an outer graph (evaluation under no_grad) nothing differentiates the inner
+    # gradients: the steps run first order, same values, on the kernels in force.
+    outer = torch.is_grad_enabled()
+    first_order = first_order or not outer
     losses: list[Tensor] = []
     skipped: list[int] = []
     start = leaves
-    for k in range(steps):
-        if k == truncate and truncate > 0:
-            leaves = _reenter(leaves, start)
-        graph = k >= truncate
-        second = graph and not first_order
-        if checkpoint_steps and graph and torch.is_grad_enabled():
-            # State and buffers are bound now: the recomputation must see these values, on
-            # the kernels of this forward. Offload, if asked, applies to what the checkpoint
-            # keeps (inside it, it would keep everything and recompute nothing).
-            with _offload(offload, leaves):
-                out = torch_checkpoint(
-                    inner.step,
-                    k,
-                    graph,
-                    second,
-                    False,
-                    state,
-                    buffers,
-                    *leaves,
-                    use_reentrant=False,
-                    context_fn=kernels.recompute_with(kernels.capture()),
-                )
-        else:
-            out = inner.step(k, graph, second, offload, state, buffers, *leaves)
-        leaves, state, buffers, loss, was_skipped = out
-        losses.append(loss)
-        if was_skipped:
-            skipped.append(k)
+    kernel_choice = contextlib.ExitStack()
+    with kernel_choice:
+        for k in range(steps):
+            if k == truncate and truncate > 0:
+                leaves = _reenter(leaves, start)
+            if k == truncate and not first_order:
+                kernel_choice.enter_context(kernels.twice_differentiable())
+            graph = k >= truncate
+            leaves, state, buffers, loss, was_skipped = _one_step(
+                inner,
+                k,
+                graph,
+                graph and not first_order,
+                outer,
+                leaves,
+                state,
+                buffers,
+                checkpoint_steps=checkpoint_steps,
+                offload=offload,
+            )
+            losses.append(loss)
+            if was_skipped:
+                skipped.append(k)
     if truncate > 0 and truncate == steps:
         leaves = _reenter(leaves, start)
     adapted = tree.unflatten(inner.spec, leaves)
     final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
     stacked = torch.stack(losses) if losses else torch.empty(0)
     return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
+
+
+def _one_step(
+    inner: _Inner,
+    k: int,
+    graph: bool,
+    second: bool,
+    outer: bool,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+    *,
+    checkpoint_steps: bool,
+    offload: bool,
+) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+    """Step ``k`` of :func:`_run`, under a step checkpoint if asked."""
+    if not (checkpoint_steps and graph and outer):
+        return inner.step(k, graph, second, offload, state, buffers, *leaves)
+    # State and buffers are bound now: the recomputation must see these values, on the
+    # kernels of this forward. Offload, if asked, applies to what the checkpoint keeps (inside
+    # it, it would keep everything and recompute nothing).
+    with _offload(offload, leaves):
+        return torch_checkpoint(
+            inner.step,
+            k,
+            graph,
+            second,
+            False,
+            state,
+            buffers,
+            *leaves,
+            use_reentrant=False,
+            context_fn=kernels.recompute_with(kernels.capture()),
+        )
 
 
 def adapt(
@@ -346,7 +382,7 @@ def adapt(
     RNNs without cuDNN: :mod:`funcmeta.kernels`); other steps keep the kernels in force.
 
     Works under ``torch.no_grad()`` too (evaluation): gradients are still taken, no outer
-    graph is kept.
+    graph is kept, and the steps run first order (the same values) on the kernels in force.
     """
     split = _validate(
         fmodel, params, opt, batch, steps, truncate, loss_scale, on_nonfinite, clip_grad_norm
