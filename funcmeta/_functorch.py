@@ -24,7 +24,7 @@ error that says so, and :class:`TaskLinear` falls back to ``F.linear``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import optree
@@ -37,12 +37,13 @@ except ImportError:  # pragma: no cover - depends on the torch and optree releas
     import torch.utils._pytree as torch_pytree  # type: ignore[no-redef]
 from torch import Tensor, nn
 
-from funcmeta._shadow import Standin, has_hooks
+from funcmeta._shadow import Standin, has_hooks, within
 from funcmeta.kernels import in_twice_differentiable
 
 __all__ = [
     "TaskLinear",
     "TaskLoop",
+    "any_batched",
     "call_outside_vmap",
     "fast_vmap",
     "innermost_level",
@@ -131,6 +132,25 @@ def fast_vmap(
 def is_batched(x: Any) -> bool:
     """Whether ``x`` is a tensor batched by an enclosing ``vmap``."""
     return is_batchedtensor is not None and isinstance(x, Tensor) and is_batchedtensor(x)
+
+
+def any_batched(*values: Any) -> bool:
+    """Whether a tensor among ``values`` (tensors, mappings and sequences of them, or any pytrees) is
+    batched by an enclosing vmap. Tensors, mapping values and sequence items are looked at directly, since this
+    runs on every call of a model."""
+    for value in values:
+        if isinstance(value, Tensor):
+            if is_batched(value):
+                return True
+        elif isinstance(value, Mapping):
+            if any_batched(*value.values()):
+                return True
+        elif isinstance(value, list | tuple):
+            if any_batched(*value):
+                return True
+        elif value is not None and any(is_batched(x) for x in optree.tree_leaves(value)):
+            return True
+    return False
 
 
 def innermost_level(tree: Any) -> int | None:
@@ -289,7 +309,7 @@ class TaskLoop(Standin):
         bnames, btensors = named_tensors(original.named_buffers())
         tensors = ptensors + btensors
         with _rnn_kernels():
-            if innermost_level((tensors, args, kwargs)) is None:
+            if not any_batched(tensors, args, kwargs):
                 return original(*args, **kwargs)
 
             def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
@@ -311,13 +331,9 @@ def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
     """The recurrent layers of ``module`` (outermost), each to be run by :class:`TaskLoop`."""
     out: dict[str, type[Standin]] = {}
     for name, m in module.named_modules():
-        if isinstance(m, nn.RNNBase) and not any(_inside(name, n) for n in out):
+        if isinstance(m, nn.RNNBase) and not any(within(name, n) for n in out):
             out[name] = TaskLoop
     return out
-
-
-def _inside(name: str, outer: str) -> bool:
-    return outer == "" or name.startswith(outer + ".")
 
 
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
@@ -328,6 +344,6 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
         return {}
     out = recurrent_layers(module)
     for name, m in module.named_modules():
-        if type(m) is nn.Linear and not any(_inside(name, n) for n in list(out)):
+        if type(m) is nn.Linear and not any(within(name, n) for n in list(out)):
             out[name] = TaskLinear
     return out

@@ -15,13 +15,23 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["Standin", "ancestors", "has_hooks", "shadow", "sync_training"]
+__all__ = ["Standin", "ancestors", "has_hooks", "relative", "shadow", "sync_training", "within"]
 
 
 def ancestors(name: str) -> list[str]:
     """The names of the modules above submodule ``name`` (``""`` is the root)."""
     parts = name.split(".") if name else []
     return [""] + [".".join(parts[:i]) for i in range(1, len(parts))] if parts else []
+
+
+def within(name: str, layer: str) -> bool:
+    """Whether submodule ``name`` is ``layer`` or lies inside it (``""`` is the root)."""
+    return layer == "" or name == layer or name.startswith(layer + ".")
+
+
+def relative(name: str, layer: str) -> str:
+    """``name`` relative to ``layer``, which holds it (``""`` for the layer itself)."""
+    return name if layer == "" else name[len(layer) + 1 :]
 
 
 def has_hooks(module: nn.Module) -> bool:

@@ -29,14 +29,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import optree
 from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta import kernels
-from funcmeta._functorch import call_outside_vmap, is_batched, named_tensors
-from funcmeta._shadow import Standin, ancestors, shadow
+from funcmeta._functorch import any_batched, call_outside_vmap, named_tensors
+from funcmeta._shadow import Standin, ancestors, relative, shadow, within
 
 __all__ = ["POLICIES", "CheckpointSpec", "checkpointed_runner", "select"]
 
@@ -160,7 +159,7 @@ class _Checkpointed(Standin):
         # The recomputation runs on the kernels of this forward, whatever is in force when the
         # backward that needs it runs.
         context_fn = kernels.recompute_with(kernels.capture())
-        if any(is_batched(x) for x in optree.tree_leaves((inputs, kwargs))):
+        if any_batched(inputs, kwargs):
             # Under task batching (vmap): checkpoint(vmap(layer)) outside the vmap level.
             return call_outside_vmap(
                 lambda f, flat: torch_checkpoint(
@@ -194,22 +193,12 @@ def checkpointed_runner(
     copies: list[tuple[nn.Module, nn.Module]] = []
     for n in names:
         layer = module.get_submodule(n)
-        within = {_relative(name, n): make for name, make in standins.items() if _within(name, n)}
-        inner, inner_copies = shadow(layer, within)
+        inside = {relative(name, n): make for name, make in standins.items() if within(name, n)}
+        inner, inner_copies = shadow(layer, inside)
         copies += inner_copies
         replace[n] = lambda m, inner=inner: _Checkpointed(m, inner)
     for name, make in standins.items():
-        if not any(_within(name, n) for n in names):
+        if not any(within(name, n) for n in names):
             replace[name] = make
     root, outer_copies = shadow(module, replace)
     return root, copies + outer_copies
-
-
-def _within(name: str, layer: str) -> bool:
-    """Whether submodule ``name`` is ``layer`` or lies inside it."""
-    return layer == "" or name == layer or name.startswith(layer + ".")
-
-
-def _relative(name: str, layer: str) -> str:
-    """``name`` relative to ``layer`` (``""`` for the layer itself)."""
-    return name if layer == "" else name[len(layer) + 1 :]

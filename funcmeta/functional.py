@@ -22,14 +22,13 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
 from funcmeta import kernels
 from funcmeta._functorch import (
+    any_batched,
     call_outside_vmap,
-    is_batched,
     recurrent_layers,
     task_standins,
 )
@@ -126,7 +125,7 @@ class FunctionalModel:
         """
         _check(params, self._param_shapes, "params")
         _check(buffers, self._buffer_shapes, "buffers")
-        if _batched(params, buffers, args, kwargs):
+        if any_batched(params, buffers, args, kwargs):
             if not self._fast_path_layers:
                 return self._apply_tasks(params, buffers, args, kwargs)
             with kernels.no_fast_path():
@@ -255,39 +254,17 @@ class _Swap:
                 owner[attr] = value
 
 
-_VMAP_LIMITS = (
-    "vmap:",
-    "Batching rule not implemented",
-    "batching rule",
-    "vmap support",
-    "data-dependent control flow",
-)
+# what vmap says when it cannot batch something (compared in lower case)
+_VMAP_LIMITS = ("vmap:", "vmap support", "batching rule", "data-dependent control flow")
 
 
 _FAST_PATH_LAYERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
-def _batched(
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> bool:
-    """Whether a tensor among the arguments is batched by an enclosing vmap (task batching)."""
-    if any(is_batched(v) for v in params.values()) or any(is_batched(v) for v in buffers.values()):
-        return True
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor):
-            if is_batched(value):
-                return True
-        elif value is not None and any(is_batched(x) for x in optree.tree_leaves(value)):
-            return True
-    return False
-
-
 def _vmap_limit(error: RuntimeError) -> bool:
     """Whether ``error`` is vmap saying it cannot batch something."""
-    return any(text in str(error) for text in _VMAP_LIMITS)
+    message = str(error).lower()
+    return any(text in message for text in _VMAP_LIMITS)
 
 
 def check_keys(given: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta import kernels, tree
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import CallInputs, check_batch, check_call, split_inputs
+from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
 from funcmeta.optim.base import GradientTransformation, apply_updates
 from funcmeta.optim.clip import _check_max_norm, clip_grads_by_global_norm
 from funcmeta.tree import Filter, Tree
@@ -79,17 +79,6 @@ def _forward_loss(
     return loss, new_buffers
 
 
-def split_batch(batch: Any) -> tuple[CallInputs, Any]:
-    """``((args, kwargs), targets)`` for a batch ``(inputs, targets)``
-    (see :mod:`funcmeta.inputs`)."""
-    if not isinstance(batch, tuple | list) or len(batch) != 2:
-        raise TypeError(
-            "batch must be a pair (inputs, targets); inputs may be a tuple of positional "
-            "arguments, a dict of keyword arguments or fm.Args(...)"
-        )
-    return split_inputs(batch[0]), batch[1]
-
-
 def _validate(
     fmodel: Any,
     params: Any,
@@ -101,16 +90,18 @@ def _validate(
     on_nonfinite: str | None,
     clip_grad_norm: Any,
     tasks: bool = False,
-) -> tuple[CallInputs, Any]:
-    """Check the arguments of :func:`adapt` (and :func:`funcmeta.adapt_tasks`) before any
-    computation; the batch split into call arguments and targets."""
+) -> tuple[tuple[CallInputs, Any], int | None]:
+    """Check the arguments of :func:`adapt` (with ``tasks``, of :func:`funcmeta.adapt_tasks`)
+    before any computation. Returns the batch split into call arguments and targets, and the
+    number of tasks (``None`` without ``tasks``)."""
     check_call(fmodel, params, opt)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
         raise ValueError(f"steps must be a non-negative int, got {steps!r}")
     if not isinstance(truncate, int) or isinstance(truncate, bool) or not 0 <= truncate <= steps:
         raise ValueError(f"truncate must be an int in [0, steps={steps}], got {truncate!r}")
     split = split_batch(batch)
-    check_batch(split, params, tasks)
+    count = task_count(split) if tasks else None
+    check_batch(split, params)
     if loss_scale is not None and (
         isinstance(loss_scale, bool)
         or not isinstance(loss_scale, int | float)
@@ -122,7 +113,7 @@ def _validate(
         raise ValueError(f"on_nonfinite must be None, 'raise' or 'skip', got {on_nonfinite!r}")
     if clip_grad_norm is not None:
         _check_max_norm(clip_grad_norm)
-    return split
+    return split, count
 
 
 Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
@@ -384,7 +375,7 @@ def adapt(
     Works under ``torch.no_grad()`` too (evaluation): gradients are still taken, no outer
     graph is kept, and the steps run first order (the same values) on the kernels in force.
     """
-    split = _validate(
+    split, _ = _validate(
         fmodel, params, opt, batch, steps, truncate, loss_scale, on_nonfinite, clip_grad_norm
     )
     return _adapt(

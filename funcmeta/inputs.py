@@ -1,4 +1,5 @@
-"""What a batch's inputs mean as a call of the model, and the checks made before any step.
+"""What a batch's inputs mean as a call of the model, its task count, and the checks made
+before any step.
 
 A batch is ``(inputs, targets)``. ``inputs`` become the model's arguments:
 
@@ -42,7 +43,16 @@ from funcmeta import tree
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
 
-__all__ = ["Args", "CallInputs", "check_batch", "check_call", "check_model", "split_inputs"]
+__all__ = [
+    "Args",
+    "CallInputs",
+    "check_batch",
+    "check_call",
+    "check_model",
+    "split_batch",
+    "split_inputs",
+    "task_count",
+]
 
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """``(args, kwargs)``: the inputs of a batch as the model's call arguments."""
@@ -96,6 +106,48 @@ def check_model(fmodel: Any) -> None:
         )
 
 
+def split_batch(batch: Any) -> tuple[CallInputs, Any]:
+    """``((args, kwargs), targets)`` for a batch ``(inputs, targets)``
+    (see :mod:`funcmeta.inputs`)."""
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise TypeError(
+            "batch must be a pair (inputs, targets); inputs may be a tuple of positional "
+            "arguments, a dict of keyword arguments or fm.Args(...)"
+        )
+    return split_inputs(batch[0]), batch[1]
+
+
+def task_count(batch: Any) -> int:
+    """The size of the leading task axis shared by every tensor of ``batch``.
+
+    Raises ``ValueError`` naming the tensors whose leading axis differs.
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(batch)
+    tensors = [
+        (tree.path_str(p), x) for p, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)
+    ]
+    if not tensors:
+        raise ValueError("the batch holds no tensors: nothing gives the task axis")
+    scalars = [p or "batch" for p, x in tensors if x.dim() == 0]
+    if scalars:
+        raise ValueError(
+            f"batch tensors {scalars} are scalars; every one needs a leading task axis"
+        )
+    first = tensors[0][1].shape[0]
+    if first == 0:
+        raise ValueError(
+            f"the batch holds zero tasks (batch tensor {tensors[0][0] or 'batch'!r} has shape "
+            f"{tuple(tensors[0][1].shape)}); the task axis comes first"
+        )
+    odd = {p or "batch": tuple(x.shape) for p, x in tensors if x.shape[0] != first}
+    if odd:
+        raise ValueError(
+            f"every batch tensor needs the same leading task axis (expected {first} tasks, as "
+            f"batch tensor {tensors[0][0] or 'batch'!r} has); these differ: {odd}"
+        )
+    return first
+
+
 def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
     """Raise a ``TypeError``/``ValueError`` naming the problem when ``fmodel``, ``params`` or
     ``opt`` cannot be what :func:`funcmeta.adapt` and the task functions take."""
@@ -129,12 +181,9 @@ def _autocast() -> bool:
     return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
-def check_batch(
-    batch: tuple[CallInputs, Any], params: Mapping[str, Tensor], tasks: bool = False
-) -> None:
-    """Raise ``ValueError``/``TypeError`` naming the tensor for an empty batch tensor (with
-    ``tasks``, zero tasks first), or a floating-point input whose dtype differs from the
-    parameters' (outside autocast)."""
+def check_batch(batch: tuple[CallInputs, Any], params: Mapping[str, Tensor]) -> None:
+    """Raise ``ValueError``/``TypeError`` naming the tensor for an empty batch tensor, or a
+    floating-point input whose dtype differs from the parameters' (outside autocast)."""
     (args, kwargs), targets = batch
     leaves = [x for x in optree.tree_leaves((args, kwargs, targets)) if isinstance(x, Tensor)]
     dtypes = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
@@ -149,9 +198,6 @@ def check_batch(
         *(x for k, v in kwargs.items() for x in _tensors(v, f"inputs[{k!r}]")),
         *_tensors(targets, "targets"),
     ]
-    no_tasks = {name: tuple(x.shape) for name, x in named if tasks and x.dim() and not len(x)}
-    if no_tasks:
-        raise ValueError(f"the batch holds zero tasks: {no_tasks} (the task axis comes first)")
     empty = {name: tuple(x.shape) for name, x in named if x.dim() > 0 and x.numel() == 0}
     if empty:
         raise ValueError(f"batch tensors {empty} are empty: there is nothing to compute a loss on")

@@ -112,36 +112,24 @@ def _apply(state: KernelState, current: KernelState) -> None:
     _LOCAL.twice = state.twice
 
 
-class _Switch(contextlib.AbstractContextManager):
-    """Puts a kernel choice made from the one in force on entry in force for the block, and
-    the one before it back afterwards. Reusable: a checkpoint may recompute more than once."""
-
-    def target(self, now: KernelState) -> KernelState:
-        raise NotImplementedError
-
-    def __enter__(self) -> None:
-        now = capture()
-        target = self.target(now)
-        self.__dict__.setdefault("_stack", []).append(now)
-        if target != now:
-            _apply(target, now)
-
-    def __exit__(self, *exc: object) -> None:
-        before = self._stack.pop()
-        now = capture()
-        if now != before:
-            _apply(before, now)
-
-
-class restore(_Switch):
+class restore(contextlib.AbstractContextManager):
     """Put ``state`` (from :func:`capture`) in force for the block; the choice before it
-    comes back afterwards."""
+    comes back afterwards. Reusable: a checkpoint may recompute more than once."""
 
     def __init__(self, state: KernelState) -> None:
         self.state = state
+        self._before: list[KernelState] = []
 
-    def target(self, now: KernelState) -> KernelState:
-        return self.state
+    def __enter__(self) -> None:
+        now = capture()
+        self._before.append(now)
+        if now != self.state:
+            _apply(self.state, now)
+
+    def __exit__(self, *exc: object) -> None:
+        before, now = self._before.pop(), capture()
+        if now != before:
+            _apply(before, now)
 
 
 _MATH_ONLY = tuple(name == "math" for name in _BACKENDS)

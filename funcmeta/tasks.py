@@ -39,46 +39,14 @@ import optree
 import torch
 from torch import Tensor
 
-from funcmeta import tree
 from funcmeta._functorch import fast_vmap
 from funcmeta.functional import FunctionalModel, check_keys
-from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate, split_batch
-from funcmeta.inputs import CallInputs, check_batch, check_call
+from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate
+from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.tree import Filter
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
-
-
-def task_count(batch: Any) -> int:
-    """The size of the leading task axis shared by every tensor of ``batch``.
-
-    Raises ``ValueError`` naming the tensors whose leading axis differs.
-    """
-    paths, leaves, _ = optree.tree_flatten_with_path(batch)
-    tensors = [
-        (tree.path_str(p), x) for p, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)
-    ]
-    if not tensors:
-        raise ValueError("the batch holds no tensors: nothing gives the task axis")
-    scalars = [p or "batch" for p, x in tensors if x.dim() == 0]
-    if scalars:
-        raise ValueError(
-            f"batch tensors {scalars} are scalars; every one needs a leading task axis"
-        )
-    first = tensors[0][1].shape[0]
-    if first == 0:
-        raise ValueError(
-            f"the batch holds zero tasks (batch tensor {tensors[0][0] or 'batch'!r} has shape "
-            f"{tuple(tensors[0][1].shape)}); the task axis comes first"
-        )
-    odd = {p or "batch": tuple(x.shape) for p, x in tensors if x.shape[0] != first}
-    if odd:
-        raise ValueError(
-            f"every batch tensor needs the same leading task axis (expected {first} tasks, as "
-            f"batch tensor {tensors[0][0] or 'batch'!r} has); these differ: {odd}"
-        )
-    return first
 
 
 def _task_dims(
@@ -129,8 +97,8 @@ def apply_tasks(
     """
     check_call(fmodel, params)
     inputs: CallInputs = (args, kwargs)
-    check_batch((inputs, None), params, tasks=True)
     tasks = task_count(inputs)
+    check_batch((inputs, None), params)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
 
@@ -180,8 +148,8 @@ def task_losses(
     """
     check_call(fmodel, params)
     split = split_batch(batch)
-    check_batch(split, params, tasks=True)
     tasks = task_count(split)
+    check_batch(split, params)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
     return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
@@ -242,7 +210,7 @@ def adapt_tasks(
         buffers ``(T, ...)`` (parameters held fixed by ``trainable`` are passed through as
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
-    split = _validate(
+    split, tasks = _validate(
         fmodel, params, opt, batch, steps, truncate, loss_scale, on_nonfinite, clip_grad_norm, True
     )
     if on_nonfinite == "skip":
@@ -250,7 +218,6 @@ def adapt_tasks(
             "on_nonfinite='skip' is not available with task batching: the tasks share the "
             "optimizer's step count; use 'raise', or adapt the tasks one by one"
         )
-    tasks = task_count(split)
     buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
     dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
 
