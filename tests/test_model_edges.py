@@ -262,6 +262,72 @@ def test_task_loop_fallback_is_reported():
         torch.testing.assert_close(losses[t], want)
 
 
+class GradOnlyBranch(nn.Module):
+    """Branches on the data only when gradients are being recorded: the no-grad probe
+    batches, the real run cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1, dtype=DTYPE)
+
+    def forward(self, x):
+        out = self.lin(x)
+        if torch.is_grad_enabled() and bool(out.sum() > 1e6):
+            return out * 2
+        return out
+
+
+def test_task_loop_after_probe_passes_and_real_run_cannot_batch():
+    fmodel = fm.functionalize(GradOnlyBranch())
+    x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
+    opt = fm.optim.sgd(lr=0.1)
+    result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2)
+    assert fmodel.task_loop is True
+    for t in range(3):
+        one = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x[t], y[t]), opt, 2)
+        for k, v in one.params.items():
+            torch.testing.assert_close(result.params[k][t], v, rtol=1e-12, atol=1e-14)
+
+
+class DropoutDataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 8, dtype=DTYPE)
+        self.head = nn.Linear(8, 1, dtype=DTYPE)
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.lin(x)), 0.3, self.training)
+        if bool(h.sum() > 1e6):  # data-dependent control flow: runs once per task
+            h = h * 2
+        return self.head(h)
+
+
+def test_probe_inside_a_step_checkpoint_leaves_the_dropout_masks_alone():
+    """The first task-batched call finds out, inside a step checkpoint, that the model must
+    run per task. Its probe must not consume random numbers: the run equals one whose model
+    had found out before, and the checkpoint's recomputation reproduces the masks."""
+    x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
+
+    def meta_grads(warm: bool):
+        torch.manual_seed(0)
+        net = DropoutDataDependent()
+        fmodel = fm.functionalize(net)
+        if warm:
+            fm.apply_tasks(fmodel, fmodel.params, None, x)
+            assert fmodel.task_loop is True
+        torch.manual_seed(1)
+        opt = fm.optim.sgd(lr=0.1)
+        result = fm.adapt_tasks(
+            fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2, checkpoint_steps=True
+        )
+        assert fmodel.task_loop is True
+        loss = result.losses.sum()
+        return torch.autograd.grad(loss, list(fmodel.params.values()))
+
+    for cold, warm in zip(meta_grads(False), meta_grads(True), strict=True):
+        torch.testing.assert_close(cold, warm, rtol=0, atol=0)
+
+
 # --- step checkpointing with offload ------------------------------------------------------
 
 
