@@ -1,6 +1,6 @@
 """What DistributedDataParallel does with meta-learning, measured on two gloo processes.
 
-1. A MAML outer loss through ``fm.functionalize(ddp.module)``, then ``.backward()``: DDP's
+1. A MAML outer loss through ``fm.functional_model(ddp.module)``, then ``.backward()``: DDP's
    reducer never runs (its forward was not called). Each rank keeps its own local
    gradient. The script reports how far that is from the correct task-averaged gradient
    (``fm.distributed.average_gradients``).
@@ -43,14 +43,24 @@ def worker(rank: int, init: str, out: str) -> None:
 
     # the correct meta-gradient: plain collectives
     net = model()
-    fm.recipes.maml(fm.functionalize(net), (xs, ys), (xq, yq), F.mse_loss, lr=0.1).backward()
+    fm.recipes.maml(
+        fm.functional_model(net),
+        fm.functional_model(net).params,
+        F.mse_loss,
+        (xs, ys),
+        (xq, yq),
+        steps=1,
+        lr=0.1,
+    ).loss.backward()
     fm.distributed.average_gradients(net.parameters(), count)
     correct = [p.grad.clone() for p in net.parameters()]
 
     # 1. functional_call on ddp.module
     ddp = DistributedDataParallel(model())
-    fmodel = fm.functionalize(ddp.module)
-    fm.recipes.maml(fmodel, (xs, ys), (xq, yq), F.mse_loss, lr=0.1).backward()
+    fmodel = fm.functional_model(ddp.module)
+    fm.recipes.maml(
+        fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=1, lr=0.1
+    ).loss.backward()
     through_module = [p.grad for p in ddp.module.parameters()]
     results["module_max_diff"] = max(
         float((a - c).abs().max()) for a, c in zip(through_module, correct, strict=True)

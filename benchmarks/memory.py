@@ -1,6 +1,6 @@
 """Peak memory of one second-order MAML meta-iteration against the number of inner steps.
 
-Four settings: no checkpointing, per-layer checkpointing (``functionalize(checkpoint=...)``),
+Four settings: no checkpointing, per-layer checkpointing (``functional_model(checkpoint_layers=...)``),
 step-level checkpointing (``adapt(checkpoint_steps=True)``) and both. The model is a deep
 tanh MLP on a large batch, so activations dominate. The inner loop is SGD with learnable
 per-layer softplus rates.
@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> dict:
         layers += [nn.Linear(args.width, args.width), nn.Tanh()]
     net = nn.Sequential(*layers, nn.Linear(args.width, 1)).to(device)
     per_layer = args.mode in ("per-layer", "both")
-    fmodel = fm.functionalize(net, checkpoint="sequential" if per_layer else None)
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if per_layer else None)
     lrs = fm.hyper.per_layer(fmodel.params, 1e-3, parameterization="softplus")
     g = torch.Generator().manual_seed(1)
     xs, xq = (torch.randn(args.batch, args.width, generator=g).to(device) for _ in range(2))

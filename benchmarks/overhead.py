@@ -92,7 +92,7 @@ def main() -> None:
     device = args.device
     torch.manual_seed(0)
     model = sinusoid_mlp().to(device)
-    fmodel = fm.functionalize(model)
+    fmodel = fm.functional_model(model)
     params = list(model.parameters())
     batch = fm.data.Sinusoid().sample(
         args.meta_batch, 10, 10, generator=torch.Generator().manual_seed(0), device=device

@@ -107,24 +107,28 @@ def reference(net, rates, support, query, loss_fn, steps):
 
 
 @functools.cache
-def functionalized(net: nn.Module) -> fm.FunctionalModel:
+def functional_model_of(net: nn.Module) -> fm.FunctionalModel:
     """Made once per model, outside the timed meta-iterations, as a user would."""
-    return fm.functionalize(net)
+    return fm.functional_model(net)
 
 
 def funcmeta_loop(net, rates, support, query, loss_fn, steps):
-    fmodel = functionalized(net)
+    fmodel = functional_model_of(net)
     opt = fm.optim.sgd(lr=rates or LR)
     losses = []
     for t in range(support[0].shape[0]):
-        r = fm.adapt(fmodel, fmodel.params, loss_fn, (support[0][t], support[1][t]), opt, steps)
+        r = fm.adapt(
+            fmodel, fmodel.params, loss_fn, (support[0][t], support[1][t]), opt, steps=steps
+        )
         losses.append(loss_fn(fmodel.apply(r.params, r.buffers, query[0][t])[0], query[1][t]))
     return torch.stack(losses).mean()
 
 
 def funcmeta_batched(net, rates, support, query, loss_fn, steps):
-    fmodel = functionalized(net)
-    return fm.recipes.maml(fmodel, support, query, loss_fn, lr=rates or LR, steps=steps)
+    fmodel = functional_model_of(net)
+    return fm.recipes.maml(
+        fmodel, fmodel.params, loss_fn, support, query, lr=rates or LR, steps=steps
+    ).loss
 
 
 def with_higher(net, rates, support, query, loss_fn, steps):

@@ -59,7 +59,7 @@ def loop_meta(fmodel, loss_fn, support, query):
 def batched_meta(fmodel, loss_fn, support, query):
     opt = fm.optim.sgd(lr=LR)
     result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=STEPS)
-    out, _ = fm.apply_tasks(fmodel, result.params, result.buffers, query[0])
+    out, _ = fm.apply_tasks(fmodel, result.params, query[0], buffers=result.buffers)
     # every task has as many query points: the mean over all is the mean of task means
     return loss_fn(out.flatten(0, 1), query[1].flatten(0, 1))
 
@@ -133,7 +133,7 @@ def main() -> None:
     for workload in args.workloads:
         torch.manual_seed(0)
         net = (sinusoid_mlp() if workload == "sinusoid" else conv4()).to(device)
-        fmodel = fm.functionalize(net)
+        fmodel = fm.functional_model(net)
         params = list(net.parameters())
         for tasks in args.meta_batch:
             support, query, loss_fn = make_data(workload, tasks, device)

@@ -46,7 +46,7 @@ def data(name: str) -> tuple:
 
 
 def exact(net, xs, ys, xq, yq):
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     total = 0
     for t in range(T):
         r = fm.adapt(
@@ -79,11 +79,11 @@ def vmap_of_grad(net, xs, ys, xq, yq):
 
 
 def batched(net, xs, ys, xq, yq):
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     r = fm.adapt_tasks(
         fmodel, fmodel.params, F.cross_entropy, (xs, ys), fm.optim.sgd(lr=LR), steps=STEPS
     )
-    out, _ = fm.apply_tasks(fmodel, r.params, r.buffers, xq)
+    out, _ = fm.apply_tasks(fmodel, r.params, xq, buffers=r.buffers)
     loss = torch.stack([F.cross_entropy(out[t], yq[t]) for t in range(T)]).mean()
     return torch.autograd.grad(loss, list(net.parameters()))
 

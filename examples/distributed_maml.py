@@ -40,7 +40,7 @@ def main() -> None:
     net = nn.Sequential(
         nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1)
     ).to(device)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     outer = torch.optim.Adam(net.parameters(), lr=1e-3)
     tasks = fm.data.Sinusoid()
     rng = torch.Generator().manual_seed(1)  # the same meta-batches on every rank
@@ -51,7 +51,9 @@ def main() -> None:
         )
         outer.zero_grad()
         if count:
-            loss = fm.recipes.maml(fmodel, (xs, ys), (xq, yq), F.mse_loss, steps=args.steps)
+            loss = fm.recipes.maml(
+                fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=args.steps
+            ).loss
             loss.backward()
         fm.distributed.average_gradients(net.parameters(), count)
         outer.step()

@@ -106,39 +106,23 @@ class Method:
         return torch.optim.Adam(params, lr=self.args.meta_lr)
 
     def loss(self, support: tuple, query: tuple, iteration: int) -> torch.Tensor:
-        a, fmodel, ce = self.args, self.fmodel, F.cross_entropy
-        if self.name in ("maml", "fomaml"):
-            recipe = getattr(fm.recipes, self.name)
-            return recipe(fmodel, support, query, ce, lr=a.inner_lr, steps=a.steps)
-        if self.name == "metasgd":
-            return fm.recipes.metasgd(fmodel, self.rates, support, query, ce, steps=a.steps)
+        """The recipe's outer loss: every recipe takes the same arguments, plus its own."""
+        a, fmodel = self.args, self.fmodel
+        own: dict = {"lr": a.inner_lr if self.rates is None else self.rates}
         if self.name == "anil":
-            head = str(len(fmodel.module) - 1)
-            return fm.recipes.anil(
-                fmodel, support, query, ce, head=head, lr=a.inner_lr, steps=a.steps
-            )
-        if self.name == "reptile":
-            return fm.recipes.reptile(fmodel, support, ce, steps=a.steps, lr=a.inner_lr)
-        if self.name == "mamlpp":
+            own["trainable"] = str(len(fmodel.module) - 1)  # the head
+        elif self.name == "imaml":
+            own["lam"] = a.imaml_lam
+        elif self.name == "mamlpp":
             epoch = 10 * iteration // max(a.iterations, 1)  # ten "epochs" over the run
-            weights = fm.recipes.mamlpp_step_weights(a.steps, epoch, msl_epochs=3)
-            out = fm.recipes.mamlpp(
-                fmodel,
-                self.rates,
-                support,
-                query,
-                ce,
-                steps=a.steps,
-                step_weights=weights,
-                first_order=epoch < 3,
-                step_buffers=self.step_buffers,
-            )
+            own["step_weights"] = fm.recipes.mamlpp_step_weights(a.steps, epoch, msl_epochs=3)
+            own["step_buffers"] = self.step_buffers
+            own["first_order"] = epoch < 3  # derivative-order annealing
+        recipe = getattr(fm.recipes, self.name)
+        out = recipe(fmodel, fmodel.params, F.cross_entropy, support, query, steps=a.steps, **own)
+        if self.name == "mamlpp":
             self.step_buffers = out.step_buffers
-            return out.loss
-        result = fm.recipes.imaml(
-            fmodel, support, query, ce, lam=a.imaml_lam, steps=a.steps, lr=a.inner_lr
-        )
-        return result.surrogate
+        return out.loss
 
     def inner_optimizer(self) -> fm.optim.GradientTransformation:
         if self.rates is not None:
@@ -160,10 +144,10 @@ class Method:
                 F.cross_entropy,
                 (batch.x_support, batch.y_support),
                 self.inner_optimizer(),
-                steps,
+                steps=steps,
                 trainable=trainable,
             )
-            out, _ = fm.apply_tasks(fmodel, result.params, result.buffers, batch.x_query)
+            out, _ = fm.apply_tasks(fmodel, result.params, batch.x_query, buffers=result.buffers)
         return (out.argmax(-1) == batch.y_query).float().mean(-1).tolist()
 
 
@@ -198,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     torch.manual_seed(args.seed)
     train_episodes, test_episodes = datasets(args)
     net = conv4(args.ways, args.channels)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     method = Method(args.recipe, fmodel, args)
     outer = method.outer_optimizer([*net.parameters(), *method.extra])
     rng = torch.Generator().manual_seed(args.seed)
@@ -217,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start = time.perf_counter()
     for i in steps:
         b = train_episodes.sample(args.meta_batch, generator=rng)
-        loss = method.loss((b.x_support, b.y_support), (b.x_query, b.y_query), i)
+        loss = method.loss(b.support, b.query, i)
         outer.zero_grad()
         loss.backward()
         outer.step()

@@ -52,7 +52,7 @@ def train(method: str, shots: int, args: argparse.Namespace) -> tuple[fm.Functio
     """Meta-train one method; returns the functional model and its inner learning rate."""
     torch.manual_seed(args.seed)
     net = build_model()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     if method == "MAML":
         lr: object = args.inner_lr
         learnable = list(net.parameters())
@@ -70,11 +70,8 @@ def train(method: str, shots: int, args: argparse.Namespace) -> tuple[fm.Functio
     running = None
     for i in steps:
         b = tasks.sample(args.meta_batch, shots, shots, generator=rng)
-        support, query = (b.x_support, b.y_support), (b.x_query, b.y_query)
-        if method == "MAML":
-            loss = fm.recipes.maml(fmodel, support, query, F.mse_loss, lr=lr, steps=1)
-        else:
-            loss = fm.recipes.metasgd(fmodel, lr, support, query, F.mse_loss, steps=1)
+        recipe = fm.recipes.maml if method == "MAML" else fm.recipes.metasgd
+        loss = recipe(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1, lr=lr).loss
         outer.zero_grad()
         loss.backward()
         outer.step()
@@ -90,13 +87,10 @@ def train(method: str, shots: int, args: argparse.Namespace) -> tuple[fm.Functio
 def evaluate(fmodel: fm.FunctionalModel, lr: object, batch: object) -> dict[str, list[float]]:
     """Per-task query MSE before and after one inner step."""
     with torch.no_grad():
-        support = (batch.x_support, batch.y_support)
-        adapted = fm.adapt_tasks(
-            fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=lr), steps=1
-        )
-        query = (batch.x_query, batch.y_query)
-        before, _ = fm.task_losses(fmodel, fmodel.params, None, F.mse_loss, query)
-        after, _ = fm.task_losses(fmodel, adapted.params, None, F.mse_loss, query)
+        opt = fm.optim.sgd(lr=lr)
+        adapted = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, batch.support, opt, steps=1)
+        before, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, batch.query)
+        after, _ = fm.task_losses(fmodel, adapted.params, F.mse_loss, batch.query)
     return {"before": before.tolist(), "after": after.tolist()}
 
 

@@ -1,6 +1,6 @@
 """funcmeta: functional meta-learning for PyTorch, built on ``torch.func``.
 
-Models become pure functions (:func:`functionalize`), inner-loop updates are explicit,
+Models become pure functions (:func:`functional_model`), inner-loop updates are explicit,
 differentiable optimizer steps (:mod:`funcmeta.optim`) whose hyperparameters can be learned
 (:mod:`funcmeta.hyper`), and :func:`adapt` runs K of them with exact second-order (or
 first-order) meta-gradients.
@@ -8,7 +8,7 @@ first-order) meta-gradients.
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> lrs = fm.hyper.per_layer(fmodel.params, 0.01, parameterization="softplus")
     >>> outer = torch.optim.Adam([*net.parameters(), *lrs.parameters()], lr=1e-3)
     >>> xs, ys, xq, yq = torch.randn(4, 10, 1).unbind(0)
@@ -25,20 +25,23 @@ from funcmeta import (
     inputs,
     kernels,
     optim,
+    options,
     recipes,
-    resume,
+    snapshot,
     tasks,
     tree,
 )
-from funcmeta.functional import FunctionalModel, functionalize
+from funcmeta.functional import FunctionalModel, functional_model
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
+from funcmeta.options import AdaptOptions
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptOptions",
     "AdaptResult",
     "Args",
     "FunctionalModel",
@@ -51,13 +54,14 @@ __all__ = [
     "checkpoint",
     "data",
     "distributed",
-    "functionalize",
+    "functional_model",
     "hyper",
     "inputs",
     "kernels",
+    "options",
     "optim",
     "recipes",
-    "resume",
+    "snapshot",
     "task_losses",
     "tasks",
     "tree",

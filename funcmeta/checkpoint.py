@@ -1,6 +1,6 @@
 """Per-layer activation checkpointing of a module's *pure* layer functions.
 
-:func:`funcmeta.functionalize` takes ``checkpoint=`` to choose layers. Each chosen layer runs
+:func:`funcmeta.functional_model` takes ``checkpoint_layers=`` to choose layers. Each chosen layer runs
 as ``torch.utils.checkpoint.checkpoint(layer_fn, *layer_params, *layer_buffers, *args,
 use_reentrant=False)``, where ``layer_fn`` calls the layer through
 ``torch.func.functional_call`` with exactly those tensors. The parameters are explicit inputs
@@ -18,7 +18,7 @@ Example:
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     >>> fm.checkpoint.select(net, "sequential")
     ['0', '2']
-    >>> fmodel = fm.functionalize(net, checkpoint="sequential")
+    >>> fmodel = fm.functional_model(net, checkpoint_layers="sequential")
     >>> x = torch.randn(4, 2)
     >>> torch.allclose(fmodel(fmodel.params, x), net(x))
     True
@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,12 +37,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from funcmeta import kernels
 from funcmeta._functorch import any_batched, call_outside_vmap, named_tensors
 from funcmeta._shadow import Standin, ancestors, relative, shadow, within
+from funcmeta.tree import Predicate
 
 __all__ = ["POLICIES", "CheckpointSpec", "checkpointed_runner", "select"]
 
-CheckpointSpec = None | str | Sequence[str] | Callable[[str, nn.Module], bool]
+CheckpointSpec = None | str | Sequence[str] | Predicate
 """``None``; a policy name (see :data:`POLICIES`); submodule names; or a predicate
-``(name, module) -> bool``."""
+``(name, module) -> bool`` (:data:`funcmeta.tree.Predicate`)."""
 
 
 def _has_tensors(module: nn.Module) -> bool:
@@ -84,7 +86,7 @@ def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
         return []
     if isinstance(spec, bool) or (not isinstance(spec, str | Sequence) and not callable(spec)):
         raise TypeError(
-            f"checkpoint must be None, a policy name {sorted(POLICIES)}, a list of submodule "
+            f"checkpoint_layers must be None, a policy name {sorted(POLICIES)}, a list of submodule "
             f"names or a predicate (name, module) -> bool; got {spec!r}"
         )
     named = dict(module.named_modules())
@@ -196,7 +198,7 @@ def checkpointed_runner(
         inside = {relative(name, n): make for name, make in standins.items() if within(name, n)}
         inner, inner_copies = shadow(layer, inside)
         copies += inner_copies
-        replace[n] = lambda m, inner=inner: _Checkpointed(m, inner)
+        replace[n] = functools.partial(_Checkpointed, inner=inner)
     for name, make in standins.items():
         if not any(within(name, n) for n in names):
             replace[name] = make

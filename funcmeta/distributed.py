@@ -11,10 +11,10 @@ all-reduce. Works with gloo (CPU) and NCCL (CUDA); launch with ``torchrun``.
 Example (one process; under ``torchrun`` every rank runs the same code):
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10, generator=torch.Generator().manual_seed(0))
     >>> (xs, ys, xq, yq), count = fm.distributed.shard((b.x_support, b.y_support, b.x_query, b.y_query))
-    >>> fm.recipes.maml(fmodel, (xs, ys), (xq, yq), F.mse_loss).backward()
+    >>> fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=1).loss.backward()
     >>> fm.distributed.average_gradients(net.parameters(), count)   # a no-op without a process group
 """
 
@@ -78,10 +78,8 @@ def average_gradients(
     initialised process group it does nothing.
     """
     tensors = list(tensors)
-    rank, size = world(group)
-    if size == 1 or not tensors:
+    if world(group)[1] == 1 or not tensors:
         return
-    del rank
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in tensors]
     flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_ones(1)]) * float(count)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)

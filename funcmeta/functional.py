@@ -1,4 +1,4 @@
-"""Pure functions from ``nn.Module``: :func:`functionalize` and :class:`FunctionalModel`.
+"""Pure functions from ``nn.Module``: :func:`functional_model` and :class:`FunctionalModel`.
 
 A :class:`FunctionalModel` calls its module through :func:`torch.func.functional_call`
 with the parameters (and buffers) you pass, so the same module can run with adapted
@@ -7,7 +7,7 @@ parameters inside an inner loop while its own tensors stay untouched.
 Example:
     >>> import torch, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> params = fmodel.params                 # the module's own Parameters
     >>> out, buffers = fmodel.apply(params, fmodel.buffers, torch.randn(8, 3))
     >>> bool(net[1].running_mean.eq(0).all())  # the module's buffers are not mutated
@@ -35,7 +35,7 @@ from funcmeta._functorch import (
 from funcmeta._shadow import sync_training
 from funcmeta.checkpoint import CheckpointSpec, checkpointed_runner, select
 
-__all__ = ["FunctionalModel", "check_keys", "functionalize"]
+__all__ = ["FunctionalModel", "check_keys", "functional_model"]
 
 
 class FunctionalModel:
@@ -51,11 +51,11 @@ class FunctionalModel:
         buffers: ``dict[str, Tensor]`` of the module's buffers, by reference.
     """
 
-    def __init__(self, module: nn.Module, checkpoint: CheckpointSpec = None) -> None:
+    def __init__(self, module: nn.Module, checkpoint_layers: CheckpointSpec = None) -> None:
         if not isinstance(module, nn.Module):
-            raise TypeError(f"functionalize expects an nn.Module, got {type(module).__name__}")
+            raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
         self.module = module
-        self.checkpointed = select(module, checkpoint)
+        self.checkpointed = select(module, checkpoint_layers)
         self._runner, self._copies = checkpointed_runner(
             module, self.checkpointed, recurrent_layers(module)
         )
@@ -297,21 +297,24 @@ def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str
             )
 
 
-def functionalize(module: nn.Module, *, checkpoint: CheckpointSpec = None) -> FunctionalModel:
-    """Turn ``module`` into a :class:`FunctionalModel`.
+def functional_model(
+    module: nn.Module, *, checkpoint_layers: CheckpointSpec = None
+) -> FunctionalModel:
+    """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
-    ``checkpoint`` chooses layers to run under per-layer activation checkpointing (see
-    :mod:`funcmeta.checkpoint`): ``None``; a policy name (``"sequential"``: the children of
-    every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of submodule names; or a
-    predicate ``(name, module) -> bool``. Outputs and gradients, second order included, are
-    those of the unchecked model. Unknown names, or a predicate that matches nothing, raise
-    ``ValueError``.
+    ``checkpoint_layers`` chooses layers to run under per-layer activation checkpointing
+    (see :mod:`funcmeta.checkpoint`): ``None``; a policy name (``"sequential"``: the
+    children of every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of
+    submodule names; or a predicate ``(name, module) -> bool``. Outputs and gradients, second
+    order included, are those of the unchecked model. Unknown names, or a predicate that
+    matches nothing, raise ``ValueError``. (Step-level checkpointing is the inner-loop option
+    ``checkpoint_steps``: :class:`funcmeta.AdaptOptions`.)
 
     Example:
         >>> import torch, funcmeta as fm
-        >>> fmodel = fm.functionalize(torch.nn.Linear(2, 1))
+        >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
         >>> params = {k: torch.zeros_like(v) for k, v in fmodel.params.items()}
         >>> fmodel(params, torch.ones(1, 2)).item()
         0.0
     """
-    return FunctionalModel(module, checkpoint)
+    return FunctionalModel(module, checkpoint_layers)

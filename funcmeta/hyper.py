@@ -16,7 +16,7 @@ is used directly as an optimizer hyperparameter: ``fm.optim.sgd(lr=hyper)`` call
 Example:
     >>> import torch, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
-    >>> params = fm.functionalize(net).params
+    >>> params = fm.functional_model(net).params
     >>> lrs = fm.hyper.per_layer(params, 0.01, steps=5, parameterization="softplus")
     >>> lrs.groups
     ['0', '2']

@@ -20,7 +20,7 @@ Example:
     ...         self.lin = torch.nn.Linear(3, 1)
     ...     def forward(self, x, *, scale):
     ...         return self.lin(x) * scale
-    >>> fmodel = fm.functionalize(Scaled())
+    >>> fmodel = fm.functional_model(Scaled())
     >>> x, y = torch.randn(5, 3), torch.randn(5, 1)
     >>> batch = (fm.Args(x, scale=torch.tensor(2.0)), y)
     >>> fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), steps=1).losses.shape
@@ -96,12 +96,12 @@ def check_model(fmodel: Any) -> None:
     """Raise ``TypeError`` unless ``fmodel`` is a :class:`funcmeta.FunctionalModel`."""
     if not isinstance(fmodel, FunctionalModel):
         hint = (
-            "; wrap it first: fmodel = fm.functionalize(module)"
+            "; wrap it first: fmodel = fm.functional_model(module)"
             if isinstance(fmodel, nn.Module)
             else ""
         )
         raise TypeError(
-            f"fmodel must be a FunctionalModel from fm.functionalize, got "
+            f"fmodel must be a FunctionalModel from fm.functional_model, got "
             f"{type(fmodel).__name__}{hint}"
         )
 

@@ -19,13 +19,13 @@ meta-gradients with BatchNorm (see docs/tasks.md); this does not.
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(16, support=10, query=10)
     >>> opt = fm.optim.sgd(lr=0.01)
     >>> result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (b.x_support, b.y_support), opt, steps=5)
     >>> result.params["0.weight"].shape, result.losses.shape
     (torch.Size([16, 40, 1]), torch.Size([5, 16]))
-    >>> out, _ = fm.apply_tasks(fmodel, result.params, result.buffers, b.x_query)
+    >>> out, _ = fm.apply_tasks(fmodel, result.params, b.x_query, buffers=result.buffers)
     >>> F.mse_loss(out, b.y_query).backward()   # the mean of the 16 query losses
 """
 
@@ -33,18 +33,25 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import optree
 import torch
 from torch import Tensor
 
 from funcmeta._functorch import fast_vmap
+from funcmeta._loop import AdaptResult, LossFn, forward_loss, run, validate
 from funcmeta.functional import FunctionalModel, check_keys
-from funcmeta.inner import AdaptResult, LossFn, _adapt, _forward_loss, _validate
-from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
+from funcmeta.inputs import (
+    CallInputs,
+    check_batch,
+    check_call,
+    split_batch,
+    split_inputs,
+    task_count,
+)
 from funcmeta.optim.base import GradientTransformation
-from funcmeta.tree import Filter
+from funcmeta.options import AdaptOptions, takes_options
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
 
@@ -71,11 +78,20 @@ def _task_dims(
     return dims
 
 
-def _per_task_buffers(
-    fmodel: FunctionalModel, buffers: Mapping[str, Tensor], tasks: int
-) -> dict[str, Tensor]:
+def _task_trees(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor] | None,
+    tasks: int,
+) -> tuple[dict[str, int | None], dict[str, Tensor]]:
+    """``(param_dims, per_task_buffers)``: which parameters carry the task axis, and the
+    buffers (default: the module's) with one copy per task."""
+    buffers = fmodel.buffers if buffers is None else buffers
     dims = _task_dims(buffers, fmodel.buffer_shapes, tasks, "buffers")
-    return {k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()}
+    per_task = {
+        k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()
+    }
+    return _task_dims(params, fmodel.param_shapes, tasks, "params"), per_task
 
 
 def _batch_dims(batch: Any) -> Any:
@@ -85,28 +101,28 @@ def _batch_dims(batch: Any) -> Any:
 def apply_tasks(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor] | None,
-    *args: Any,
-    **kwargs: Any,
+    inputs: Any,
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
 ) -> tuple[Any, dict[str, Tensor]]:
     """``fmodel.apply`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
 
-    The tensors among ``args`` and ``kwargs`` carry a leading task axis; ``params`` and
-    ``buffers`` (default: the module's) may be shared or per task. Per-task buffers come back
-    new; nothing passed in is mutated.
+    ``inputs`` are the model's arguments as in :func:`funcmeta.adapt` (a tuple is positional,
+    a dict is keywords, ``fm.Args`` is both, anything else is the one argument); their
+    tensors carry a leading task axis. ``params`` and ``buffers`` (default: the module's) may
+    be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
     """
     check_call(fmodel, params)
-    inputs: CallInputs = (args, kwargs)
-    tasks = task_count(inputs)
-    check_batch((inputs, None), params)
-    buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
-    pdims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    call = split_inputs(inputs)
+    tasks = task_count(call)
+    check_batch((call, None), params)
+    pdims, buffers = _task_trees(fmodel, params, buffers, tasks)
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], call: CallInputs) -> Any:
         return fmodel.apply(p, bufs, *call[0], **call[1])
 
-    trees = (dict(params), buffers, inputs)
-    return _flat_vmap(one_task, trees, (pdims, {k: 0 for k in buffers}, _batch_dims(inputs)))
+    trees = (dict(params), buffers, call)
+    return _flat_vmap(one_task, trees, (pdims, {k: 0 for k in buffers}, _batch_dims(call)))
 
 
 def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
@@ -128,9 +144,10 @@ def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
 def task_losses(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor] | None,
     loss_fn: LossFn,
     batch: tuple[Any, Any],
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(losses, new_buffers)``: ``loss_fn`` of each task's outputs and targets, shape ``(T,)``.
 
@@ -140,9 +157,9 @@ def task_losses(
 
     Example:
         >>> import torch, torch.nn.functional as F, funcmeta as fm
-        >>> fmodel = fm.functionalize(torch.nn.Linear(1, 1))
+        >>> fmodel = fm.functional_model(torch.nn.Linear(1, 1))
         >>> b = fm.data.Sinusoid().sample(4, 5, 5)
-        >>> losses, _ = fm.task_losses(fmodel, fmodel.params, None, F.mse_loss, (b.x_query, b.y_query))
+        >>> losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query))
         >>> losses.shape
         torch.Size([4])
     """
@@ -150,8 +167,7 @@ def task_losses(
     split = split_batch(batch)
     tasks = task_count(split)
     check_batch(split, params)
-    buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
-    dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    dims, buffers = _task_trees(fmodel, params, buffers, tasks)
     return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
 
 
@@ -169,40 +185,33 @@ def _task_forward(
     """
 
     def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
-        return _forward_loss(fmodel, loss_fn, b, p, bufs)
+        return forward_loss(fmodel, loss_fn, b, p, bufs)
 
     trees = (batch, dict(params), buffers)
     in_dims = (_batch_dims(batch), dims, {k: 0 for k in buffers})
     return _flat_vmap(one_task, trees, in_dims)
 
 
+@takes_options
 def adapt_tasks(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
     loss_fn: LossFn,
     batch: tuple[Any, Any],
     opt: GradientTransformation,
-    steps: int,
     *,
-    first_order: bool = False,
+    steps: int,
     buffers: Mapping[str, Tensor] | None = None,
     state: Any = None,
-    trainable: Filter | None = None,
-    clip_grad_norm: float | Tensor | None = None,
-    truncate: int = 0,
-    loss_scale: float | None = None,
-    on_nonfinite: Literal["raise"] | None = None,
-    allow_unused: bool = False,
-    checkpoint_steps: bool = False,
-    offload_activations: bool = False,
+    **options: Any,
 ) -> AdaptResult:
     """:func:`funcmeta.adapt` for T tasks at once; the batch carries a leading task axis.
 
-    Takes the arguments of :func:`funcmeta.adapt` with the same meanings, per task:
-    ``loss_fn`` sees one task's outputs and targets, ``clip_grad_norm`` clips each task's
-    gradient by its own norm, and ``on_nonfinite="raise"`` names the step and the tasks.
-    ``params``, ``buffers`` and hyperparameters are shared by all tasks unless given with a
-    leading task axis. ``on_nonfinite="skip"`` is not available: the tasks share the
+    Takes the arguments and options of :func:`funcmeta.adapt` with the same meanings, per
+    task: ``loss_fn`` sees one task's outputs and targets, ``clip_grad_norm`` clips each
+    task's gradient by its own norm, and ``on_nonfinite="raise"`` names the step and the
+    tasks. ``params``, ``buffers`` and hyperparameters are shared by all tasks unless given
+    with a leading task axis. ``on_nonfinite="skip"`` is not available: the tasks share the
     optimizer's step count, so one task cannot skip a step alone.
 
     Returns:
@@ -210,16 +219,14 @@ def adapt_tasks(
         buffers ``(T, ...)`` (parameters held fixed by ``trainable`` are passed through as
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
-    split, tasks = _validate(
-        fmodel, params, opt, batch, steps, truncate, loss_scale, on_nonfinite, clip_grad_norm, True
-    )
-    if on_nonfinite == "skip":
+    opts = AdaptOptions.of(options)
+    split, tasks = validate(fmodel, params, opt, batch, steps, opts, tasks=True)
+    if opts.on_nonfinite == "skip":
         raise ValueError(
             "on_nonfinite='skip' is not available with task batching: the tasks share the "
             "optimizer's step count; use 'raise', or adapt the tasks one by one"
         )
-    buffers = _per_task_buffers(fmodel, fmodel.buffers if buffers is None else buffers, tasks)
-    dims = _task_dims(params, fmodel.param_shapes, tasks, "params")
+    dims, buffers = _task_trees(fmodel, params, buffers, tasks)
 
     def prepare(adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
         # Every task adapts its own copy: shared initial parameters get a task axis (a view).
@@ -236,23 +243,15 @@ def adapt_tasks(
         step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
         return functools.partial(_task_forward, fmodel, loss_fn, split, step_dims)
 
-    return _adapt(
+    return run(
         params,
         opt,
         steps,
         buffers,
+        opts,
+        frozen=fmodel.frozen,
         make_forward=make_forward,
         prepare=prepare,
         tasks=tasks,
-        frozen=fmodel.frozen,
-        first_order=first_order,
         state=state,
-        trainable=trainable,
-        clip_grad_norm=clip_grad_norm,
-        truncate=truncate,
-        loss_scale=loss_scale,
-        on_nonfinite=on_nonfinite,
-        allow_unused=allow_unused,
-        checkpoint_steps=checkpoint_steps,
-        offload_activations=offload_activations,
     )

@@ -1,7 +1,8 @@
-"""Pytree helpers on optree: the one place in funcmeta that knows how trees are walked.
+"""Pytree helpers on optree for parameter and hyperparameter trees: map, flatten, prefix
+broadcast, and partition/combine by a filter.
 
 Parameter trees are usually the flat ``dict[str, Tensor]`` of
-:func:`funcmeta.functionalize`, but every helper accepts any optree pytree (nested dicts,
+:func:`funcmeta.functional_model`, but every helper accepts any optree pytree (nested dicts,
 lists, tuples, NamedTuples). ``None`` is an empty subtree, never a leaf: :func:`partition`
 uses it as the placeholder for leaves that were not selected.
 
@@ -28,6 +29,7 @@ import optree
 
 __all__ = [
     "Filter",
+    "Predicate",
     "Tree",
     "TreeMismatchError",
     "broadcast_prefix",
@@ -35,7 +37,6 @@ __all__ = [
     "flatten",
     "leaves",
     "map",
-    "map_with_path",
     "partition",
     "path_str",
     "paths",
@@ -45,8 +46,14 @@ __all__ = [
 Tree = Any
 """Any optree pytree whose leaves are tensors (or numbers, for hyperparameters)."""
 
-Filter = Callable[[str, Any], bool] | str | Iterable[str]
-"""Selects leaves: a predicate ``(path, leaf) -> bool``, a path prefix, or several."""
+Predicate = Callable[[str, Any], bool]
+"""The one shape of every predicate in funcmeta: ``(name, value) -> bool``, where ``name``
+is the dotted name (a parameter's path for ``trainable=``, a submodule's name for
+``checkpoint_layers=``) and ``value`` the object under it (the tensor, the module)."""
+
+Filter = Predicate | str | Iterable[str]
+"""Selects leaves: a :data:`Predicate` ``(name, leaf) -> bool``, a name prefix (``"head"``
+selects ``"head"`` and everything under ``"head."``), or several."""
 
 
 class TreeMismatchError(ValueError):
@@ -61,11 +68,6 @@ def path_str(path: Sequence[Any]) -> str:
 def map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
     """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``)."""
     return optree.tree_map(fn, tree, *rest)
-
-
-def map_with_path(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
-    """Like :func:`map`, with the leaf's dotted path as ``fn``'s first argument."""
-    return optree.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest)
 
 
 def leaves(tree: Tree) -> list[Any]:
@@ -165,7 +167,7 @@ def _selector(where: Filter) -> Callable[[str, Any], bool]:
         return where
     names = [where] if isinstance(where, str) else list(where)
     if not all(isinstance(n, str) for n in names):
-        raise TypeError("a filter is a predicate (path, leaf) -> bool, a path prefix or several")
+        raise TypeError("a filter is a predicate (name, leaf) -> bool, a name prefix or several")
 
     def select(path: str, _leaf: Any) -> bool:
         return any(path == n or path.startswith(n + ".") for n in names)
@@ -177,7 +179,7 @@ def _selector(where: Filter) -> Callable[[str, Any], bool]:
 def partition(tree: Tree, where: Filter) -> tuple[Tree, Tree]:
     """Split ``tree`` into ``(selected, rest)``, each with ``None`` where the other has a leaf.
 
-    ``where`` is a predicate ``(path, leaf) -> bool``, or path prefixes: ``"head"`` selects
+    ``where`` is a predicate ``(name, leaf) -> bool``, or name prefixes: ``"head"`` selects
     ``"head"`` itself and everything under ``"head."``. A prefix that selects nothing raises
     ``ValueError`` naming it.
     """

@@ -23,7 +23,7 @@ def manual_forward(p, x):
 
 def setup():
     net = mlp()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     (xs, ys), (xq, yq) = batches(2)
     return net, fmodel, (xs, ys), (xq, yq)
 
@@ -277,7 +277,7 @@ def test_nonfinite_raises_naming_the_step():
 def test_nonfinite_skip_leaves_that_step_out():
     _net, fmodel, support, (_xq, _yq) = setup()
     bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).to(DTYPE)
-    fbn = fm.functionalize(bn)
+    fbn = fm.functional_model(bn)
     for fm_model in (fmodel, fbn):
         opt = fm.optim.adam(lr=0.1)
         skipped = fm.adapt(
@@ -309,7 +309,7 @@ def test_unused_parameters_raise_or_get_zero_gradients():
         def forward(self, x):
             return self.used(x)
 
-    fmodel = fm.functionalize(Partial().to(DTYPE))
+    fmodel = fm.functional_model(Partial().to(DTYPE))
     support = batches(1)[0]
     with pytest.raises(ValueError, match=r"\['unused\.bias', 'unused\.weight'\].*allow_unused"):
         fm.adapt(fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=0.1), steps=1)
@@ -331,7 +331,7 @@ def test_module_tensors_unchanged_and_batchnorm_buffers_returned():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).to(DTYPE)
     before = {k: v.detach().clone() for k, v in net.state_dict().items()}
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     support, (xq, yq) = batches(2)
     for first_order in (False, True):
         result = fm.adapt(
@@ -366,7 +366,7 @@ def test_works_under_no_grad_for_evaluation():
 def test_gradcheck_end_to_end_including_learning_rates():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).to(DTYPE)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     (xs, ys), (xq, yq) = batches(2, inputs=2, outputs=1, size=5)
     keys = list(fmodel.params)
     inputs = tuple(v.detach().clone().requires_grad_() for v in fmodel.params.values())

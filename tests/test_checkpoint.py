@@ -52,12 +52,12 @@ def test_policies_names_and_predicates():
 )
 def test_selection_errors(spec, match):
     with pytest.raises(ValueError, match=match):
-        fm.functionalize(blocks_net(), checkpoint=spec)
+        fm.functional_model(blocks_net(), checkpoint_layers=spec)
 
 
 def test_policy_matching_nothing_raises():
     with pytest.raises(ValueError, match="policy 'sequential' matches no submodule"):
-        fm.functionalize(nn.Linear(2, 2), checkpoint="sequential")
+        fm.functional_model(nn.Linear(2, 2), checkpoint_layers="sequential")
 
 
 # --- purity ----------------------------------------------------------------------------
@@ -67,8 +67,8 @@ def test_checkpointed_model_is_the_same_function_and_leaves_the_module_alone():
     net = blocks_net()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     modules_before = dict(net.named_modules())
-    plain = fm.functionalize(net)
-    ck = fm.functionalize(net, checkpoint="leaves")
+    plain = fm.functional_model(net)
+    ck = fm.functional_model(net, checkpoint_layers="leaves")
     assert list(ck.params) == list(plain.params)
     assert all(ck.params[k] is plain.params[k] for k in plain.params)
     x = torch.randn(6, 3, dtype=DTYPE)
@@ -87,7 +87,7 @@ def test_checkpointed_model_is_the_same_function_and_leaves_the_module_alone():
 
 def test_train_and_eval_of_the_module_are_followed():
     net = blocks_net(dropout=0.5)
-    plain, ck = fm.functionalize(net), fm.functionalize(net, checkpoint="sequential")
+    plain, ck = fm.functional_model(net), fm.functional_model(net, checkpoint_layers="sequential")
     x = torch.randn(6, 3, dtype=DTYPE)
     net.eval()
     torch.testing.assert_close(ck(ck.params, x), plain(plain.params, x), rtol=0, atol=0)
@@ -112,7 +112,7 @@ def test_attribute_access_through_a_checkpointed_layer():
 
     torch.manual_seed(0)
     net = Head().to(DTYPE)
-    ck = fm.functionalize(net, checkpoint=["body"])
+    ck = fm.functional_model(net, checkpoint_layers=["body"])
     x = torch.randn(5, 3, dtype=DTYPE)
     torch.testing.assert_close(ck(ck.params, x), net(x), rtol=0, atol=0)
 
@@ -139,7 +139,7 @@ FEATURES = {
 
 
 def meta_run(net, setting, feature, steps=3, seed=7):
-    fmodel = fm.functionalize(net, checkpoint=setting.get("checkpoint"))
+    fmodel = fm.functional_model(net, checkpoint_layers=setting.get("checkpoint"))
     kind = feature.get("rates", "per_layer")
     rates = getattr(fm.hyper, kind)(fmodel.params, 0.05, parameterization="softplus")
     opt = (
@@ -189,7 +189,7 @@ def test_dropout_masks_are_reproduced_on_recomputation():
 
 def test_under_no_grad_step_checkpointing_is_skipped_and_results_agree():
     net = blocks_net()
-    fmodel = fm.functionalize(net, checkpoint="sequential")
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
     support = batches(1, size=8)[0]
     with torch.no_grad():
         torch.manual_seed(0)
@@ -217,7 +217,7 @@ def scenario(checkpointed: bool, dtype=torch.float32):
         *[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(4)],
         nn.Linear(16, 3),
     ).to(dtype)
-    fmodel = fm.functionalize(net, checkpoint="sequential" if checkpointed else None)
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if checkpointed else None)
     last = ["3", "4"]
     rates = fm.hyper.per_layer(
         {k: v for k, v in fmodel.params.items() if k.split(".")[0] in last},
@@ -289,7 +289,7 @@ def test_cuda_fp16_autocast_with_loss_scaling_and_checkpointing():
         net = nn.Sequential(
             *[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)], nn.Linear(64, 4)
         ).cuda()
-        fmodel = fm.functionalize(net, checkpoint="sequential" if checkpointed else None)
+        fmodel = fm.functional_model(net, checkpoint_layers="sequential" if checkpointed else None)
         rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus")
         g = torch.Generator().manual_seed(1)
         xs, xq = (torch.randn(64, 64, generator=g).cuda() for _ in range(2))

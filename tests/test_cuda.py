@@ -13,7 +13,7 @@ import funcmeta as fm
 
 def meta_gradients(device, first_order):
     net = mlp().to(device)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     lrs = fm.hyper.per_element(fmodel.params, 0.05, parameterization="softplus")
     (xs, ys), (xq, yq) = ((x.to(device), y.to(device)) for x, y in batches(2))
     opt = fm.optim.adam(lr=lrs)
@@ -43,7 +43,7 @@ def test_cuda_matches_cpu(first_order):
 
 @pytest.mark.cuda
 def test_nonfinite_check_on_cuda():
-    fmodel = fm.functionalize(mlp().cuda())
+    fmodel = fm.functional_model(mlp().cuda())
     x, y = (t.cuda() for t in batches(1)[0])
     x[0, 0] = float("nan")
     with pytest.raises(fm.NonFiniteError, match="inner step 0"):

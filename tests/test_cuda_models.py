@@ -53,12 +53,14 @@ def test_cuda_zoo_default_kernels(name, mode, batched):
     if batched:
         support, query = _stack([s for s, _ in tasks]), _stack([q for _, q in tasks])
         result = fm.adapt_tasks(
-            fmodel, fmodel.params, entry.loss, support, opt, STEPS, **_options(mode)
+            fmodel, fmodel.params, entry.loss, support, opt, steps=STEPS, **_options(mode)
         )
-        loss = fm.task_losses(fmodel, result.params, None, entry.loss, query)[0].mean()
+        loss = fm.task_losses(fmodel, result.params, entry.loss, query)[0].mean()
     else:
         (support, query) = tasks[0]
-        result = fm.adapt(fmodel, fmodel.params, entry.loss, support, opt, STEPS, **_options(mode))
+        result = fm.adapt(
+            fmodel, fmodel.params, entry.loss, support, opt, steps=STEPS, **_options(mode)
+        )
         args, kwargs = _call(query[0])
         loss = entry.loss(fmodel(result.params, *args, **kwargs), query[1])
     got = torch.autograd.grad(loss, list(fmodel.params.values()))
@@ -76,14 +78,14 @@ def test_cuda_lstm_second_order_without_funcmeta_needs_cudnn_off():
     grads = torch.autograd.grad(out, list(lstm.parameters()), create_graph=True)
     with pytest.raises(RuntimeError):
         torch.autograd.grad(sum(g.sum() for g in grads), list(lstm.parameters()))
-    fmodel = fm.functionalize(lstm)
+    fmodel = fm.functional_model(lstm)
     result = fm.adapt(
         fmodel,
         fmodel.params,
         lambda o, y: F.mse_loss(o[0], y),
         (x, torch.zeros(2, 5, 8, device="cuda")),
         fm.optim.sgd(lr=0.1),
-        2,
+        steps=2,
     )
     fmodel(result.params, x)[0].sum().backward()
     assert torch.backends.cudnn.enabled

@@ -20,7 +20,7 @@ T = 5  # uneven on purpose: the ranks get 3 and 2 tasks
 def setup(recipe):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)).double()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     rates = None
     if recipe == "metasgd":
         rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(1))
@@ -34,10 +34,14 @@ def meta_gradients(recipe, batch):
     net, fmodel, rates, full = setup(recipe)
     xs, ys, xq, yq = batch(full)
     if recipe == "maml":
-        loss = fm.recipes.maml(fmodel, (xs, ys), (xq, yq), F.mse_loss, lr=0.1, steps=2)
+        loss = fm.recipes.maml(
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), lr=0.1, steps=2
+        ).loss
         tensors = list(net.parameters())
     else:
-        loss = fm.recipes.metasgd(fmodel, rates, (xs, ys), (xq, yq), F.mse_loss, steps=2)
+        loss = fm.recipes.metasgd(
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), lr=rates, steps=2
+        ).loss
         tensors = [*net.parameters(), *rates.parameters()]
     loss.backward()
     return tensors

@@ -1,4 +1,4 @@
-"""functionalize: purity, parameters by reference, buffers, tied weights, precise errors."""
+"""functional_model: purity, parameters by reference, buffers, tied weights, precise errors."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def assert_unchanged(module, before):
 
 def test_matches_module_and_params_by_reference():
     net = mlp()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     x = torch.randn(4, 3, dtype=DTYPE)
     torch.testing.assert_close(fmodel(fmodel.params, x), net(x), rtol=0, atol=0)
     for name, p in net.named_parameters():
@@ -36,7 +36,7 @@ def test_matches_module_and_params_by_reference():
 def test_other_params_change_the_output_not_the_module():
     net = mlp()
     before = snapshot(net)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     zeros = {k: torch.zeros_like(v) for k, v in fmodel.params.items()}
     out = fmodel(zeros, torch.randn(4, 3, dtype=DTYPE))
     assert torch.equal(out, torch.zeros_like(out))
@@ -45,7 +45,7 @@ def test_other_params_change_the_output_not_the_module():
 
 def test_meta_gradient_reaches_module_grad_for_outer_optimizer():
     net = mlp()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     outer = torch.optim.SGD(net.parameters(), lr=0.1)
     x, y = torch.randn(4, 3, dtype=DTYPE), torch.randn(4, 2, dtype=DTYPE)
     F.mse_loss(fmodel(fmodel.params, x), y).backward()
@@ -57,7 +57,7 @@ def test_meta_gradient_reaches_module_grad_for_outer_optimizer():
 
 
 def test_key_and_shape_errors_name_the_keys():
-    fmodel = fm.functionalize(mlp())
+    fmodel = fm.functional_model(mlp())
     x = torch.randn(2, 3, dtype=DTYPE)
     params = detached(fmodel.params)
     missing = {k: v for k, v in params.items() if k != "2.bias"}
@@ -71,7 +71,7 @@ def test_key_and_shape_errors_name_the_keys():
     with pytest.raises(TypeError, match="dict of tensors"):
         fmodel(list(params.values()), x)
     with pytest.raises(TypeError, match=r"nn\.Module"):
-        fm.functionalize(lambda x: x)
+        fm.functional_model(lambda x: x)
 
 
 class Tied(nn.Module):
@@ -88,7 +88,7 @@ class Tied(nn.Module):
 def test_tied_weights_appear_once_and_stay_tied():
     torch.manual_seed(0)
     net = Tied().to(DTYPE)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     assert list(fmodel.params) == ["embed.weight"]
     idx = torch.tensor([0, 3, 4])
     torch.testing.assert_close(fmodel(fmodel.params, idx), net(idx), rtol=0, atol=0)
@@ -111,7 +111,7 @@ def bn_net():
 def test_batchnorm_buffers_come_back_new_and_nothing_is_mutated():
     net = bn_net()
     before = snapshot(net)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     x = torch.randn(8, 3, dtype=DTYPE)
     given = {k: v.clone() for k, v in fmodel.buffers.items()}
     given_before = {k: v.clone() for k, v in given.items()}
@@ -128,7 +128,7 @@ def test_batchnorm_buffers_come_back_new_and_nothing_is_mutated():
 
 
 def test_buffers_are_checked_too():
-    fmodel = fm.functionalize(bn_net())
+    fmodel = fm.functional_model(bn_net())
     with pytest.raises(
         ValueError, match=r"buffers do not match.*missing keys \['1\.num_batches_tracked'\]"
     ):
@@ -158,7 +158,7 @@ def test_module_registered_twice_and_buffer_reassigned_in_forward():
 
     torch.manual_seed(0)
     net = Twice().to(DTYPE)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     assert list(fmodel.params) == ["a.weight", "a.bias"]
     new = {k: torch.randn_like(v) for k, v in fmodel.params.items()}
     x = torch.randn(4, 3, dtype=DTYPE)

@@ -51,7 +51,7 @@ class Net(nn.Module):
 def meta_grads(checkpoint, tasks, checkpoint_steps=False):
     torch.manual_seed(0)
     net = Net().to(DTYPE)
-    fmodel = fm.functionalize(net, checkpoint=checkpoint)
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint)
     b = fm.data.Sinusoid().sample(3, 6, 6, generator=torch.Generator().manual_seed(1), dtype=DTYPE)
     opt = fm.optim.adam(lr=0.05)
     if tasks:
@@ -61,10 +61,10 @@ def meta_grads(checkpoint, tasks, checkpoint_steps=False):
             F.mse_loss,
             (b.x_support, b.y_support),
             opt,
-            2,
+            steps=2,
             checkpoint_steps=checkpoint_steps,
         )
-        loss = fm.task_losses(fmodel, r.params, None, F.mse_loss, (b.x_query, b.y_query))[0].mean()
+        loss = fm.task_losses(fmodel, r.params, F.mse_loss, (b.x_query, b.y_query))[0].mean()
     else:
         r = fm.adapt(
             fmodel,
@@ -72,7 +72,7 @@ def meta_grads(checkpoint, tasks, checkpoint_steps=False):
             F.mse_loss,
             (b.x_support[0], b.y_support[0]),
             opt,
-            2,
+            steps=2,
             checkpoint_steps=checkpoint_steps,
         )
         loss = F.mse_loss(fmodel(r.params, b.x_query[0]), b.y_query[0])
@@ -85,7 +85,10 @@ def test_inplace_ops_and_non_tensor_outputs_under_checkpointing(setting, tasks):
     reference = meta_grads(None, tasks)
     checkpoint = None if setting == "steps" else "sequential"
     ours = meta_grads(checkpoint, tasks, checkpoint_steps=setting in ("steps", "both"))
-    assert fm.functionalize(Net(), checkpoint="sequential").checkpointed == ["blocks.0", "blocks.1"]
+    assert fm.functional_model(Net(), checkpoint_layers="sequential").checkpointed == [
+        "blocks.0",
+        "blocks.1",
+    ]
     for a, b in zip(ours, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
@@ -101,7 +104,7 @@ def test_two_hundred_meta_iterations_in_constant_memory():
     from one meta-iteration to the next."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 1))
-    fmodel = fm.functionalize(net, checkpoint="sequential")
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
     rates = fm.recipes.metasgd_rates(fmodel.params)
     outer = torch.optim.Adam([*net.parameters(), *rates.parameters()], lr=1e-3)
     rng = torch.Generator().manual_seed(0)
@@ -110,13 +113,14 @@ def test_two_hundred_meta_iterations_in_constant_memory():
         b = fm.data.Sinusoid().sample(8, 64, 64, generator=rng)
         loss = fm.recipes.metasgd(
             fmodel,
-            rates,
+            fmodel.params,
+            F.mse_loss,
             (b.x_support, b.y_support),
             (b.x_query, b.y_query),
-            F.mse_loss,
+            lr=rates,
             steps=2,
             checkpoint_steps=True,
-        )
+        ).loss
         outer.zero_grad()
         loss.backward()
         outer.step()

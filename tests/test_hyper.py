@@ -14,7 +14,7 @@ import funcmeta as fm
 
 @pytest.fixture
 def params():
-    return fm.functionalize(mlp()).params
+    return fm.functional_model(mlp()).params
 
 
 @pytest.mark.parametrize("parameterization", ["raw", "softplus", "exp"])
@@ -86,7 +86,7 @@ def test_per_step_values_and_errors(params):
 
 
 def test_gradients_reach_the_raw_parameters(params):
-    fmodel = fm.functionalize(mlp())
+    fmodel = fm.functional_model(mlp())
     lrs = fm.hyper.per_layer(fmodel.params, 0.05, steps=2, parameterization="softplus")
     x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 2, dtype=DTYPE)
     result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=lrs), steps=2)

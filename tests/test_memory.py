@@ -22,7 +22,7 @@ def rss_bytes() -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read RSS")
 def test_fifty_meta_iterations_keep_no_graph_alive():
     net = mlp((8, 256, 256, 1))
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     lrs = fm.hyper.per_layer(fmodel.params, 0.01, steps=4, parameterization="softplus")
     outer = torch.optim.Adam([*net.parameters(), *lrs.parameters()], lr=1e-3)
     g = torch.Generator().manual_seed(0)

@@ -30,7 +30,9 @@ def _seq(*lead: int, dtype: torch.dtype = DTYPE) -> tuple[torch.Tensor, torch.Te
 
 
 def _meta_grads(fmodel, batch, **options):
-    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), 2, **options)
+    result = fm.adapt(
+        fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), steps=2, **options
+    )
     loss = F.mse_loss(fmodel(result.params, batch[0]), batch[1])
     return torch.autograd.grad(loss, list(fmodel.params.values()))
 
@@ -42,7 +44,7 @@ def test_transformer_second_order_float32_user_code():
     """nn.TransformerEncoderLayer in float32 (CPU flash attention by default), no kernel
     context: second-order MAML runs and matches the math-kernel unroll."""
     layer = _encoder(dtype=torch.float32)
-    fmodel = fm.functionalize(layer)
+    fmodel = fm.functional_model(layer)
     batch = _seq(4, dtype=torch.float32)
     got = _meta_grads(fmodel, batch)
     with sdpa_kernel(SDPBackend.MATH):
@@ -58,9 +60,9 @@ def test_user_kernel_block_then_backward_outside(checkpoint, first_order):
     recomputations run on the forward's kernel (they failed with 'Recomputed values ... have
     different metadata')."""
     layer = _encoder()
-    plain = fm.functionalize(layer)
-    fmodel = fm.functionalize(
-        layer, checkpoint=["self_attn", "linear1"] if checkpoint != "step" else None
+    plain = fm.functional_model(layer)
+    fmodel = fm.functional_model(
+        layer, checkpoint_layers=["self_attn", "linear1"] if checkpoint != "step" else None
     )
     batch = _seq(4)
     with sdpa_kernel(SDPBackend.MATH):
@@ -70,7 +72,7 @@ def test_user_kernel_block_then_backward_outside(checkpoint, first_order):
             F.mse_loss,
             batch,
             fm.optim.sgd(lr=0.1),
-            2,
+            steps=2,
             first_order=first_order,
             checkpoint_steps=checkpoint != "per-layer",
         )
@@ -98,25 +100,25 @@ class KernelRecorder(nn.Module):
 
 def test_second_order_steps_alone_run_on_the_math_kernel():
     net = nn.Sequential(KernelRecorder())
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     x, y = torch.randn(4, 3, dtype=DTYPE), torch.randn(4, 1, dtype=DTYPE)
     opt = fm.optim.sgd(lr=0.1)
-    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 1)
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=1)
     assert net[0].seen == [(False, True)]  # second order: math only
     net[0].seen.clear()
     fmodel(result.params, x)  # the query pass: the user's (default) kernels
-    fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 1, first_order=True)
+    fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=1, first_order=True)
     with torch.no_grad():  # evaluation: no outer graph, so nothing needs second order
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=1)
     assert net[0].seen == [(True, True), (True, True), (True, True)]
     assert torch.backends.cuda.flash_sdp_enabled()  # nothing left switched
 
 
 def test_recomputation_in_outer_backward_uses_the_forward_kernels():
     net = nn.Sequential(KernelRecorder(), nn.Tanh(), nn.Linear(1, 1, dtype=DTYPE))
-    fmodel = fm.functionalize(net, checkpoint=["0"])
+    fmodel = fm.functional_model(net, checkpoint_layers=["0"])
     x, y = torch.randn(4, 3, dtype=DTYPE), torch.randn(4, 1, dtype=DTYPE)
-    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), 1)
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)
     loss = F.mse_loss(fmodel(result.params, x), y)
     net[0].seen.clear()
     loss.backward()  # outside any kernel block: recomputes layer 0 of the inner step
@@ -137,10 +139,12 @@ def test_twice_differentiable_restores_the_choice():
 
 def test_imaml_on_attention():
     layer = _encoder()
-    fmodel = fm.functionalize(layer)
+    fmodel = fm.functional_model(layer)
     support, query = _seq(2, 4), _seq(2, 4)
-    result = fm.recipes.imaml(fmodel, support, query, F.mse_loss, lam=5.0, steps=2, cg_steps=2)
-    result.surrogate.backward()
+    result = fm.recipes.imaml(
+        fmodel, fmodel.params, F.mse_loss, support, query, lam=5.0, steps=2, cg_steps=2
+    )
+    result.loss.backward()
     assert layer.linear1.weight.grad is not None
 
 
@@ -152,10 +156,10 @@ def test_forward_hook_and_pre_hook_under_task_batching():
     net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
     net[2].register_forward_hook(lambda m, i, o: o * 3 + 1)
     net[0].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     per_task = {k: v.detach().expand(3, *v.shape).clone() for k, v in fmodel.params.items()}
     x = torch.randn(3, 10, 4, dtype=DTYPE)
-    out = fm.apply_tasks(fmodel, per_task, None, x)[0]
+    out = fm.apply_tasks(fmodel, per_task, x)[0]
     loop = torch.stack([fmodel({k: v[t] for k, v in per_task.items()}, x[t]) for t in range(3)])
     torch.testing.assert_close(out, loop, rtol=1e-12, atol=1e-12)
 
@@ -167,14 +171,14 @@ def test_global_hooks_run_once_per_call():
     )
     try:
         net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-        fmodel = fm.functionalize(net, checkpoint=["0"])
+        fmodel = fm.functional_model(net, checkpoint_layers=["0"])
         calls.clear()
         fmodel(fmodel.params, torch.randn(3, 2))
         assert calls == ["Linear", "Linear", "Sequential"]
         per_task = {k: v.detach().expand(2, *v.shape).clone() for k, v in fmodel.params.items()}
-        fm.apply_tasks(fmodel, per_task, None, torch.randn(2, 3, 2))  # finds out it batches
+        fm.apply_tasks(fmodel, per_task, torch.randn(2, 3, 2))  # finds out it batches
         calls.clear()
-        fm.apply_tasks(fmodel, per_task, None, torch.randn(2, 3, 2))
+        fm.apply_tasks(fmodel, per_task, torch.randn(2, 3, 2))
     finally:
         handle.remove()
     assert calls == ["Linear", "Linear", "Sequential"]  # once each, not per stand-in too
@@ -184,9 +188,11 @@ def test_old_weight_norm_under_adapt_tasks():
     torch.manual_seed(0)
     net = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 8)), nn.Tanh(), nn.Linear(8, 1))
     net = net.to(DTYPE)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     x, y = torch.randn(3, 10, 4, dtype=DTYPE), torch.randn(3, 10, 1, dtype=DTYPE)
-    result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), 1)
+    result = fm.adapt_tasks(
+        fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1
+    )
     assert not torch.equal(result.params["0.weight_v"][0], net[0].weight_v)
 
 
@@ -194,13 +200,13 @@ def test_dropout_in_checkpointed_layer_under_task_batching():
     def run(checkpoint):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.2)), nn.Linear(16, 1))
-        fmodel = fm.functionalize(net.to(DTYPE), checkpoint=checkpoint)
+        fmodel = fm.functional_model(net.to(DTYPE), checkpoint_layers=checkpoint)
         x, y = torch.randn(3, 10, 4, dtype=DTYPE), torch.randn(3, 10, 1, dtype=DTYPE)
         torch.manual_seed(1)
-        out, _ = fm.apply_tasks(fmodel, fmodel.params, None, x)
+        out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
         opt = fm.optim.sgd(lr=0.1)
-        result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2)
-        loss = fm.task_losses(fmodel, result.params, None, F.mse_loss, (x, y))[0].mean()
+        result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2)
+        loss = fm.task_losses(fmodel, result.params, F.mse_loss, (x, y))[0].mean()
         return out, torch.autograd.grad(loss, list(fmodel.params.values()))
 
     out_c, grads_c = run("sequential")
@@ -212,13 +218,13 @@ def test_dropout_in_checkpointed_layer_under_task_batching():
 
 
 def test_eval_transformer_under_adapt_tasks_and_no_grad():
-    fmodel = fm.functionalize(_encoder(train=False))
+    fmodel = fm.functional_model(_encoder(train=False))
     x, y = _seq(3, 4)
     opt = fm.optim.sgd(lr=0.1)
     with torch.no_grad():
-        evaluated = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2)
-        out, _ = fm.apply_tasks(fmodel, evaluated.params, None, x)
-    trained = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2)
+        evaluated = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2)
+        out, _ = fm.apply_tasks(fmodel, evaluated.params, x)
+    trained = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2)
     torch.testing.assert_close(evaluated.losses, trained.losses.detach())
     assert out.shape == x.shape
 
@@ -226,7 +232,7 @@ def test_eval_transformer_under_adapt_tasks_and_no_grad():
 def test_recurrent_layers_under_adapt_tasks_match_loop():
     torch.manual_seed(0)
     net = nn.GRU(3, 4, batch_first=True).to(DTYPE)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     x = torch.randn(2, 3, 5, 3, dtype=DTYPE)
     y = torch.randn(2, 3, 5, 4, dtype=DTYPE)
 
@@ -234,9 +240,9 @@ def test_recurrent_layers_under_adapt_tasks_match_loop():
         return F.mse_loss(out[0], target)
 
     opt = fm.optim.sgd(lr=0.1)
-    result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, (x, y), opt, 2)
+    result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, (x, y), opt, steps=2)
     for t in range(2):
-        one = fm.adapt(fmodel, fmodel.params, loss_fn, (x[t], y[t]), opt, 2)
+        one = fm.adapt(fmodel, fmodel.params, loss_fn, (x[t], y[t]), opt, steps=2)
         for k, v in one.params.items():
             torch.testing.assert_close(result.params[k][t], v, rtol=1e-10, atol=1e-12)
 
@@ -252,10 +258,10 @@ def test_task_loop_fallback_is_reported():
                 return self.lin(x)
             return -self.lin(x)
 
-    fmodel = fm.functionalize(DataDependent())
+    fmodel = fm.functional_model(DataDependent())
     assert fmodel.task_loop is None
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
-    losses, _ = fm.task_losses(fmodel, fmodel.params, None, F.mse_loss, (x, y))
+    losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y))
     assert fmodel.task_loop is True
     for t in range(3):
         want = F.mse_loss(fmodel(fmodel.params, x[t]), y[t])
@@ -278,13 +284,13 @@ class GradOnlyBranch(nn.Module):
 
 
 def test_task_loop_after_probe_passes_and_real_run_cannot_batch():
-    fmodel = fm.functionalize(GradOnlyBranch())
+    fmodel = fm.functional_model(GradOnlyBranch())
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
     opt = fm.optim.sgd(lr=0.1)
-    result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2)
+    result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2)
     assert fmodel.task_loop is True
     for t in range(3):
-        one = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x[t], y[t]), opt, 2)
+        one = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x[t], y[t]), opt, steps=2)
         for k, v in one.params.items():
             torch.testing.assert_close(result.params[k][t], v, rtol=1e-12, atol=1e-14)
 
@@ -311,14 +317,14 @@ def test_probe_inside_a_step_checkpoint_leaves_the_dropout_masks_alone():
     def meta_grads(warm: bool):
         torch.manual_seed(0)
         net = DropoutDataDependent()
-        fmodel = fm.functionalize(net)
+        fmodel = fm.functional_model(net)
         if warm:
-            fm.apply_tasks(fmodel, fmodel.params, None, x)
+            fm.apply_tasks(fmodel, fmodel.params, x)
             assert fmodel.task_loop is True
         torch.manual_seed(1)
         opt = fm.optim.sgd(lr=0.1)
         result = fm.adapt_tasks(
-            fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2, checkpoint_steps=True
+            fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, checkpoint_steps=True
         )
         assert fmodel.task_loop is True
         loss = result.losses.sum()
@@ -348,9 +354,9 @@ def test_step_checkpointing_with_offload_recomputes():
     for options in ({}, {"checkpoint_steps": True, "offload_activations": True}):
         torch.manual_seed(0)
         net = Counter()
-        fmodel = fm.functionalize(net)
+        fmodel = fm.functional_model(net)
         result = fm.adapt(
-            fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), 3, **options
+            fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=3, **options
         )
         loss = F.mse_loss(fmodel(result.params, x), y)
         before = net.calls
@@ -374,26 +380,29 @@ class KeywordOnly(nn.Module):
 
 
 def test_keyword_only_forward_everywhere():
-    fmodel = fm.functionalize(KeywordOnly())
+    fmodel = fm.functional_model(KeywordOnly())
     x, y = torch.randn(2, 5, 3, dtype=DTYPE), torch.randn(2, 5, 1, dtype=DTYPE)
     scale = torch.tensor([2.0, 3.0], dtype=DTYPE)
     opt = fm.optim.sgd(lr=0.1)
     single = fm.adapt(
-        fmodel, fmodel.params, F.mse_loss, ({"x": x[1], "scale": scale[1]}, y[1]), opt, 2
+        fmodel, fmodel.params, F.mse_loss, ({"x": x[1], "scale": scale[1]}, y[1]), opt, steps=2
     )
     batched = fm.adapt_tasks(
-        fmodel, fmodel.params, F.mse_loss, ({"x": x, "scale": scale}, y), opt, 2
+        fmodel, fmodel.params, F.mse_loss, ({"x": x, "scale": scale}, y), opt, steps=2
     )
     for k, v in single.params.items():
         torch.testing.assert_close(batched.params[k][1], v)
-    losses, _ = fm.task_losses(
-        fmodel, batched.params, None, F.mse_loss, (fm.Args(x=x, scale=scale), y)
-    )
-    out, _ = fm.apply_tasks(fmodel, batched.params, None, x=x, scale=scale)
+    losses, _ = fm.task_losses(fmodel, batched.params, F.mse_loss, (fm.Args(x=x, scale=scale), y))
+    out, _ = fm.apply_tasks(fmodel, batched.params, {"x": x, "scale": scale})
     torch.testing.assert_close(losses[1], F.mse_loss(out[1], y[1]))
     loss = fm.recipes.maml(
-        fmodel, ({"x": x, "scale": scale}, y), ({"x": x, "scale": scale}, y), F.mse_loss
-    )
+        fmodel,
+        fmodel.params,
+        F.mse_loss,
+        ({"x": x, "scale": scale}, y),
+        ({"x": x, "scale": scale}, y),
+        steps=1,
+    ).loss
     loss.backward()
     assert fmodel.module.lin.weight.grad is not None
 
@@ -414,24 +423,24 @@ def test_frozen_parameters_are_held_fixed_and_get_no_meta_gradient():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(DTYPE)
     net[0].requires_grad_(False)
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     assert fmodel.frozen == ["0.weight", "0.bias"]
     x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
     opt = fm.optim.sgd(lr=0.1)
-    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2)
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2)
     assert result.params["0.weight"] is net[0].weight
     # the same as holding them fixed with trainable=
     net[0].requires_grad_(True)
-    held = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 2, trainable="2")
+    held = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, trainable="2")
     net[0].requires_grad_(False)
     torch.testing.assert_close(result.params["2.weight"], held.params["2.weight"])
     F.mse_loss(fmodel(result.params, x), y).backward()
     assert net[0].weight.grad is None and net[2].weight.grad is not None
-    batched = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x[None], y[None]), opt, 2)
+    batched = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x[None], y[None]), opt, steps=2)
     assert batched.params["0.weight"] is net[0].weight
     net.requires_grad_(False)
     with pytest.raises(ValueError, match=r"frozen parameters .*requires_grad=False"):
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=1)
 
 
 # --- errors, raised before any computation -------------------------------------------------
@@ -439,75 +448,75 @@ def test_frozen_parameters_are_held_fixed_and_get_no_meta_gradient():
 
 @pytest.fixture
 def linear():
-    fmodel = fm.functionalize(nn.Linear(3, 1))
+    fmodel = fm.functional_model(nn.Linear(3, 1))
     return fmodel, (torch.randn(5, 3), torch.randn(5, 1)), fm.optim.sgd(lr=0.1)
 
 
 def test_error_params_as_a_list(linear):
     fmodel, batch, opt = linear
     with pytest.raises(TypeError, match=r"params must be a dict .* got list"):
-        fm.adapt(fmodel, list(fmodel.params.values()), F.mse_loss, batch, opt, 1)
+        fm.adapt(fmodel, list(fmodel.params.values()), F.mse_loss, batch, opt, steps=1)
 
 
 def test_error_checkpoint_true():
-    with pytest.raises(TypeError, match=r"checkpoint must be None, a policy name.*got True"):
-        fm.functionalize(nn.Linear(3, 1), checkpoint=True)
+    with pytest.raises(TypeError, match=r"checkpoint_layers must be None, a policy name.*got True"):
+        fm.functional_model(nn.Linear(3, 1), checkpoint_layers=True)
     with pytest.raises(TypeError, match="got 3"):
-        fm.functionalize(nn.Linear(3, 1), checkpoint=3)
+        fm.functional_model(nn.Linear(3, 1), checkpoint_layers=3)
 
 
 def test_error_float64_data_for_float32_model(linear):
     fmodel, (x, y), opt = linear
     with pytest.raises(TypeError, match=r"dtype torch.float32: inputs\[0\] is torch.float64"):
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x.double(), y.double()), opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x.double(), y.double()), opt, steps=1)
     with pytest.raises(TypeError, match=r"inputs\['x'\] is torch.float64"):
         fm.adapt_tasks(
-            fmodel, fmodel.params, F.mse_loss, ({"x": x.double()[None]}, y[None]), opt, 1
+            fmodel, fmodel.params, F.mse_loss, ({"x": x.double()[None]}, y[None]), opt, steps=1
         )
     with pytest.raises(TypeError, match=r"torch\.float64"):
-        fm.apply_tasks(fmodel, fmodel.params, None, x.double()[None])
+        fm.apply_tasks(fmodel, fmodel.params, x.double()[None])
     with pytest.raises(TypeError, match=r"inputs\[0\] is torch.bfloat16"):
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x.bfloat16(), y), opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x.bfloat16(), y), opt, steps=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts for itself
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x.bfloat16(), y), opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x.bfloat16(), y), opt, steps=1)
 
 
 def test_error_meta_device():
-    fmodel = fm.functionalize(nn.Linear(3, 1, device="meta"))
+    fmodel = fm.functional_model(nn.Linear(3, 1, device="meta"))
     batch = (torch.randn(5, 3), torch.randn(5, 1))
     with pytest.raises(ValueError, match=r"\['weight', 'bias'\] are on the meta device"):
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), steps=1)
 
 
 def test_error_empty_batch_and_zero_tasks(linear):
     fmodel, (x, y), opt = linear
     with pytest.raises(ValueError, match=r"batch tensors .*'inputs\[0\]': \(0, 3\).* are empty"):
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x[:0], y[:0]), opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x[:0], y[:0]), opt, steps=1)
     with pytest.raises(ValueError, match=r"are empty"):
-        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x[None, :0], y[None, :0]), opt, 1)
+        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x[None, :0], y[None, :0]), opt, steps=1)
     with pytest.raises(ValueError, match="zero tasks"):
-        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x[None][:0], y[None][:0]), opt, 1)
+        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x[None][:0], y[None][:0]), opt, steps=1)
     with pytest.raises(ValueError, match="zero tasks"):
-        fm.task_losses(fmodel, fmodel.params, None, F.mse_loss, (x[None][:0], y[None][:0]))
+        fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x[None][:0], y[None][:0]))
 
 
 def test_error_torch_optim_as_opt(linear):
     fmodel, batch, _ = linear
     opt = torch.optim.SGD(fmodel.module.parameters(), lr=0.1)
     with pytest.raises(TypeError, match=r"torch.optim.SGD.*fm.optim.sgd"):
-        fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, opt, 1)
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, batch, opt, steps=1)
     with pytest.raises(TypeError, match="GradientTransformation"):
         fm.adapt_tasks(
-            fmodel, fmodel.params, F.mse_loss, (batch[0][None], batch[1][None]), "sgd", 1
+            fmodel, fmodel.params, F.mse_loss, (batch[0][None], batch[1][None]), "sgd", steps=1
         )
 
 
 def test_error_module_instead_of_functional_model(linear):
     fmodel, batch, opt = linear
     module = fmodel.module
-    with pytest.raises(TypeError, match=r"got Linear; wrap it first: fmodel = fm.functionalize"):
-        fm.adapt(module, dict(module.named_parameters()), F.mse_loss, batch, opt, 1)
+    with pytest.raises(TypeError, match=r"got Linear; wrap it first: fmodel = fm.functional_model"):
+        fm.adapt(module, dict(module.named_parameters()), F.mse_loss, batch, opt, steps=1)
     with pytest.raises(TypeError, match="FunctionalModel"):
-        fm.apply_tasks(module, dict(module.named_parameters()), None, batch[0][None])
+        fm.apply_tasks(module, dict(module.named_parameters()), batch[0][None])
     with pytest.raises(TypeError, match="FunctionalModel"):
-        fm.recipes.maml(module, batch, batch, F.mse_loss)
+        fm.recipes.maml(module, dict(module.named_parameters()), F.mse_loss, batch, batch, steps=1)

@@ -83,8 +83,8 @@ def _options(mode: str) -> dict[str, bool]:
 
 
 def _fmodel(entry: Any, mode: str) -> fm.FunctionalModel:
-    return fm.functionalize(
-        entry.module, checkpoint=entry.checkpoint if mode == "per-layer" else None
+    return fm.functional_model(
+        entry.module, checkpoint_layers=entry.checkpoint if mode == "per-layer" else None
     )
 
 
@@ -103,7 +103,9 @@ def test_single_task_matches_hand_unroll(name, mode):
 
     fmodel = _fmodel(entry, mode)
     opt = fm.optim.sgd(lr=LR)
-    result = fm.adapt(fmodel, fmodel.params, entry.loss, support, opt, STEPS, **_options(mode))
+    result = fm.adapt(
+        fmodel, fmodel.params, entry.loss, support, opt, steps=STEPS, **_options(mode)
+    )
     args, kwargs = _call(query[0])
     loss = entry.loss(fmodel(result.params, *args, **kwargs), query[1])
     got = torch.autograd.grad(loss, list(fmodel.params.values()))
@@ -123,9 +125,9 @@ def test_task_batched_matches_per_task_loop(name, mode):
     query = _stack([q for _, q in tasks])
     opt = fm.optim.sgd(lr=LR)
     result = fm.adapt_tasks(
-        fmodel, fmodel.params, entry.loss, support, opt, STEPS, **_options(mode)
+        fmodel, fmodel.params, entry.loss, support, opt, steps=STEPS, **_options(mode)
     )
-    losses, _ = fm.task_losses(fmodel, result.params, None, entry.loss, query)
+    losses, _ = fm.task_losses(fmodel, result.params, entry.loss, query)
     got = torch.autograd.grad(losses.mean(), list(fmodel.params.values()))
     _close(got, want)
     assert _task(support, 1)[1].shape == tasks[1][0][1].shape
@@ -137,10 +139,10 @@ def test_apply_tasks_with_keyword_inputs_matches_loop(name):
     g = torch.Generator().manual_seed(3)
     batches = [entry.batch(N, g) for _ in range(T)]
     inputs, _ = _stack(batches)
-    fmodel = fm.functionalize(entry.module)
+    fmodel = fm.functional_model(entry.module)
     per_task = {k: torch.stack([v, v * 0.9]) for k, v in fmodel.params.items()}
     args, kwargs = _call(inputs)
-    out, _ = fm.apply_tasks(fmodel, per_task, None, *args, **kwargs)
+    out, _ = fm.apply_tasks(fmodel, per_task, fm.Args(*args, **kwargs))
     for t in range(T):
         targs, tkwargs = _call(_task((inputs, torch.zeros(T)), t)[0])
         one = fmodel({k: v[t] for k, v in per_task.items()}, *targs, **tkwargs)

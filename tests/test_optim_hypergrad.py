@@ -57,7 +57,7 @@ def build(make, kwargs, learn_name, learn_value):
 @pytest.mark.parametrize("opt_name, name, shape", list(hyper_cases()))
 def test_hyperparameter_gradient_matches_finite_differences(opt_name, name, shape):
     make, kwargs = OPTIMIZERS[opt_name]
-    fmodel = fm.functionalize(mlp((2, 3, 1)))
+    fmodel = fm.functional_model(mlp((2, 3, 1)))
     params = {k: v.detach() for k, v in fmodel.params.items()}
     (xs, ys), (xq, yq) = batches(2, inputs=2, outputs=1, size=6)
     base = kwargs[name]
@@ -101,7 +101,7 @@ ZERO_GRAD_OPTIMIZERS = {
 def test_double_backward_finite_when_a_gradient_entry_is_zero(opt_name):
     """Input feature 0 is always zero, so column 0 of the first weight has exactly zero
     gradients: sqrt of a zero second moment must not turn the meta-gradient into NaN."""
-    fmodel = fm.functionalize(mlp((3, 4, 1)))
+    fmodel = fm.functional_model(mlp((3, 4, 1)))
     (xs, ys), (xq, yq) = batches(2, inputs=3, outputs=1)
     xs = xs.clone()
     xs[:, 0] = 0
@@ -115,7 +115,7 @@ def test_double_backward_finite_when_a_gradient_entry_is_zero(opt_name):
 def test_plain_sqrt_would_give_nan_in_that_setting():
     """The setting above really hits the hazard: a hand-written Adam step with torch.sqrt
     yields NaN meta-gradients there."""
-    fmodel = fm.functionalize(mlp((3, 4, 1)))
+    fmodel = fm.functional_model(mlp((3, 4, 1)))
     (xs, ys), (xq, yq) = batches(2, inputs=3, outputs=1)
     xs = xs.clone()
     xs[:, 0] = 0

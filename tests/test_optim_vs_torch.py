@@ -68,7 +68,7 @@ def torch_trajectory(torch_cls, kwargs, data):
 
 
 def our_trajectory(make, kwargs, data, wrap=lambda kw, params: kw):
-    fmodel = fm.functionalize(mlp())
+    fmodel = fm.functional_model(mlp())
     params = detached(fmodel.params)
     opt = make(**wrap(kwargs, params))
     state = opt.init(params)

@@ -61,11 +61,12 @@ def assert_close_all(a, b, rtol=1e-10, atol=1e-12):
 @pytest.mark.parametrize("first_order", [False, True])
 def test_maml_and_fomaml(first_order):
     net, support, query = net_and_tasks()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     lr = torch.tensor(0.3, dtype=DTYPE, requires_grad=True)
     recipe = fm.recipes.fomaml if first_order else fm.recipes.maml
     ours = grads_of(
-        recipe(fmodel, support, query, F.mse_loss, lr=lr, steps=K), [*net.parameters(), lr]
+        recipe(fmodel, fmodel.params, F.mse_loss, support, query, lr=lr, steps=K).loss,
+        [*net.parameters(), lr],
     )
     ref = hand_meta_loss(fmodel.params, support, query, lambda k, n: lr, K, second=not first_order)
     assert_close_all(ours, grads_of(ref, [*net.parameters(), lr]))
@@ -73,12 +74,17 @@ def test_maml_and_fomaml(first_order):
 
 def test_metasgd_rates_learn_per_element():
     net, support, query = net_and_tasks()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(3))
     values = rates()
     assert all(((v >= 0.005) & (v <= 0.1)).all() for v in values.values())
     inputs = [*net.parameters(), *rates.parameters()]
-    ours = grads_of(fm.recipes.metasgd(fmodel, rates, support, query, F.mse_loss, steps=K), inputs)
+    ours = grads_of(
+        fm.recipes.metasgd(
+            fmodel, fmodel.params, F.mse_loss, support, query, lr=rates, steps=K
+        ).loss,
+        inputs,
+    )
     ref = hand_meta_loss(fmodel.params, support, query, lambda k, n: values[n], K)
     assert_close_all(ours, grads_of(ref, inputs))
     for g in ours[len(list(net.parameters())) :]:
@@ -89,10 +95,13 @@ def test_metasgd_rates_learn_per_element():
 
 def test_anil_adapts_only_the_head():
     net, support, query = net_and_tasks()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     inputs = list(net.parameters())
     ours = grads_of(
-        fm.recipes.anil(fmodel, support, query, F.mse_loss, head="2", lr=0.3, steps=K), inputs
+        fm.recipes.anil(
+            fmodel, fmodel.params, F.mse_loss, support, query, trainable="2", lr=0.3, steps=K
+        ).loss,
+        inputs,
     )
     ref = hand_meta_loss(
         fmodel.params, support, query, lambda k, n: 0.3, K, keys=["2.weight", "2.bias"]
@@ -100,15 +109,15 @@ def test_anil_adapts_only_the_head():
     assert_close_all(ours, grads_of(ref, inputs))
     assert (ours[0] != 0).any()  # the body learns through the query loss
     result = fm.adapt_tasks(
-        fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=0.3), K, trainable="2"
+        fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=0.3), steps=K, trainable="2"
     )
     assert result.params["0.weight"] is fmodel.params["0.weight"]
 
 
 def test_reptile_gradient_is_the_average_displacement():
     net, support, _ = net_and_tasks()
-    fmodel = fm.functionalize(net)
-    fm.recipes.reptile(fmodel, support, F.mse_loss, steps=4, lr=0.1).backward()
+    fmodel = fm.functional_model(net)
+    fm.recipes.reptile(fmodel, fmodel.params, F.mse_loss, support, steps=4, lr=0.1).loss.backward()
     with torch.enable_grad():
         adapted = []
         for t in range(T):
@@ -128,7 +137,7 @@ def test_reptile_gradient_is_the_average_displacement():
 
 def test_mamlpp_against_hand_unroll():
     net, support, query = net_and_tasks()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     rates = fm.hyper.per_layer(fmodel.params, 0.2, steps=K)
     with torch.no_grad():
         rates.raw.copy_(torch.tensor([[0.3, 0.1], [0.2, 0.25]], dtype=DTYPE))
@@ -136,10 +145,11 @@ def test_mamlpp_against_hand_unroll():
     for first_order in (False, True):
         out = fm.recipes.mamlpp(
             fmodel,
-            rates,
+            fmodel.params,
+            F.mse_loss,
             support,
             query,
-            F.mse_loss,
+            lr=rates,
             steps=K,
             step_weights=weights,
             first_order=first_order,
@@ -182,21 +192,22 @@ def test_mamlpp_keeps_batchnorm_statistics_per_step():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
     _, support, query = net_and_tasks()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     rates = fm.hyper.per_layer(fmodel.params, 0.1, steps=3)
     weights = fm.recipes.mamlpp_step_weights(3, 0, 10)
     out = fm.recipes.mamlpp(
-        fmodel, rates, support, query, F.mse_loss, steps=3, step_weights=weights
+        fmodel, fmodel.params, F.mse_loss, support, query, lr=rates, steps=3, step_weights=weights
     )
     assert len(out.step_buffers) == 3
     means = [b["1.running_mean"] for b in out.step_buffers]
     assert means[0].shape == (8,) and not torch.allclose(means[0], means[2])
     again = fm.recipes.mamlpp(
         fmodel,
-        rates,
+        fmodel.params,
+        F.mse_loss,
         support,
         query,
-        F.mse_loss,
+        lr=rates,
         steps=3,
         step_weights=weights,
         step_buffers=out.step_buffers,
@@ -205,7 +216,14 @@ def test_mamlpp_keeps_batchnorm_statistics_per_step():
     assert int(net[1].num_batches_tracked) == 0
     with pytest.raises(ValueError, match="step_weights"):
         fm.recipes.mamlpp(
-            fmodel, rates, support, query, F.mse_loss, steps=3, step_weights=weights[:2]
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            support,
+            query,
+            lr=rates,
+            steps=3,
+            step_weights=weights[:2],
         )
 
 
@@ -246,11 +264,19 @@ def test_imaml_matches_the_closed_form_and_ignores_the_inner_path():
     found = []
     for lr, steps in ((0.1, 600), (0.05, 1200)):
         net, support, query = linear_problem()
-        fmodel = fm.functionalize(net)
+        fmodel = fm.functional_model(net)
         out = fm.recipes.imaml(
-            fmodel, support, query, F.mse_loss, lam=lam, steps=steps, lr=lr, cg_steps=4
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            support,
+            query,
+            lam=lam,
+            steps=steps,
+            lr=lr,
+            cg_steps=4,
         )
-        out.surrogate.backward()
+        out.loss.backward()
         expected = imaml_closed_form(net.weight.detach(), support, query, lam)
         torch.testing.assert_close(net.weight.grad, expected, rtol=1e-7, atol=1e-9)
         assert (out.residual < 1e-8).all()
@@ -260,11 +286,13 @@ def test_imaml_matches_the_closed_form_and_ignores_the_inner_path():
 
 def test_imaml_errors():
     net, support, query = linear_problem()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     with pytest.raises(ValueError, match="lam"):
-        fm.recipes.imaml(fmodel, support, query, F.mse_loss, lam=0.0)
+        fm.recipes.imaml(fmodel, fmodel.params, F.mse_loss, support, query, steps=20, lam=0.0)
     with pytest.raises(ValueError, match="cg_steps"):
-        fm.recipes.imaml(fmodel, support, query, F.mse_loss, lam=1.0, cg_steps=0)
+        fm.recipes.imaml(
+            fmodel, fmodel.params, F.mse_loss, support, query, steps=20, lam=1.0, cg_steps=0
+        )
 
 
 def test_add_proximal_is_the_gradient_of_the_proximal_term():
@@ -282,13 +310,15 @@ def test_imaml_stops_at_non_positive_curvature_and_stays_finite():
     """A concave support loss (negative MSE) makes I + H/lam indefinite for small lam:
     conjugate gradient must stop there, not divide by a non-positive curvature."""
     net, support, query = linear_problem()
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
 
     def concave(out, y):
         return -F.mse_loss(out, y)
 
-    out = fm.recipes.imaml(fmodel, support, query, concave, lam=0.1, steps=3, lr=0.01, cg_steps=4)
-    out.surrogate.backward()
+    out = fm.recipes.imaml(
+        fmodel, fmodel.params, concave, support, query, lam=0.1, steps=3, lr=0.01, cg_steps=4
+    )
+    out.loss.backward()
     assert out.curvature_stop.all()
     assert torch.isfinite(net.weight.grad).all()
     assert torch.isfinite(out.residual).all()

@@ -130,7 +130,7 @@ def optimizer(name, rates):
 
 
 def loop(net, support, query, loss_fn, opt_name, steps=2, checkpoint=None, **kwargs):
-    fmodel = fm.functionalize(net, checkpoint=checkpoint)
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint)
     rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus")
     opt = optimizer(opt_name, rates)
     losses, buffers = [], []
@@ -148,12 +148,12 @@ def loop(net, support, query, loss_fn, opt_name, steps=2, checkpoint=None, **kwa
 
 
 def batched(net, support, query, loss_fn, opt_name, steps=2, checkpoint=None, **kwargs):
-    fmodel = fm.functionalize(net, checkpoint=checkpoint)
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint)
     rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus")
     opt = optimizer(opt_name, rates)
     result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=steps, **kwargs)
     assert result.losses.shape == (steps, T)
-    out, buffers = fm.apply_tasks(fmodel, result.params, result.buffers, query[0])
+    out, buffers = fm.apply_tasks(fmodel, result.params, query[0], buffers=result.buffers)
     per_task = torch.stack([loss_fn(out[t], query[1][t]) for t in range(T)])
     outer = per_task.mean()
     inputs = [*net.parameters(), *rates.parameters()]
@@ -226,7 +226,7 @@ def test_clipping_is_per_task():
 
 def test_per_task_initial_parameters_and_rates():
     net, support, query, loss_fn = make("mlp")
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     g = torch.Generator().manual_seed(5)
     init = {
         k: v.detach() + 0.01 * torch.randn(T, *v.shape, generator=g, dtype=DTYPE)
@@ -239,7 +239,7 @@ def test_per_task_initial_parameters_and_rates():
     }
     opt = fm.optim.sgd(lr=rates)
     result = fm.adapt_tasks(fmodel, init, loss_fn, support, opt, steps=2)
-    out, _ = fm.apply_tasks(fmodel, result.params, None, query[0])
+    out, _ = fm.apply_tasks(fmodel, result.params, query[0])
     outer = torch.stack([loss_fn(out[t], query[1][t]) for t in range(T)]).sum()
     ours = torch.autograd.grad(outer, [*init.values(), *rates.values()])
     # loop: task t starts from init[..][t] with rate rates[..][t]
@@ -285,7 +285,7 @@ def test_autocast_bf16_batching_adds_no_error_beyond_bf16():
 
 def test_nonfinite_names_the_tasks_and_skip_is_refused():
     net, (xs, ys), _, loss_fn = make("mlp")
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     bad = xs.clone()
     bad[1, 0, 0] = float("nan")
     with pytest.raises(fm.NonFiniteError, match=r"inner step 0: non-finite loss in tasks \[1\]"):
@@ -312,7 +312,7 @@ def test_nonfinite_names_the_tasks_and_skip_is_refused():
 
 def test_shape_errors_name_the_task_axis():
     net, (xs, ys), _, loss_fn = make("mlp")
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     opt = fm.optim.sgd(lr=0.1)
     with pytest.raises(ValueError, match=r"expected 3 tasks.*'1': \(2, 10, 1\)"):
         fm.adapt_tasks(fmodel, fmodel.params, loss_fn, (xs, ys[:2]), opt, steps=1)
@@ -322,13 +322,13 @@ def test_shape_errors_name_the_task_axis():
     ):
         fm.adapt_tasks(fmodel, wrong, loss_fn, (xs, ys), opt, steps=1)
     with pytest.raises(ValueError, match="scalars"):
-        fm.apply_tasks(fmodel, fmodel.params, None, torch.tensor(1.0, dtype=DTYPE))
+        fm.apply_tasks(fmodel, fmodel.params, torch.tensor(1.0, dtype=DTYPE))
 
 
 def test_module_unchanged_and_batchnorm_buffers_per_task():
     net, support, _query, loss_fn = make("conv4")
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, fm.optim.sgd(lr=0.1), steps=2)
     assert result.buffers["0.1.running_mean"].shape == (T, 64)
     assert torch.equal(result.buffers["0.1.num_batches_tracked"], torch.full((T,), 2))
@@ -364,7 +364,7 @@ def test_the_torch_func_vmap_fallback_gives_the_same_results(monkeypatch):
 @pytest.mark.parametrize("first_order", [False, True])
 def test_under_no_grad_for_evaluation(first_order):
     net, support, _, loss_fn = make("mlp")
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     opt = fm.optim.sgd(lr=0.05)
     with torch.no_grad():
         evaluated = fm.adapt_tasks(

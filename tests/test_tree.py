@@ -68,10 +68,8 @@ def test_broadcast_prefix_ignores_entries_for_left_out_parameters():
     assert tree.broadcast_prefix(head_only, head) == [2.0, 1.0]
 
 
-def test_paths_map_with_path_and_flatten():
+def test_paths_and_flatten():
     nested = {"a": [torch.zeros(1), torch.zeros(2)], "b": torch.zeros(3)}
     assert tree.paths(nested) == ["a.0", "a.1", "b"]
-    sizes = tree.map_with_path(lambda path, x: (path, x.numel()), nested)
-    assert sizes == {"a": [("a.0", 1), ("a.1", 2)], "b": ("b", 3)}
     leaves, spec = tree.flatten(nested)
     assert tree.unflatten(spec, leaves)["b"] is nested["b"]

@@ -35,6 +35,17 @@ class EpisodeBatch(NamedTuple):
     y_query: Tensor
     classes: Tensor
 
+    @property
+    def support(self) -> tuple[Tensor, Tensor]:
+        """``(x_support, y_support)``: the support batch, as the recipes and
+        :func:`funcmeta.adapt_tasks` take it."""
+        return self.x_support, self.y_support
+
+    @property
+    def query(self) -> tuple[Tensor, Tensor]:
+        """``(x_query, y_query)``: the query batch."""
+        return self.x_query, self.y_query
+
 
 def split_classes(
     labels: Tensor, sizes: Sequence[int], *, generator: torch.Generator | None = None

@@ -27,6 +27,17 @@ class SinusoidBatch(NamedTuple):
     amplitude: Tensor
     phase: Tensor
 
+    @property
+    def support(self) -> tuple[Tensor, Tensor]:
+        """``(x_support, y_support)``: the support batch, as the recipes and
+        :func:`funcmeta.adapt_tasks` take it."""
+        return self.x_support, self.y_support
+
+    @property
+    def query(self) -> tuple[Tensor, Tensor]:
+        """``(x_query, y_query)``: the query batch."""
+        return self.x_query, self.y_query
+
 
 def _check_range(name: str, lo_hi: tuple[float, float]) -> tuple[float, float]:
     lo, hi = (float(v) for v in lo_hi)

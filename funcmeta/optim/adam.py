@@ -15,9 +15,9 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
 
 from funcmeta import tree
+from funcmeta.optim._moments import ema, ema_sq
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
 from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
 from funcmeta.optim.primitives import add_decayed_weights, scale_by_learning_rate, validate
@@ -31,18 +31,6 @@ class ScaleByAdamState(NamedTuple):
     exp_avg: Tree
     exp_avg_sq: Tree
     max_exp_avg_sq: Tree | None
-
-
-def _ema(avg: Tensor, x: Tensor, beta: object) -> Tensor:
-    """``beta * avg + (1 - beta) * x`` computed as torch.optim does (``lerp``)."""
-    return avg.lerp(x, 1 - beta) if is_number(beta) else avg + (1 - beta) * (x - avg)
-
-
-def _ema_sq(avg: Tensor, x: Tensor, beta: object) -> Tensor:
-    """``beta * avg + (1 - beta) * x * x``."""
-    if is_number(beta):
-        return torch.addcmul(avg.mul(beta), x, x, value=1 - beta)
-    return avg * beta + (1 - beta) * (x * x)
 
 
 def _power_complement(beta: object, t: int) -> object:
@@ -95,8 +83,8 @@ def scale_by_adam(
         for x, mu, nu, nmax, beta1, beta2, e in zip(
             g, mus, nus, maxes, b1s, b2s, epss, strict=True
         ):
-            mu = _ema(mu, x, beta1)
-            nu = _ema_sq(nu, x, beta2)
+            mu = ema(mu, x, beta1)
+            nu = ema_sq(nu, x, beta2)
             if amsgrad:
                 nmax = torch.maximum(nmax, nu)
                 new_max.append(nmax)

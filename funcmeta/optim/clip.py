@@ -17,7 +17,7 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta.optim.base import GradientTransformation, safe_sqrt
-from funcmeta.optim.hparams import check_number, is_number
+from funcmeta.optim.hparams import check_max_norm
 from funcmeta.tree import Tree
 
 __all__ = ["ClipState", "clip_by_global_norm", "clip_grads_by_global_norm", "global_norm"]
@@ -55,29 +55,17 @@ def clip_grads_by_global_norm(
 
 
 class ClipState(NamedTuple):
-    count: int
+    """:func:`clip_by_global_norm` keeps no state."""
 
 
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
     """Clip the updates to a global 2-norm of at most ``max_norm`` (number or 0-d tensor)."""
-    _check_max_norm(max_norm)
+    check_max_norm(max_norm)
 
     def init(params: Tree) -> ClipState:
-        return ClipState(0)
+        return ClipState()
 
     def update(updates: Tree, state: ClipState, params: Tree | None = None) -> tuple[Tree, Any]:
-        return clip_grads_by_global_norm(updates, max_norm), ClipState(state.count + 1)
+        return clip_grads_by_global_norm(updates, max_norm), state
 
     return GradientTransformation(init, update)
-
-
-def _check_max_norm(max_norm: Any) -> None:
-    if isinstance(max_norm, Tensor):
-        if max_norm.dim() != 0:
-            raise ValueError(
-                f"max_norm must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
-            )
-    elif is_number(max_norm):
-        check_number(max_norm, "max_norm")
-    else:
-        raise TypeError(f"max_norm must be a number or a 0-d tensor, got {type(max_norm).__name__}")

@@ -38,7 +38,7 @@ from torch import Tensor
 from funcmeta import tree
 from funcmeta.tree import Tree
 
-__all__ = ["Hyperparameter", "check_number", "is_number", "is_zero", "per_leaf"]
+__all__ = ["Hyperparameter", "check_max_norm", "check_number", "is_number", "is_zero", "per_leaf"]
 
 Hyperparameter = float | Tensor | Tree | Callable[[int], Any]
 
@@ -72,6 +72,19 @@ def check_number(
     if value < low or (high is not None and (value > high if include_high else value >= high)):
         limit = "" if high is None else f" and {'<=' if include_high else '<'} {high}"
         raise ValueError(f"invalid {name}: {value} (must be >= {low}{limit})")
+
+
+def check_max_norm(max_norm: Any) -> None:
+    """A clipping norm: a number (>= 0) or a 0-d tensor."""
+    if isinstance(max_norm, Tensor):
+        if max_norm.dim() != 0:
+            raise ValueError(
+                f"max_norm must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
+            )
+    elif is_number(max_norm):
+        check_number(max_norm, "max_norm")
+    else:
+        raise TypeError(f"max_norm must be a number or a 0-d tensor, got {type(max_norm).__name__}")
 
 
 def per_leaf(

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from funcmeta import tree
-from funcmeta.optim.adam import _ema, _ema_sq
+from funcmeta.optim._moments import ema, ema_sq
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
 from funcmeta.optim.hparams import Hyperparameter, check_number, is_zero, per_leaf
 from funcmeta.optim.primitives import (
@@ -60,10 +60,10 @@ def scale_by_rms(
         avgs = spec.flatten_up_to(state.grad_avg) if centered else [None] * len(g)
         out, new_sq, new_avg = [], [], []
         for x, sq, avg, a, e in zip(g, sqs, avgs, alphas, epss, strict=True):
-            sq = _ema_sq(sq, x, a)
+            sq = ema_sq(sq, x, a)
             new_sq.append(sq)
             if centered:
-                avg = _ema(avg, x, a)
+                avg = ema(avg, x, a)
                 new_avg.append(avg)
                 rms = safe_sqrt(torch.addcmul(sq, avg, avg, value=-1))
             else:

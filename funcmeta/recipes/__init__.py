@@ -1,10 +1,13 @@
 """Meta-learning methods as short functions over a batch of tasks.
 
-Each recipe takes the functional model, the support and query batches (``(inputs,
-targets)`` with a leading task axis) and the loss. It returns the outer loss to call
-``.backward()`` on. Reptile and iMAML, which are not loss-based, return a surrogate whose
-gradient is the method's meta-gradient. The meta-gradients reach the module's ``.grad`` (and
-any learnable hyperparameters), ready for a ``torch.optim`` outer optimizer.
+Every recipe has the calling convention of :func:`funcmeta.adapt_tasks`: ``recipe(fmodel,
+params, loss_fn, support, query, *, steps, ...)``, where ``support`` and ``query`` are
+``(inputs, targets)`` with a leading task axis, then its own keywords (``lr`` or ``opt`` for
+the inner optimizer) and the inner-loop options of :class:`funcmeta.AdaptOptions`. Every
+recipe returns a :class:`RecipeResult`: call ``.backward()`` on ``result.loss``. For Reptile
+and iMAML, which are not loss-based, ``loss`` is a surrogate whose gradient is the method's
+meta-gradient. The meta-gradients reach the module's ``.grad`` (and any learnable
+hyperparameters), ready for a ``torch.optim`` outer optimizer.
 
 | recipe | method |
 | --- | --- |
@@ -18,21 +21,24 @@ any learnable hyperparameters), ready for a ``torch.optim`` outer optimizer.
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
-    >>> fm.recipes.fomaml(fmodel, (b.x_support, b.y_support), (b.x_query, b.y_query), F.mse_loss, steps=3).backward()
+    >>> out = fm.recipes.fomaml(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=3)
+    >>> out.loss.backward()
+    >>> out.query_loss.shape, out.adapted.losses.shape   # logged: query loss, inner losses
+    (torch.Size([]), torch.Size([3, 8]))
 """
 
+from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.anil import anil
-from funcmeta.recipes.imaml import ImamlResult, imaml
+from funcmeta.recipes.imaml import imaml
 from funcmeta.recipes.maml import fomaml, maml
-from funcmeta.recipes.mamlpp import MamlppResult, mamlpp, mamlpp_step_weights
+from funcmeta.recipes.mamlpp import mamlpp, mamlpp_step_weights
 from funcmeta.recipes.metasgd import metasgd, metasgd_rates
 from funcmeta.recipes.reptile import reptile
 
 __all__ = [
-    "ImamlResult",
-    "MamlppResult",
+    "RecipeResult",
     "anil",
     "fomaml",
     "imaml",

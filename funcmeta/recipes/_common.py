@@ -1,33 +1,71 @@
-"""Helpers shared by the recipes."""
+"""What the recipes share: their result type, the inner optimizer they default to, and the
+query loss."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from funcmeta._loop import AdaptResult, LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inner import LossFn
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.optim.sgd import sgd
 from funcmeta.tasks import task_losses
 
-__all__ = ["query_loss", "resolve_opt"]
+__all__ = ["DEFAULT_LR", "RecipeResult", "query_loss", "resolve_opt"]
+
+DEFAULT_LR = 0.01
+"""The inner learning rate of plain SGD when a recipe is given neither ``lr`` nor ``opt``."""
+
+
+class RecipeResult(NamedTuple):
+    """What every recipe returns.
+
+    Attributes:
+        loss: the outer objective: call ``.backward()`` on it; its gradient is the method's
+            meta-gradient, for the parameters and any learnable hyperparameters. For MAML,
+            FOMAML, Meta-SGD and ANIL it is the mean query loss after adaptation, for MAML++
+            the weighted multi-step query loss; for Reptile and iMAML, which are not
+            loss-based, a surrogate whose gradient is the method's update direction.
+        query_loss: the mean query loss after adaptation, detached, for logging (``None``
+            when Reptile is given no query set).
+        adapted: the inner loop's :class:`funcmeta.AdaptResult`, with a task axis (MAML++:
+            that of the last step).
+        step_buffers: MAML++ only: each inner step's BatchNorm statistics, to pass back as
+            ``step_buffers`` in the next call.
+        residual: iMAML only: ``||rhs - (I + H/lam) x|| / ||rhs||`` of the returned
+            solution, one per task.
+        curvature_stop: iMAML only: the tasks whose conjugate gradient met non-positive
+            curvature and stopped there.
+    """
+
+    loss: Tensor
+    query_loss: Tensor | None
+    adapted: AdaptResult
+    step_buffers: list[dict[str, Tensor]] | None = None
+    residual: Tensor | None = None
+    curvature_stop: Tensor | None = None
 
 
 def resolve_opt(opt: GradientTransformation | None, lr: Any) -> GradientTransformation:
-    """``opt`` if given, else plain SGD with learning rate ``lr`` (MAML's inner step)."""
-    return sgd(lr=lr) if opt is None else opt
+    """``opt`` if given, else SGD with learning rate ``lr`` (default :data:`DEFAULT_LR`);
+    both at once is an error, not a silent choice."""
+    if opt is not None and lr is not None:
+        raise TypeError("pass the inner optimizer as opt= or its learning rate as lr=, not both")
+    if opt is not None:
+        return opt
+    return sgd(lr=DEFAULT_LR if lr is None else lr)
 
 
 def query_loss(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor] | None,
     loss_fn: LossFn,
     query: tuple[Any, Any],
+    buffers: Mapping[str, Tensor] | None,
 ) -> Tensor:
     """The mean over tasks of each task's query loss."""
-    losses, _ = task_losses(fmodel, params, buffers, loss_fn, query)
+    losses, _ = task_losses(fmodel, params, loss_fn, query, buffers=buffers)
     return losses.mean()

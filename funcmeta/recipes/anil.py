@@ -3,38 +3,58 @@
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
-    >>> loss = fm.recipes.anil(fmodel, (b.x_support, b.y_support), (b.x_query, b.y_query), F.mse_loss, head="2")
-    >>> loss.backward()      # the body still learns, through the query loss
+    >>> out = fm.recipes.anil(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1, trainable="2")
+    >>> out.loss.backward()      # the body still learns, through the query loss
     >>> net[0].weight.grad is not None
     True
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
 
+from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inner import LossFn
+from funcmeta.optim.base import GradientTransformation
+from funcmeta.options import takes_options
+from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.maml import maml
 from funcmeta.tree import Filter
 
 __all__ = ["anil"]
 
 
+@takes_options
 def anil(
     fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
     support: tuple[Any, Any],
     query: tuple[Any, Any],
-    loss_fn: LossFn,
     *,
-    head: Filter,
-    **kwargs: Any,
-) -> Tensor:
-    """The ANIL outer loss: :func:`funcmeta.recipes.maml` adapting only the parameters that
-    ``head`` selects (a name prefix, several, or a predicate ``(path, tensor) -> bool``). The
-    rest is held fixed in the inner loop and receives outer gradients."""
-    return maml(fmodel, support, query, loss_fn, trainable=head, **kwargs)
+    steps: int,
+    trainable: Filter,
+    lr: Any = None,
+    opt: GradientTransformation | None = None,
+    **options: Any,
+) -> RecipeResult:
+    """ANIL: :func:`funcmeta.recipes.maml` adapting only the parameters that ``trainable``
+    selects (the head: a name prefix, several, or a predicate ``(name, tensor) -> bool``).
+    The rest is held fixed in the inner loop and receives outer gradients."""
+    return maml(
+        fmodel,
+        params,
+        loss_fn,
+        support,
+        query,
+        steps=steps,
+        lr=lr,
+        opt=opt,
+        trainable=trainable,
+        **options,
+    )

@@ -6,49 +6,39 @@ to ``theta`` is ``x = (I + H/lam)^{-1} grad L_query(phi*)``, where ``H`` is the 
 support loss at ``phi*``. :func:`imaml` solves for ``x`` by conjugate gradient with
 Hessian-vector products from autograd. It never differentiates through the inner path, so
 memory does not grow with the number of inner steps. It returns a surrogate scalar whose
-gradient with respect to ``theta`` is the mean of the tasks' ``x``, for ``.backward()``.
+gradient with respect to ``theta`` is the mean of the tasks' ``x``, as ``result.loss``.
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(4, 10, 10)
-    >>> out = fm.recipes.imaml(fmodel, (b.x_support, b.y_support), (b.x_query, b.y_query), F.mse_loss,
-    ...                        lam=2.0, steps=20, lr=0.05)
-    >>> out.surrogate.backward()
+    >>> out = fm.recipes.imaml(fmodel, fmodel.params, F.mse_loss, b.support, b.query,
+    ...                        steps=20, lam=2.0, lr=0.05)
+    >>> out.loss.backward()
     >>> out.query_loss.item() > 0
     True
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from funcmeta import kernels
+from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inner import LossFn
 from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation, chain
 from funcmeta.optim.primitives import add_proximal
-from funcmeta.recipes._common import resolve_opt
+from funcmeta.options import takes_options
+from funcmeta.recipes._common import RecipeResult, resolve_opt
 from funcmeta.tasks import adapt_tasks, task_losses
 
-__all__ = ["ImamlResult", "imaml"]
-
-
-class ImamlResult(NamedTuple):
-    """``surrogate``: call ``.backward()`` on it (gradient = the implicit meta-gradient);
-    ``query_loss``: the mean query loss at the adapted parameters (for logging, no graph);
-    ``residual``: ``||rhs - (I + H/lam) x|| / ||rhs||`` of the returned solution, one per task; ``curvature_stop``: the
-    tasks whose CG met non-positive curvature and stopped there (see :func:`imaml`)."""
-
-    surrogate: Tensor
-    query_loss: Tensor
-    residual: Tensor
-    curvature_stop: Tensor
+__all__ = ["imaml"]
 
 
 def _dot(a: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
@@ -60,26 +50,32 @@ def _per_task(scalar: Tensor, like: Tensor) -> Tensor:
     return scalar.reshape(-1, *([1] * (like.dim() - 1)))
 
 
+@takes_options
 def imaml(
     fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
     support: tuple[Any, Any],
     query: tuple[Any, Any],
-    loss_fn: LossFn,
     *,
+    steps: int,
     lam: float,
-    steps: int = 20,
-    lr: Any = 0.01,
+    lr: Any = None,
     opt: GradientTransformation | None = None,
     cg_steps: int = 5,
     cg_tol: float = 1e-10,
-) -> ImamlResult:
+    **options: Any,
+) -> RecipeResult:
     """The iMAML meta-gradient for a batch of tasks, as a surrogate for ``.backward()``.
 
     The inner loop is ``steps`` steps of ``opt`` (default SGD with ``lr``) on the proximal
     objective with strength ``lam``. Then ``cg_steps`` conjugate-gradient iterations solve
     ``(I + H/lam) x = grad L_query(phi*)`` per task, stopping early once the residual is
-    below ``cg_tol`` relative to the right-hand side. The parameters must all be adapted.
-    Buffers (BatchNorm) are used as the module holds them.
+    below ``cg_tol`` relative to the right-hand side. The parameters must all be adapted
+    (the option ``trainable`` is refused); the other options of
+    :class:`funcmeta.AdaptOptions` apply to the inner loop. Buffers (BatchNorm) are used as
+    the module holds them. ``result.residual`` and ``result.curvature_stop`` report on the
+    solve.
 
     ``I + H/lam`` is positive definite when ``lam`` exceeds the most negative curvature of the
     support loss at ``phi*``. It need not be for a non-convex network that the inner loop has
@@ -90,14 +86,16 @@ def imaml(
     ``lam``, or more inner steps, avoids them.
     """
     check_model(fmodel)
+    if "trainable" in options:
+        raise TypeError("imaml adapts every parameter: its implicit gradient has no trainable=")
     if lam <= 0:
         raise ValueError(f"lam must be positive, got {lam}")
     if cg_steps < 1:
         raise ValueError(f"cg_steps must be at least 1, got {cg_steps}")
-    theta = {k: v.detach() for k, v in fmodel.params.items()}
+    theta = {k: v.detach() for k, v in params.items()}
     inner = chain(add_proximal(lam, theta), resolve_opt(opt, lr))
     with torch.no_grad():
-        adapted = adapt_tasks(fmodel, theta, loss_fn, support, inner, steps)
+        adapted = adapt_tasks(fmodel, theta, loss_fn, support, inner, steps=steps, **options)
     # the adapted parameters (frozen ones are held fixed and get no meta-gradient)
     frozen = set(fmodel.frozen)
     phi = {
@@ -106,11 +104,11 @@ def imaml(
     }
     free = {k: v for k, v in phi.items() if k not in frozen}
     with torch.enable_grad():
-        q_losses, _ = task_losses(fmodel, phi, None, loss_fn, query)
+        q_losses, _ = task_losses(fmodel, phi, loss_fn, query)
         rhs = dict(zip(free, torch.autograd.grad(q_losses.sum(), list(free.values())), strict=True))
         # differentiated again by every Hessian-vector product: kernels that allow it
         with kernels.twice_differentiable():
-            s_losses, _ = task_losses(fmodel, phi, None, loss_fn, support)
+            s_losses, _ = task_losses(fmodel, phi, loss_fn, support)
             grads = torch.autograd.grad(s_losses.sum(), list(free.values()), create_graph=True)
 
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -150,11 +148,12 @@ def imaml(
         p = {k: r[k] + _per_task(beta, r[k]) * p[k] for k in p}
         rr = torch.where(active, rr_new, rr)
     meta_grad = {k: v.mean(0).detach() for k, v in x.items()}
-    params = fmodel.params
     surrogate = sum((params[k] * g).sum() for k, g in meta_grad.items())
     # the true residual of the x returned (one more product; CG's running r is not it for
     # the tasks that stopped or fell back)
     ax = operator(x)
     left = {k: rhs[k] - ax[k] for k in rhs}
     residual = (_dot(left, left).sqrt() / rhs_norm).detach()
-    return ImamlResult(surrogate, q_losses.detach().mean(), residual, stopped)
+    return RecipeResult(
+        surrogate, q_losses.detach().mean(), adapted, residual=residual, curvature_stop=stopped
+    )

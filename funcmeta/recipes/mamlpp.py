@@ -5,12 +5,12 @@ BatchNorm running statistics (BNRS).
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.BatchNorm1d(40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> rates = fm.hyper.per_layer(fmodel.params, 0.01, steps=5)      # LSLR
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
     >>> weights = fm.recipes.mamlpp_step_weights(5, epoch=0, msl_epochs=10)
-    >>> out = fm.recipes.mamlpp(fmodel, rates, (b.x_support, b.y_support), (b.x_query, b.y_query),
-    ...                         F.mse_loss, steps=5, step_weights=weights, first_order=False)
+    >>> out = fm.recipes.mamlpp(fmodel, fmodel.params, F.mse_loss, b.support, b.query,
+    ...                         steps=5, lr=rates, step_weights=weights, first_order=False)
     >>> out.loss.backward()
     >>> len(out.step_buffers)    # one set of BatchNorm statistics per inner step
     5
@@ -18,28 +18,22 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inner import LossFn
 from funcmeta.inputs import check_model
 from funcmeta.optim.sgd import sgd
-from funcmeta.recipes._common import query_loss
+from funcmeta.options import takes_options
+from funcmeta.recipes._common import RecipeResult, query_loss
 from funcmeta.tasks import adapt_tasks
 from funcmeta.tree import Tree
 
-__all__ = ["MamlppResult", "mamlpp", "mamlpp_step_weights"]
-
-
-class MamlppResult(NamedTuple):
-    """``loss``: the weighted multi-step query loss; ``step_buffers``: the buffers of each
-    inner step after this call (pass them back as ``step_buffers`` next time)."""
-
-    loss: Tensor
-    step_buffers: list[dict[str, Tensor]]
+__all__ = ["mamlpp", "mamlpp_step_weights"]
 
 
 def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
@@ -59,29 +53,34 @@ def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
     return weights
 
 
+@takes_options
 def mamlpp(
     fmodel: FunctionalModel,
-    rates: Tree,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
     support: tuple[Any, Any],
     query: tuple[Any, Any],
-    loss_fn: LossFn,
     *,
     steps: int,
+    lr: Tree,
     step_weights: Tensor,
-    first_order: bool = False,
     step_buffers: list[dict[str, Tensor]] | None = None,
     **options: Any,
-) -> MamlppResult:
-    """The MAML++ outer loss: ``sum_k step_weights[k] * query_loss(after step k+1)``.
+) -> RecipeResult:
+    """MAML++: ``loss`` is ``sum_k step_weights[k] * query_loss(after step k+1)``.
 
-    ``rates`` gives step ``k``'s learning rates as ``rates(k)``; usually
+    ``lr`` gives step ``k``'s learning rates as ``lr(k)``; usually
     ``fm.hyper.per_layer(params, init, steps=steps)`` (LSLR). ``step_weights`` come from
-    :func:`mamlpp_step_weights` (MSL). ``first_order`` is the derivative-order annealing
-    switch: MAML++ trains first order for the first epochs, then second order. Step ``k``
-    runs with its own BatchNorm running statistics, ``step_buffers[k]`` (default: the
-    module's), returned updated (BNRS). ``options`` go to :func:`funcmeta.adapt_tasks`.
+    :func:`mamlpp_step_weights` (MSL). The option ``first_order`` is the derivative-order
+    annealing switch: MAML++ trains first order for the first epochs, then second order.
+    Step ``k`` runs with its own BatchNorm running statistics, ``step_buffers[k]`` (default:
+    the module's), returned updated as ``result.step_buffers`` (BNRS). ``options`` are the
+    inner-loop options of :class:`funcmeta.AdaptOptions`; ``result.query_loss`` is the last
+    step's query loss.
     """
     check_model(fmodel)
+    if not callable(lr):
+        raise TypeError("MAML++ needs per-step rates lr(k): fm.hyper.per_layer(..., steps=steps)")
     weights = torch.as_tensor(step_weights)
     if weights.shape != (steps,):
         raise ValueError(f"step_weights must have shape ({steps},), got {tuple(weights.shape)}")
@@ -89,28 +88,31 @@ def mamlpp(
         step_buffers = [fmodel.buffers for _ in range(steps)]
     if len(step_buffers) != steps:
         raise ValueError(f"step_buffers must hold {steps} buffer dicts, got {len(step_buffers)}")
-    opt = sgd(lr=rates)
-    params, state = fmodel.params, None
+    opt = sgd(lr=lr)
+    state = None
     total: Tensor | float = 0.0
     new_buffers = []
+    step_loss = None
+    adapted = None
     for k in range(steps):
-        result = adapt_tasks(
+        adapted = adapt_tasks(
             fmodel,
             params,
             loss_fn,
             support,
             opt,
-            1,
-            first_order=first_order,
+            steps=1,
             buffers=step_buffers[k],
             state=state,
             **options,
         )
-        params, state = result.params, result.state
-        new_buffers.append(_across_tasks(result.buffers))
-        step_loss = query_loss(fmodel, params, result.buffers, loss_fn, query)
+        params, state = adapted.params, adapted.state
+        new_buffers.append(_across_tasks(adapted.buffers))
+        step_loss = query_loss(fmodel, params, loss_fn, query, adapted.buffers)
         total = total + weights[k].to(step_loss.dtype) * step_loss
-    return MamlppResult(total, new_buffers)
+    if adapted is None or step_loss is None:
+        raise ValueError("MAML++ needs steps >= 1")
+    return RecipeResult(total, step_loss.detach(), adapted, step_buffers=new_buffers)
 
 
 def _across_tasks(buffers: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -3,26 +3,29 @@
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
-    >>> fmodel = fm.functionalize(net)
+    >>> fmodel = fm.functional_model(net)
     >>> rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(0))
     >>> outer = torch.optim.Adam([*net.parameters(), *rates.parameters()], lr=1e-3)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
-    >>> fm.recipes.metasgd(fmodel, rates, (b.x_support, b.y_support), (b.x_query, b.y_query), F.mse_loss).backward()
+    >>> fm.recipes.metasgd(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1, lr=rates).loss.backward()
     >>> all(r.grad is not None for r in rates.raw)   # every rate learns
     True
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from funcmeta import tree
+from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.hyper import HyperTree, per_element
-from funcmeta.inner import LossFn
+from funcmeta.options import takes_options
+from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.maml import maml
 from funcmeta.tree import Tree
 
@@ -49,20 +52,22 @@ def metasgd_rates(
     return rates
 
 
+@takes_options
 def metasgd(
     fmodel: FunctionalModel,
-    rates: HyperTree | Tree,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
     support: tuple[Any, Any],
     query: tuple[Any, Any],
-    loss_fn: LossFn,
     *,
-    steps: int = 1,
+    steps: int,
+    lr: HyperTree | Tree,
     **options: Any,
-) -> Tensor:
-    """The Meta-SGD outer loss: :func:`funcmeta.recipes.maml` with the inner step
-    ``p - rates * grad``. ``rates`` is per element, usually :func:`metasgd_rates`. Train its
-    parameters with the outer optimizer along with the model's."""
-    leaves = tree.leaves(rates() if isinstance(rates, HyperTree) else rates)
-    if not all(isinstance(r, Tensor) for r in leaves):
-        raise TypeError("Meta-SGD rates must be tensors (a HyperTree or a tree of tensors)")
-    return maml(fmodel, support, query, loss_fn, lr=rates, steps=steps, **options)
+) -> RecipeResult:
+    """Meta-SGD: :func:`funcmeta.recipes.maml` with the inner step ``p - lr * grad``, where
+    ``lr`` holds a rate per element, usually :func:`metasgd_rates`. Train its parameters
+    with the outer optimizer along with the model's."""
+    leaves = tree.leaves(lr() if isinstance(lr, HyperTree) else lr)
+    if not leaves or not all(isinstance(r, Tensor) for r in leaves):
+        raise TypeError("Meta-SGD rates lr= must be tensors (a HyperTree or a tree of tensors)")
+    return maml(fmodel, params, loss_fn, support, query, steps=steps, lr=lr, **options)

@@ -1,6 +1,6 @@
 """A small Meta-SGD training run that saves its state after every step and resumes from it.
 
-Used by tests/test_resume.py: python tests/resume_train.py STATE OUT STEPS [--slow]
+Used by tests/test_snapshot.py: python tests/snapshot_train.py STATE OUT STEPS [--slow]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main(state: Path, out: Path, steps: int, slow: bool) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, 1))
-    fmodel = fm.functionalize(net)
+    fmodel = fm.functional_model(net)
     rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(1))
     outer = torch.optim.Adam([*net.parameters(), *rates.parameters()], lr=1e-3)
     tasks_rng = torch.Generator().manual_seed(2)
@@ -29,18 +29,24 @@ def main(state: Path, out: Path, steps: int, slow: bool) -> None:
         optimizers={"outer": outer},
         generators={"tasks": tasks_rng},
     )
-    step = fm.resume.load_state(state, **names).step if state.exists() else 0
+    step = fm.snapshot.load(state, **names).step if state.exists() else 0
     while step < steps:
         b = fm.data.Sinusoid().sample(8, 5, 5, generator=tasks_rng)
         noisy = b.y_support + 0.05 * torch.randn_like(b.y_support)  # the global RNG too
         loss = fm.recipes.metasgd(
-            fmodel, rates, (b.x_support, noisy), (b.x_query, b.y_query), F.mse_loss
-        )
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            (b.x_support, noisy),
+            (b.x_query, b.y_query),
+            lr=rates,
+            steps=1,
+        ).loss
         outer.zero_grad()
         loss.backward()
         outer.step()
         step += 1
-        fm.resume.save_state(state, step=step, extra={"loss": loss.item()}, **names)
+        fm.snapshot.save(state, step=step, extra={"loss": loss.item()}, **names)
         if slow:
             time.sleep(0.05)
     torch.save(

@@ -1,6 +1,7 @@
-"""Resumable meta-training: save and restore the whole training state, atomically.
+"""Snapshots of meta-training: save and restore the whole training state, atomically, to
+resume a run.
 
-:func:`save_state` writes, in one file:
+:func:`save` writes, in one file:
 - the state of every module you name: the model (its initial parameters and buffers) and the
   learnable hyperparameters (``fm.hyper`` trees);
 - every outer optimizer (and scheduler);
@@ -12,7 +13,7 @@
 The file is written to a temporary name in the same folder, flushed to disk and renamed over
 the target. A run killed at any moment leaves either the previous complete state or the new
 one, never a torn file. (A process killed during a write may leave its temporary
-``.<name>.*.tmp`` file behind; it can be deleted.) :func:`load_state` restores all of it. A run resumed from the last
+``.<name>.*.tmp`` file behind; it can be deleted.) :func:`load` restores all of it. A run resumed from the last
 state continues bit for bit as if it had not stopped (tested by killing a training
 subprocess).
 
@@ -22,8 +23,8 @@ Example:
     >>> outer = torch.optim.Adam(net.parameters(), lr=1e-3)
     >>> rng = torch.Generator().manual_seed(0)
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "state.pt"
-    >>> fm.resume.save_state(path, step=10, modules={"net": net}, optimizers={"outer": outer}, generators={"tasks": rng})
-    >>> fm.resume.load_state(path, modules={"net": net}, optimizers={"outer": outer}, generators={"tasks": rng}).step
+    >>> fm.snapshot.save(path, step=10, modules={"net": net}, optimizers={"outer": outer}, generators={"tasks": rng})
+    >>> fm.snapshot.load(path, modules={"net": net}, optimizers={"outer": outer}, generators={"tasks": rng}).step
     10
 """
 
@@ -40,13 +41,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-__all__ = ["Resumed", "load_state", "save_state"]
+__all__ = ["Snapshot", "load", "save"]
 
 FORMAT = 1
 
 
-class Resumed(NamedTuple):
-    """What :func:`load_state` returns besides restoring objects in place."""
+class Snapshot(NamedTuple):
+    """What :func:`load` returns besides restoring objects in place."""
 
     step: int
     extra: dict[str, Any]
@@ -72,7 +73,7 @@ def _restore_random(states: Mapping[str, Any]) -> None:
         numpy.random.set_state(states["numpy"])
 
 
-def save_state(
+def save(
     path: str | os.PathLike[str],
     *,
     step: int,
@@ -118,16 +119,16 @@ def save_state(
         raise
 
 
-def load_state(
+def load(
     path: str | os.PathLike[str],
     *,
     modules: Mapping[str, nn.Module] | None = None,
     optimizers: Mapping[str, Any] | None = None,
     generators: Mapping[str, torch.Generator] | None = None,
     map_location: Any = None,
-) -> Resumed:
-    """Restore what :func:`save_state` wrote into the given objects (and the global random
-    states); returns :class:`Resumed` ``(step, extra)``.
+) -> Snapshot:
+    """Restore what :func:`save` wrote into the given objects (and the global random
+    states); returns :class:`Snapshot` ``(step, extra)``.
 
     The names must match the saved ones exactly: a missing or unexpected name raises
     ``ValueError`` naming it, before anything is restored.
@@ -157,4 +158,4 @@ def load_state(
     for name, generator in given["generators"].items():
         generator.set_state(payload["generators"][name])
     _restore_random(payload["random"])
-    return Resumed(payload["step"], payload["extra"])
+    return Snapshot(payload["step"], payload["extra"])

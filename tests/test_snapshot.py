@@ -14,7 +14,7 @@ import torch
 
 import funcmeta as fm
 
-SCRIPT = Path(__file__).with_name("resume_train.py")
+SCRIPT = Path(__file__).with_name("snapshot_train.py")
 STEPS = 40
 
 
@@ -60,27 +60,27 @@ def test_killed_and_resumed_run_is_bit_identical(tmp_path):
 def test_names_are_checked_and_writes_are_atomic(tmp_path, monkeypatch):
     net = torch.nn.Linear(2, 1)
     path = tmp_path / "state.pt"
-    fm.resume.save_state(path, step=3, modules={"net": net})
+    fm.snapshot.save(path, step=3, modules={"net": net})
     with pytest.raises(ValueError, match=r"not given \['net'\], not saved \['model'\]"):
-        fm.resume.load_state(path, modules={"model": net})
+        fm.snapshot.load(path, modules={"model": net})
     with pytest.raises(ValueError, match="step"):
-        fm.resume.save_state(path, step=-1)
+        fm.snapshot.save(path, step=-1)
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(torch, "save", broken)
     with pytest.raises(OSError, match="disk full"):
-        fm.resume.save_state(path, step=4, modules={"net": net})
+        fm.snapshot.save(path, step=4, modules={"net": net})
     monkeypatch.undo()
-    assert fm.resume.load_state(path, modules={"net": net}).step == 3  # the old state survives
+    assert fm.snapshot.load(path, modules={"net": net}).step == 3  # the old state survives
     assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
 def test_restores_global_random_state(tmp_path):
     torch.manual_seed(5)
-    fm.resume.save_state(tmp_path / "s.pt", step=0)
+    fm.snapshot.save(tmp_path / "s.pt", step=0)
     expected = torch.rand(3)
     torch.rand(10)
-    fm.resume.load_state(tmp_path / "s.pt")
+    fm.snapshot.load(tmp_path / "s.pt")
     assert torch.equal(torch.rand(3), expected)

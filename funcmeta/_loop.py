@@ -1,0 +1,366 @@
+"""The inner-loop engine behind :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks`.
+
+:func:`validate` checks a call before any computation; :func:`run` splits off the adapted
+parameters, initialises the optimizer and takes the steps, each a pure function
+(:meth:`_Inner.step`) so that a step checkpoint can run it again during backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from funcmeta import kernels, tree
+from funcmeta.functional import FunctionalModel
+from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
+from funcmeta.optim.base import GradientTransformation, apply_updates
+from funcmeta.optim.clip import clip_grads_by_global_norm
+from funcmeta.options import AdaptOptions
+from funcmeta.tree import Filter, Tree
+
+__all__ = ["AdaptResult", "Forward", "LossFn", "NonFiniteError", "forward_loss", "run", "validate"]
+
+LossFn = Callable[[Any, Any], Tensor]
+"""``(output, targets) -> scalar tensor``, e.g. ``torch.nn.functional.mse_loss``."""
+
+
+class AdaptResult(NamedTuple):
+    """What :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` return (the latter with a
+    leading task axis on parameters, buffers and state, and losses of shape ``(steps, T)``).
+
+    Attributes:
+        params: the adapted parameters (all of them; the ones held fixed are passed through).
+        buffers: the buffers after the last inner forward (BatchNorm running statistics).
+        losses: the inner loss before each step, shape ``(steps,)``; attached to the graph
+            for second-order steps (``.detach()`` it to log it).
+        state: the optimizer state after the last step (pass it back to continue).
+        skipped: indices of steps skipped for non-finite values (``on_nonfinite="skip"``).
+    """
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    losses: Tensor
+    state: Any
+    skipped: tuple[int, ...] = ()
+
+
+class NonFiniteError(FloatingPointError):
+    """An inner loss or gradient was NaN or infinite; the message names the step."""
+
+
+def forward_loss(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
+    ``((args, kwargs), targets)`` made by :func:`validate`."""
+    (args, kwargs), targets = batch
+    out, new_buffers = fmodel.apply(params, buffers, *args, **kwargs)
+    loss = loss_fn(out, targets)
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+    return loss, new_buffers
+
+
+def validate(
+    fmodel: Any,
+    params: Any,
+    opt: Any,
+    batch: Any,
+    steps: Any,
+    options: AdaptOptions,
+    *,
+    tasks: bool = False,
+) -> tuple[tuple[CallInputs, Any], int | None]:
+    """Check a call of :func:`funcmeta.adapt` (with ``tasks``, of
+    :func:`funcmeta.adapt_tasks`) before any computation. Returns the batch split into call
+    arguments and targets, and the number of tasks (``None`` without ``tasks``)."""
+    check_call(fmodel, params, opt)
+    options.check_steps(steps)
+    split = split_batch(batch)
+    count = task_count(split) if tasks else None
+    check_batch(split, params)
+    return split, count
+
+
+Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class _Inner:
+    """What one inner loop holds fixed; :meth:`step` is one pure inner step.
+
+    ``forward(params, buffers) -> (loss, new_buffers)`` gives one loss, or one per task
+    (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
+    of their sum, which is each task's own gradient since the tasks share nothing.
+    """
+
+    forward: Forward
+    opt: GradientTransformation
+    spec: Any
+    names: list[str]
+    fixed: Tree | None
+    options: AdaptOptions
+    tasks: int | None = None
+
+    def step(
+        self,
+        k: int,
+        graph: bool,
+        second: bool,
+        offload: bool,
+        state: Any,
+        buffers: dict[str, Tensor],
+        *leaves: Tensor,
+    ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        """Step ``k``: ``(new_leaves, new_state, new_buffers, loss, skipped)``.
+
+        Pure (it writes nothing outside its return value), so that step-level checkpointing
+        can run it again during backward. ``offload`` keeps what it saves for backward in
+        CPU memory.
+        """
+        with _offload(offload and graph, leaves):
+            return self._step(k, graph, second, state, buffers, list(leaves))
+
+    def _step(
+        self,
+        k: int,
+        graph: bool,
+        second: bool,
+        state: Any,
+        buffers: dict[str, Tensor],
+        leaves: list[Tensor],
+    ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        with torch.enable_grad():
+            if second:
+                if not all(p.requires_grad for p in leaves):
+                    leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
+                wrt = leaves
+            else:
+                wrt = [p.detach().requires_grad_() for p in leaves]
+            current = tree.unflatten(self.spec, wrt)
+            full = current if self.fixed is None else tree.combine(current, self.fixed)
+            loss, new_buffers = self.forward(full, buffers)
+            objective = loss if self.tasks is None else loss.sum()
+            scale = self.options.loss_scale
+            if scale is not None:
+                objective = objective * scale
+            grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
+        grads = _fill_unused(grads, wrt, self.names, self.options.allow_unused)
+        if scale is not None:
+            inv = 1.0 / scale
+            grads = [g * inv for g in grads]
+        if not second:
+            loss = loss.detach()
+        check = self.options.nonfinite
+        if check is not None and not _all_finite(loss, grads):
+            if check == "raise":
+                raise NonFiniteError(_nonfinite_message(k, loss, grads, self.names, self.tasks))
+            return leaves, state, buffers, loss, True
+        grad_tree = tree.unflatten(self.spec, grads)
+        if self.options.clip_grad_norm is not None:
+            grad_tree = clip_grads_by_global_norm(
+                grad_tree, self.options.clip_grad_norm, task_axis=self.tasks is not None
+            )
+        adapted = tree.unflatten(self.spec, leaves)
+        with contextlib.nullcontext() if graph else torch.no_grad():
+            updates, state = self.opt.update(grad_tree, state, adapted)
+            adapted = apply_updates(adapted, updates)
+        return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
+
+
+def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
+    """``save_on_cpu`` (pinned when the parameters are on CUDA) if ``on``."""
+    if not on:
+        return contextlib.nullcontext()
+    pin = any(p.is_cuda for p in leaves)
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+
+
+def _run(
+    inner: _Inner,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+    steps: int,
+) -> AdaptResult:
+    """The loop of :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` over :meth:`_Inner.step`.
+
+    Steps ``truncate`` on build a graph. In second order it is differentiated again, so they
+    run on kernels that allow it (:func:`funcmeta.kernels.twice_differentiable`, entered once
+    for all of them; a recomputation restores the choice of its forward).
+    """
+    # Without an outer graph (evaluation under no_grad) nothing differentiates the inner
+    # gradients: the steps run first order, same values, on the kernels in force.
+    outer = torch.is_grad_enabled()
+    first_order = inner.options.first_order or not outer
+    truncate = inner.options.truncate
+    losses: list[Tensor] = []
+    skipped: list[int] = []
+    start = leaves
+    kernel_choice = contextlib.ExitStack()
+    with kernel_choice:
+        for k in range(steps):
+            if k == truncate and truncate > 0:
+                leaves = _reenter(leaves, start)
+            if k == truncate and not first_order:
+                kernel_choice.enter_context(kernels.twice_differentiable())
+            graph = k >= truncate
+            leaves, state, buffers, loss, was_skipped = _one_step(
+                inner,
+                k,
+                graph,
+                graph and not first_order,
+                outer,
+                leaves,
+                state,
+                buffers,
+            )
+            losses.append(loss)
+            if was_skipped:
+                skipped.append(k)
+    if truncate > 0 and truncate == steps:
+        leaves = _reenter(leaves, start)
+    adapted = tree.unflatten(inner.spec, leaves)
+    final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
+    stacked = torch.stack(losses) if losses else torch.empty(0)
+    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
+
+
+def _one_step(
+    inner: _Inner,
+    k: int,
+    graph: bool,
+    second: bool,
+    outer: bool,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+    """Step ``k`` of :func:`_run`, under a step checkpoint if asked."""
+    offload = inner.options.offload_activations
+    if not (inner.options.checkpoint_steps and graph and outer):
+        return inner.step(k, graph, second, offload, state, buffers, *leaves)
+    # State and buffers are bound now: the recomputation must see these values, on the
+    # kernels of this forward. Offload, if asked, applies to what the checkpoint keeps (inside
+    # it, it would keep everything and recompute nothing).
+    with _offload(offload, leaves):
+        return torch_checkpoint(
+            inner.step,
+            k,
+            graph,
+            second,
+            False,
+            state,
+            buffers,
+            *leaves,
+            use_reentrant=False,
+            context_fn=kernels.recompute_with(kernels.capture()),
+        )
+
+
+def run(
+    params: Mapping[str, Tensor],
+    opt: GradientTransformation,
+    steps: int,
+    buffers: dict[str, Tensor],
+    options: AdaptOptions,
+    *,
+    frozen: list[str],
+    make_forward: Callable[[dict[str, Tensor | None]], Forward],
+    prepare: Callable[[dict[str, Tensor | None]], dict[str, Tensor | None]] | None = None,
+    tasks: int | None = None,
+    state: Any = None,
+) -> AdaptResult:
+    """Once the arguments are checked: split off the adapted parameters (``prepare`` may
+    reshape them), initialise the optimizer unless ``state`` is given, and run the loop with
+    the forward ``make_forward(adapted)``."""
+    adapted, fixed = _split_adapted(dict(params), options.trainable, frozen)
+    if prepare is not None:
+        adapted = prepare(adapted)
+    names, leaves, spec = _adapted_leaves(adapted, frozen)
+    if state is None:
+        state = opt.init(adapted)
+    forward = make_forward(adapted)
+    inner = _Inner(forward, opt, spec, names, fixed, options, tasks)
+    return _run(inner, leaves, state, buffers, steps)
+
+
+def _split_adapted(
+    params: dict[str, Tensor], trainable: Filter | None, frozen: list[str]
+) -> tuple[Tree, Tree | None]:
+    """``(adapted, fixed)``: the parameters ``trainable`` selects, less the frozen ones, and
+    the rest (``None`` when nothing is held fixed)."""
+    if trainable is None and not frozen:
+        return params, None
+    adapted, fixed = (params, None) if trainable is None else tree.partition(params, trainable)
+    if frozen:
+        adapted, held = tree.partition(adapted, lambda path, _: path not in frozen)
+        fixed = held if fixed is None else tree.combine(fixed, held)
+    return adapted, fixed
+
+
+def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
+    """The truncated unroll's values with an identity Jacobian to the initial parameters."""
+    return [p + (p0 - p0.detach()) for p, p0 in zip(truncated, start, strict=True)]
+
+
+def _adapted_leaves(adapted: Tree, frozen: list[str]) -> tuple[list[str], list[Tensor], Any]:
+    names = tree.paths(adapted)
+    leaves, spec = tree.flatten(adapted)
+    if not leaves:
+        why = (
+            f"; the module's frozen parameters (requires_grad=False) are {frozen}" if frozen else ""
+        )
+        raise ValueError(f"no parameters to adapt: the trainable filter selected none{why}")
+    for name, leaf in zip(names, leaves, strict=True):
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise TypeError(f"parameter {name!r} is not a floating-point tensor")
+    return names, leaves, spec
+
+
+def _fill_unused(
+    grads: tuple[Tensor | None, ...], wrt: list[Tensor], names: list[str], allow_unused: bool
+) -> list[Tensor]:
+    unused = [n for n, g in zip(names, grads, strict=True) if g is None]
+    if unused and not allow_unused:
+        raise ValueError(
+            f"the inner loss does not depend on the adapted parameters {unused}; pass "
+            "allow_unused=True to give them zero gradients, or leave them out with trainable="
+        )
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wrt, strict=True)]
+
+
+def _all_finite(loss: Tensor, grads: list[Tensor]) -> bool:
+    checks = [torch.isfinite(loss).all()] + [torch.isfinite(g).all() for g in grads]
+    return bool(torch.stack(checks).all())
+
+
+def _nonfinite_message(
+    k: int, loss: Tensor, grads: list[Tensor], names: list[str], tasks: int | None
+) -> str:
+    bad = [n for n, g in zip(names, grads, strict=True) if not bool(torch.isfinite(g).all())]
+    what = "loss" if not bool(torch.isfinite(loss).all()) else "gradient"
+    where = ""
+    if tasks is not None:
+        finite = torch.isfinite(loss)
+        for g in grads:
+            finite = finite & torch.isfinite(g).flatten(1).all(1)
+        where = f" in tasks {(~finite).nonzero().flatten().tolist()}"
+        value = loss.detach().float().tolist()
+    else:
+        value = loss.detach().float().item()
+    return (
+        f"inner step {k}: non-finite {what}{where} (loss={value}); parameters with "
+        f"non-finite gradients: {bad}"
+    )
