@@ -2,8 +2,11 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # A torch that is importable and >= 2.5 is kept as it is; otherwise the pinned CPU build is installed.
 TORCH_PIN ?= torch==2.13.0
+# The torch range the package claims, verified by `make test-matrix`: the floor and the newest release.
+TORCH_FLOOR ?= 2.5.0
+TORCH_NEWEST ?= 2.15.0
 
-.PHONY: setup setup-dev demo test lint bench clean
+.PHONY: setup setup-dev demo test test-matrix lint docs bench clean
 
 setup:
 	@$(PYTHON) scripts/has_torch.py || $(PIP) install "$(TORCH_PIN)"
@@ -19,6 +22,11 @@ demo: setup
 test: setup-dev
 	$(PYTHON) -m pytest -q
 
+# The suite on the oldest torch we claim and on the newest release, each in its own
+# environment under .matrix/ (about 4 GB each: PyPI's torch wheels carry CUDA libraries).
+test-matrix:
+	bash scripts/test_matrix.sh $(TORCH_FLOOR) $(TORCH_NEWEST)
+
 lint: setup-dev
 	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts
@@ -33,4 +41,4 @@ bench: setup-dev
 	$(PYTHON) benchmarks/peers.py
 
 clean:
-	rm -rf build *.egg-info .pytest_cache .ruff_cache
+	rm -rf build *.egg-info .pytest_cache .ruff_cache docs/_build

@@ -41,6 +41,7 @@ from funcmeta._shadow import Standin, has_hooks, within
 from funcmeta.kernels import in_twice_differentiable
 
 __all__ = [
+    "PRIMITIVES",
     "TaskLinear",
     "TaskLoop",
     "any_batched",
@@ -48,10 +49,34 @@ __all__ = [
     "fast_vmap",
     "innermost_level",
     "is_batched",
+    "missing_primitives",
     "named_tensors",
     "recurrent_layers",
     "task_standins",
 ]
+
+PRIMITIVES = (
+    "_add_batch_dim",
+    "_remove_batch_dim",
+    "_unwrap_batched",
+    "_vmap_decrement_nesting",
+    "_vmap_increment_nesting",
+    "is_batchedtensor",
+    "maybe_get_level",
+    "peek_interpreter_stack",
+    "pop_dynamic_layer_stack",
+    "push_dynamic_layer_stack",
+)
+"""The names this module takes from ``torch._C._functorch`` (checked by the test suite on
+every torch it runs on: see :func:`missing_primitives`)."""
+
+
+def missing_primitives() -> list[str]:
+    """The names of :data:`PRIMITIVES` that this torch's ``torch._C._functorch`` lacks."""
+    import torch._C._functorch as functorch_c
+
+    return [name for name in PRIMITIVES if not hasattr(functorch_c, name)]
+
 
 try:
     from torch._C._functorch import (

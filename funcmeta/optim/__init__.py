@@ -2,7 +2,8 @@
 
 ``sgd``, ``adam``, ``adamw``, ``rmsprop`` and ``adagrad`` give the same numbers, step for step,
 as their ``torch.optim`` namesakes with the same arguments, and are differentiable in the
-gradients, the parameters, the state and every hyperparameter. A hyperparameter may be a
+gradients, the parameters, the state and every hyperparameter. :func:`from_torch` converts a
+configured ``torch.optim`` optimizer, parameter groups included. A hyperparameter may be a
 number, a tensor, a tree of tensors that is a prefix of the parameter tree (per layer, per
 tensor, per element) or a per-step schedule; see :mod:`funcmeta.optim.hparams`.
 
@@ -22,13 +23,21 @@ Example:
 
 from funcmeta.optim.adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
 from funcmeta.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
-from funcmeta.optim.base import GradientTransformation, apply_updates, chain, safe_sqrt
+from funcmeta.optim.base import (
+    GradientTransformation,
+    InitFn,
+    UpdateFn,
+    apply_updates,
+    chain,
+    safe_sqrt,
+)
 from funcmeta.optim.clip import (
     ClipState,
     clip_by_global_norm,
     clip_grads_by_global_norm,
     global_norm,
 )
+from funcmeta.optim.from_torch import from_torch
 from funcmeta.optim.hparams import Hyperparameter
 from funcmeta.optim.primitives import (
     AddDecayedWeightsState,
@@ -49,11 +58,13 @@ __all__ = [
     "ClipState",
     "GradientTransformation",
     "Hyperparameter",
+    "InitFn",
     "ScaleByAdagradState",
     "ScaleByAdamState",
     "ScaleByLearningRateState",
     "ScaleByRmsState",
     "TraceState",
+    "UpdateFn",
     "adagrad",
     "adam",
     "adamw",
@@ -63,6 +74,7 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "clip_grads_by_global_norm",
+    "from_torch",
     "global_norm",
     "rmsprop",
     "safe_sqrt",

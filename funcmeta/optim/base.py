@@ -17,8 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import optree
 import torch
@@ -26,14 +25,45 @@ from torch import Tensor
 
 from funcmeta.tree import Tree
 
-__all__ = ["GradientTransformation", "apply_updates", "chain"]
+__all__ = ["GradientTransformation", "InitFn", "UpdateFn", "apply_updates", "chain"]
+
+
+class InitFn(Protocol):
+    """``init(params) -> state``: the optimizer state for ``params`` (a NamedTuple, or a tuple
+    of them for a :func:`chain`). Pure: it reads ``params`` and writes nothing."""
+
+    def __call__(self, params: Tree) -> Any: ...
+
+
+class UpdateFn(Protocol):
+    """``update(updates, state, params=None) -> (new_updates, new_state)``: transform the
+    gradients (or the updates of the previous transformation in a :func:`chain`). Pure and
+    differentiable in all its arguments and in the hyperparameters it closes over; it never
+    mutates ``state`` or ``params``."""
+
+    def __call__(
+        self, updates: Tree, state: Any, params: Tree | None = None
+    ) -> tuple[Tree, Any]: ...
 
 
 class GradientTransformation(NamedTuple):
-    """A pure optimizer: ``init(params) -> state``; ``update(grads, state, params) -> (updates, state)``."""
+    """A pure optimizer, the pair ``(init, update)`` of :class:`InitFn` and :class:`UpdateFn`
+    (optax's contract). Any NamedTuple of two such functions can be built by hand:
 
-    init: Callable[[Tree], Any]
-    update: Callable[[Tree, Any, Tree | None], tuple[Tree, Any]]
+    Example:
+        >>> import torch, funcmeta as fm
+        >>> def init(params):
+        ...     return ()
+        >>> def update(updates, state, params=None):
+        ...     return fm.tree.map(lambda g: -0.5 * g, updates), state
+        >>> opt = fm.optim.GradientTransformation(init, update)
+        >>> updates, _ = opt.update({"w": torch.ones(2)}, opt.init(None))
+        >>> updates["w"].tolist()
+        [-0.5, -0.5]
+    """
+
+    init: InitFn
+    update: UpdateFn
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
