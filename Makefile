@@ -27,6 +27,11 @@ test: setup-dev
 test-matrix:
 	bash scripts/test_matrix.sh $(TORCH_FLOOR) $(TORCH_NEWEST)
 
+# The documentation with the API reference generated from the docstrings; warnings are errors.
+docs: setup-dev
+	$(PYTHON) -m sphinx -W --keep-going -b html -q docs docs/_build/html
+	@echo "docs/_build/html/index.html"
+
 lint: setup-dev
 	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts

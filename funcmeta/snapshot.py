@@ -2,6 +2,7 @@
 resume a run.
 
 :func:`save` writes, in one file:
+
 - the state of every module you name: the model (its initial parameters and buffers) and the
   learnable hyperparameters (``fm.hyper`` trees);
 - every outer optimizer (and scheduler);

@@ -52,7 +52,7 @@ is the dotted name (a parameter's path for ``trainable=``, a submodule's name fo
 ``checkpoint_layers=``) and ``value`` the object under it (the tensor, the module)."""
 
 Filter = Predicate | str | Iterable[str]
-"""Selects leaves: a :data:`Predicate` ``(name, leaf) -> bool``, a name prefix (``"head"``
+"""Which leaves to select. A :data:`Predicate` ``(name, leaf) -> bool``, a name prefix (``"head"``
 selects ``"head"`` and everything under ``"head."``), or several."""
 
 
