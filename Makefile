@@ -33,8 +33,8 @@ docs: setup-dev
 	@echo "docs/_build/html/index.html"
 
 lint: setup-dev
-	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts
-	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts
+	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts docs/conf.py
+	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts docs/conf.py
 
 bench: setup-dev
 	$(PIP) install -q -e ".[dev,bench]"

@@ -43,14 +43,9 @@ def worker(rank: int, init: str, out: str) -> None:
 
     # the correct meta-gradient: plain collectives
     net = model()
+    fmodel = fm.functional_model(net)
     fm.recipes.maml(
-        fm.functional_model(net),
-        fm.functional_model(net).params,
-        F.mse_loss,
-        (xs, ys),
-        (xq, yq),
-        steps=1,
-        lr=0.1,
+        fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=1, lr=0.1
     ).loss.backward()
     fm.distributed.average_gradients(net.parameters(), count)
     correct = [p.grad.clone() for p in net.parameters()]

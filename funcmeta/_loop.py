@@ -292,7 +292,9 @@ def run(
     if state is None:
         state = opt.init(adapted)
     forward = make_forward(adapted)
-    inner = _Inner(forward, opt, spec, names, fixed, options, tasks)
+    inner = _Inner(
+        forward=forward, opt=opt, spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
+    )
     return _run(inner, leaves, state, buffers, steps)
 
 

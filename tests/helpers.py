@@ -37,3 +37,23 @@ def batches(
 
 def detached(params: dict[str, Tensor], requires_grad: bool = False) -> dict[str, Tensor]:
     return {k: v.detach().clone().requires_grad_(requires_grad) for k, v in params.items()}
+
+
+def trajectory(fmodel, opt, data: list[tuple[Tensor, Tensor]]) -> list[dict[str, Tensor]]:
+    """The parameters after each step of ``opt`` on the MSE of ``fmodel`` over ``data``, from
+    a detached copy of ``fmodel.params``."""
+    import torch.nn.functional as F
+
+    import funcmeta
+
+    params = detached(fmodel.params)
+    state = opt.init(params)
+    out = []
+    for x, y in data:
+        p = detached(params, requires_grad=True)
+        loss = F.mse_loss(fmodel(p, x), y)
+        grads = dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True))
+        updates, state = opt.update(grads, state, params)
+        params = funcmeta.apply_updates(params, updates)
+        out.append(params)
+    return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPE, batches, detached, mlp
+from helpers import DTYPE, batches, mlp, trajectory
 
 import funcmeta as fm
 
@@ -65,18 +65,7 @@ def torch_trajectory(opt_cls, first, rest, data):
 def converted_trajectory(opt_cls, first, rest, data):
     net = mlp()
     fmodel = fm.functional_model(net)
-    opt = fm.optim.from_torch(opt_cls(groups(net, first, rest)), fmodel)
-    params = detached(fmodel.params)
-    state = opt.init(params)
-    out = []
-    for x, y in data:
-        p = detached(params, requires_grad=True)
-        loss = F.mse_loss(fmodel(p, x), y)
-        grads = dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True))
-        updates, state = opt.update(grads, state, params)
-        params = fm.apply_updates(params, updates)
-        out.append(params)
-    return out
+    return trajectory(fmodel, fm.optim.from_torch(opt_cls(groups(net, first, rest)), fmodel), data)
 
 
 @pytest.mark.parametrize("name", sorted(GROUPED))
@@ -114,18 +103,13 @@ def test_adagrad_starts_from_the_constructors_accumulator():
         torch.optim.Adagrad(fmodel.module.parameters(), lr=0.05, initial_accumulator_value=0.1),
         fmodel,
     )
-    params = detached(fmodel.params)
-    state = ours.init(params)
+    ours_params = trajectory(fmodel, ours, data)[-1]
     for x, y in data:
         theirs_opt.zero_grad()
         F.mse_loss(net(x), y).backward()
         theirs_opt.step()
-        p = detached(params, requires_grad=True)
-        grads = torch.autograd.grad(F.mse_loss(fmodel(p, x), y), list(p.values()))
-        updates, state = ours.update(dict(zip(p, grads, strict=True)), state, params)
-        params = fm.apply_updates(params, updates)
     for k, v in net.named_parameters():
-        torch.testing.assert_close(params[k], v.detach(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(ours_params[k], v.detach(), rtol=1e-10, atol=1e-12)
 
 
 def test_params_outside_the_groups_need_trainable():

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import batches, detached, mlp
+from helpers import batches, detached, mlp, trajectory
 
 import funcmeta as fm
 
@@ -69,18 +69,7 @@ def torch_trajectory(torch_cls, kwargs, data):
 
 def our_trajectory(make, kwargs, data, wrap=lambda kw, params: kw):
     fmodel = fm.functional_model(mlp())
-    params = detached(fmodel.params)
-    opt = make(**wrap(kwargs, params))
-    state = opt.init(params)
-    out = []
-    for x, y in data:
-        p = detached(params, requires_grad=True)
-        loss = F.mse_loss(fmodel(p, x), y)
-        grads = dict(zip(p, torch.autograd.grad(loss, list(p.values())), strict=True))
-        updates, state = opt.update(grads, state, params)
-        params = fm.apply_updates(params, updates)
-        out.append(params)
-    return out
+    return trajectory(fmodel, make(**wrap(kwargs, detached(fmodel.params))), data)
 
 
 def assert_same(ours, theirs):
