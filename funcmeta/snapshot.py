@@ -14,7 +14,14 @@ resume a run.
 The file is written to a temporary name in the same folder, flushed to disk and renamed over
 the target. A run killed at any moment leaves either the previous complete state or the new
 one, never a torn file. (A process killed during a write may leave its temporary
-``.<name>.*.tmp`` file behind; it can be deleted.) :func:`load` restores all of it. A run resumed from the last
+``.<name>.*.tmp`` file behind; it can be deleted.) :func:`load` restores all of it.
+
+Loading never runs code: the file holds only tensors, numbers, strings, ``None`` and
+lists, tuples and dicts of them, and :func:`load` reads it with ``torch.load(...,
+weights_only=True)``, which refuses anything else. ``extra`` is limited to those types and
+checked by :func:`save`. A file that is not a funcmeta snapshot, a truncated one, one from a
+newer format and one that would build other objects each raise :class:`SnapshotError`
+naming the file and the cause, before anything is restored. A run resumed from the last
 state continues bit for bit as if it had not stopped (tested by killing a training
 subprocess).
 
@@ -32,19 +39,28 @@ Example:
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import sys
 import tempfile
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["Snapshot", "load", "save"]
+__all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
 
-FORMAT = 1
+FORMAT = 2
+"""The snapshot format this version writes. It reads this one and format 1 (NumPy's random
+state as an array, which a safe load refuses: such a file loads only if NumPy was not in
+use)."""
+
+
+class SnapshotError(ValueError):
+    """A file that :func:`load` will not restore from; the message names the file and why."""
 
 
 class Snapshot(NamedTuple):
@@ -60,7 +76,15 @@ def _random_states() -> dict[str, Any]:
         states["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        states["numpy"] = numpy.random.get_state()
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        # as a tensor and numbers: an ndarray would need unpickling code to load
+        states["numpy"] = (
+            str(kind),
+            torch.from_numpy(keys.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(gauss),
+        )
     return states
 
 
@@ -71,7 +95,34 @@ def _restore_random(states: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
     numpy = sys.modules.get("numpy")
     if "numpy" in states and numpy is not None:
-        numpy.random.set_state(states["numpy"])
+        kind, keys, pos, has_gauss, gauss = states["numpy"]
+        if isinstance(keys, Tensor):  # format 2; format 1 kept numpy's own array
+            keys = keys.numpy().astype("uint32")
+        numpy.random.set_state((kind, keys, pos, has_gauss, gauss))
+
+
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _check_extra(value: Any, where: str) -> None:
+    """``extra`` holds tensors, numbers, strings, None, and lists, tuples and dicts (with
+    string keys) of them: what loads without running code."""
+    if isinstance(value, (Tensor, *_PLAIN)):
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_extra(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where} has the key {key!r}; extra takes string keys only")
+            _check_extra(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; extra holds tensors, numbers, strings, None, "
+        "and lists, tuples and dicts of them (what loads without running code)"
+    )
 
 
 def save(
@@ -86,10 +137,14 @@ def save(
     """Write the training state to ``path`` atomically (see the module docstring).
 
     ``optimizers`` may hold anything with ``state_dict``/``load_state_dict`` (optimizers,
-    learning-rate schedulers, gradient scalers).
+    learning-rate schedulers, gradient scalers). ``extra`` holds tensors, numbers, strings,
+    ``None``, and lists, tuples and dicts (string keys) of them; anything else raises
+    ``TypeError`` naming it.
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
+    extra = dict(extra or {})
+    _check_extra(extra, "extra")
     payload = {
         "format": FORMAT,
         "step": step,
@@ -97,7 +152,7 @@ def save(
         "optimizers": {k: o.state_dict() for k, o in (optimizers or {}).items()},
         "generators": {k: g.get_state() for k, g in (generators or {}).items()},
         "random": _random_states(),
-        "extra": dict(extra or {}),
+        "extra": extra,
     }
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +175,43 @@ def save(
         raise
 
 
+def _read(path: Path, map_location: Any) -> dict[str, Any]:
+    """The payload of a snapshot file, read without running code, its format checked."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no snapshot at {path}")
+    if not zipfile.is_zipfile(path):  # torch.save writes zip archives; a cut one has no index
+        raise SnapshotError(f"{path} is truncated, corrupt or not a file that torch.save writes")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message is long; its line naming the refused object is the one that matters
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        reason = next((ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln), lines[0])
+        raise SnapshotError(
+            f"{path} holds objects other than tensors, numbers, strings and containers; it was "
+            f"not loaded (loading it could run code), and funcmeta never writes such a file "
+            f"({reason})"
+        ) from None
+    except Exception as e:  # the reader's errors for a cut or foreign file vary by release
+        raise SnapshotError(
+            f"{path} is truncated, corrupt or not a torch file ({type(e).__name__}: {e})"
+        ) from None
+    found = payload.get("format") if isinstance(payload, dict) else None
+    if not isinstance(found, int) or isinstance(found, bool):
+        raise SnapshotError(f"{path} is not a funcmeta snapshot (no format number)")
+    if found > FORMAT:
+        raise SnapshotError(
+            f"{path} has snapshot format {found}, newer than this funcmeta reads ({FORMAT}): "
+            "upgrade funcmeta"
+        )
+    if found < 1:
+        raise SnapshotError(f"{path} has no valid snapshot format number ({found})")
+    missing = {"step", "modules", "optimizers", "generators", "random", "extra"} - payload.keys()
+    if missing:
+        raise SnapshotError(f"{path} is not a complete funcmeta snapshot: no {sorted(missing)}")
+    return payload
+
+
 def load(
     path: str | os.PathLike[str],
     *,
@@ -132,13 +224,11 @@ def load(
     states); returns :class:`Snapshot` ``(step, extra)``.
 
     The names must match the saved ones exactly: a missing or unexpected name raises
-    ``ValueError`` naming it, before anything is restored.
+    ``ValueError`` naming it, before anything is restored. The file is read with
+    ``weights_only=True``: it cannot run code. :class:`SnapshotError` names a file that is not
+    a snapshot, is truncated or corrupt, comes from a newer format, or holds other objects.
     """
-    payload = torch.load(Path(path), map_location=map_location, weights_only=False)
-    if payload.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a funcmeta training state (format {payload.get('format')!r})"
-        )
+    payload = _read(Path(path), map_location)
     given = {
         "modules": modules or {},
         "optimizers": optimizers or {},

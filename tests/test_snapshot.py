@@ -3,6 +3,7 @@ uninterrupted one; states are written atomically; names are checked."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -84,3 +85,74 @@ def test_restores_global_random_state(tmp_path):
     torch.rand(10)
     fm.snapshot.load(tmp_path / "s.pt")
     assert torch.equal(torch.rand(3), expected)
+
+
+class _Payload:
+    """Unpickling this runs ``touch`` on a marker file: the trace a crafted file would leave."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_file_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "crafted.pt"
+    fake = {"format": fm.snapshot.FORMAT, "step": 0, "modules": {}, "optimizers": {}}
+    torch.save({**fake, "generators": {}, "random": {}, "extra": _Payload(marker)}, path)
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"crafted\.pt holds objects other than"):
+        fm.snapshot.load(path)
+    assert not marker.exists()
+    torch.load(path, weights_only=False)  # the payload is real: an unsafe load runs it
+    assert marker.exists()
+
+
+def test_files_that_are_not_snapshots_are_named(tmp_path):
+    net = torch.nn.Linear(2, 1)
+    good = tmp_path / "good.pt"
+    fm.snapshot.save(good, step=1, modules={"net": net})
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"cut\.pt is truncated, corrupt"):
+        fm.snapshot.load(cut, modules={"net": net})
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a torch file at all" * 10)
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"junk\.pt is truncated, corrupt"):
+        fm.snapshot.load(junk)
+    weights = tmp_path / "weights.pt"
+    torch.save(net.state_dict(), weights)
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"weights\.pt is not a funcmeta snapshot"):
+        fm.snapshot.load(weights)
+    future = tmp_path / "future.pt"
+    torch.save({"format": fm.snapshot.FORMAT + 1, "step": 0}, future)
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"future\.pt has snapshot format 3, newer"):
+        fm.snapshot.load(future)
+    with pytest.raises(FileNotFoundError, match=r"no snapshot at .*missing\.pt"):
+        fm.snapshot.load(tmp_path / "missing.pt")
+    assert fm.snapshot.load(good, modules={"net": net}).step == 1
+
+
+def test_extra_is_checked_when_saving(tmp_path):
+    fine = {"loss": 0.5, "tag": "run", "none": None, "t": torch.ones(2), "hist": [1, (2.0, "x")]}
+    fm.snapshot.save(tmp_path / "s.pt", step=0, extra={**fine, "nested": {"a": [True]}})
+    back = fm.snapshot.load(tmp_path / "s.pt").extra
+    assert back["hist"] == [1, (2.0, "x")] and torch.equal(back["t"], torch.ones(2))
+    with pytest.raises(TypeError, match=r"extra\['nested'\]\['f'\] is a function"):
+        fm.snapshot.save(tmp_path / "s.pt", step=0, extra={"nested": {"f": lambda: 0}})
+    with pytest.raises(TypeError, match=r"extra\['s'\]\[1\] is a set"):
+        fm.snapshot.save(tmp_path / "s.pt", step=0, extra={"s": [1, {2}]})
+    with pytest.raises(TypeError, match="string keys only"):
+        fm.snapshot.save(tmp_path / "s.pt", step=0, extra={"d": {1: 2}})
+
+
+def test_restores_numpy_random_state(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    numpy.random.seed(3)
+    numpy.random.standard_normal()  # a cached Gaussian in the state
+    fm.snapshot.save(tmp_path / "s.pt", step=0)
+    expected = numpy.random.standard_normal(4)
+    numpy.random.standard_normal(7)
+    fm.snapshot.load(tmp_path / "s.pt")
+    assert (numpy.random.standard_normal(4) == expected).all()
