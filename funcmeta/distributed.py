@@ -8,6 +8,13 @@ collectives (one ``all_reduce`` of one flat buffer): DDP does not support
 ``torch.autograd.grad``, and calling ``functional_call`` on ``ddp.module`` silently skips its
 all-reduce. Works with gloo (CPU) and NCCL (CUDA); launch with ``torchrun``.
 
+Failures are loud and the same on every rank. Before averaging, the ranks compare a
+signature of what they average (names, shapes, dtypes, count; one 8-byte collective): a
+disagreement raises :class:`MismatchError` on every rank, naming the first difference,
+instead of an abort inside the backend or a silently wrong average. Every collective waits at
+most ``timeout`` seconds (:data:`DEFAULT_TIMEOUT`): a peer that died or stalled raises
+:class:`PeerError` on the survivors instead of hanging them.
+
 Example (one process; under ``torchrun`` every rank runs the same code):
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
@@ -20,7 +27,10 @@ Example (one process; under ``torchrun`` every rank runs the same code):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import itertools
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import optree
@@ -28,7 +38,78 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["average_gradients", "shard", "world"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MismatchError",
+    "PeerError",
+    "average_gradients",
+    "shard",
+    "world",
+]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a collective of :func:`average_gradients` waits for the other ranks by default."""
+
+
+class PeerError(RuntimeError):
+    """A collective with the other ranks failed or timed out: a peer process is gone or stalled.
+
+    The process group cannot be trusted after it: exit, and resume every rank from its last
+    snapshot (``fm.snapshot.load``; docs/distributed.md)."""
+
+
+class MismatchError(ValueError):
+    """The ranks disagree on what they average (names, shapes, dtypes, count); raised on
+    every rank, with the same message naming the first difference."""
+
+
+def _named(tensors: Iterable[Tensor] | Mapping[str, Tensor]) -> list[tuple[str, Tensor]]:
+    if isinstance(tensors, Mapping):
+        return [(str(k), v) for k, v in tensors.items()]
+    return [(f"tensor {i}", t) for i, t in enumerate(tensors)]
+
+
+def _signature(named: list[tuple[str, Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+
+
+def _digest(signature: list[tuple[str, tuple[int, ...], str]]) -> int:
+    text = repr(signature).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def _first_difference(signatures: list[Any]) -> str:
+    """The first entry in which some rank differs from rank 0, as a sentence."""
+    base = signatures[0]
+    for r, other in enumerate(signatures[1:], start=1):
+        if other == base:
+            continue
+        for i, (a, b) in enumerate(itertools.zip_longest(base, other)):
+            if a == b:
+                continue
+            if a is None or b is None:
+                extra, owner = (b, r) if a is None else (a, 0)
+                return (
+                    f"rank 0 averages {len(base)} tensors and rank {r} {len(other)}; "
+                    f"the first one only rank {owner} has is {extra[0]!r} "
+                    f"(shape {extra[1]}, {extra[2]})"
+                )
+            return (
+                f"entry {i}: rank 0 has {a[0]!r} (shape {a[1]}, {a[2]}), "
+                f"rank {r} has {b[0]!r} (shape {b[1]}, {b[2]})"
+            )
+    return "the ranks' signatures differ"  # pragma: no cover - digests collide only if they differ
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise PeerError(
+            f"rank {dist.get_rank()}: {what} with the other ranks failed or did not finish "
+            f"within {timeout:g} s: a peer process is gone or stalled ({e}). Exit and resume "
+            "every rank from its last snapshot."
+        ) from e
 
 
 def world(group: Any = None) -> tuple[int, int]:
@@ -66,7 +147,11 @@ def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
 
 
 def average_gradients(
-    tensors: Iterable[Tensor], count: int | float = 1, *, group: Any = None
+    tensors: Iterable[Tensor] | Mapping[str, Tensor],
+    count: int | float = 1,
+    *,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> None:
     """Replace each tensor's ``.grad`` by the task-weighted mean over the ranks, in place.
 
@@ -76,19 +161,60 @@ def average_gradients(
     gradient of the mean over all tasks. A missing ``.grad`` counts as zeros (and is set). A
     rank whose share is empty skips ``.backward()`` and passes ``count=0``. Without an
     initialised process group it does nothing.
+
+    ``tensors`` may be a dict ``name -> tensor`` (``dict(net.named_parameters())``): errors
+    then name the tensors. The ranks first check that they average the same thing
+    (:class:`MismatchError` on every rank if not); each collective waits at most
+    ``timeout`` seconds (:class:`PeerError` if a peer is gone or stalled).
     """
-    tensors = list(tensors)
-    if world(group)[1] == 1 or not tensors:
+    named = _named(tensors)
+    if world(group)[1] == 1:
         return
-    grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in tensors]
+    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    device = named[0][1].device if named else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    _check_signature(_signature(named), device, group, timeout)
+    if not named:
+        return
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for _, t in named]
     flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_ones(1)]) * float(count)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    _wait(
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        timeout,
+        "averaging the gradients",
+    )
     total = flat[-1]
     if float(total) == 0:
         raise ValueError("no rank had any task: nothing to average")
     flat = flat[:-1] / total
     offset = 0
-    for t, g in zip(tensors, grads, strict=True):
+    for (_, t), g in zip(named, grads, strict=True):
         n = g.numel()
         t.grad = flat[offset : offset + n].reshape(g.shape).to(g.dtype).clone()
         offset += n
+
+
+def _check_signature(
+    signature: list[Any], device: torch.device, group: Any, timeout: float
+) -> None:
+    """Raise :class:`MismatchError` on every rank unless all ranks have ``signature``."""
+    size = world(group)[1]
+    mine = torch.tensor([_digest(signature)], dtype=torch.int64, device=device)
+    digests = [torch.empty_like(mine) for _ in range(size)]
+    _wait(
+        dist.all_gather(digests, mine, group=group, async_op=True),
+        timeout,
+        "comparing what the ranks average",
+    )
+    if all(bool((d == digests[0]).all()) for d in digests):
+        return
+    # every rank saw the same digests and gets here: gather the signatures to name the difference
+    signatures: list[Any] = [None] * size
+    dist.all_gather_object(signatures, signature, group=group)
+    raise MismatchError(
+        "the ranks disagree on the tensors they average (fm.distributed.average_gradients "
+        f"needs the same names, shapes and dtypes in the same order on every rank): "
+        f"{_first_difference(signatures)}"
+    )
