@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -136,3 +139,57 @@ def test_arguments_checked_without_a_process_group():
     net = nn.Linear(2, 1)
     fm.distributed.average_gradients(dict(net.named_parameters()))  # one process: a no-op
     assert net.weight.grad is None
+
+
+RANKS_SCRIPT = Path(__file__).with_name("snapshot_train_ranks.py")
+
+
+def _launch(folder: Path, rendezvous: str, steps: int, *kill: str) -> list[int]:
+    """Both ranks of snapshot_train_ranks.py; their exit codes."""
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(RANKS_SCRIPT),
+                str(r),
+                str(folder / rendezvous),
+                str(folder),
+                str(steps),
+                *kill,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    codes = []
+    for p in procs:
+        try:
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail("a rank hung")
+        codes.append(p.returncode)
+        if p.returncode not in (0, -signal.SIGKILL):
+            assert "PeerError" in p.stderr.read(), "the survivor failed for another reason"
+    return codes
+
+
+def test_two_ranks_killed_and_resumed_end_bit_identical(tmp_path):
+    steps = 12
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    whole.mkdir()
+    broken.mkdir()
+    assert _launch(whole, "rdv0", steps) == [0, 0]
+    codes = _launch(broken, "rdv1", steps, "5")
+    assert codes[1] == -signal.SIGKILL and codes[0] != 0  # killed; the survivor raised
+    assert not (broken / "final0.pt").exists()
+    for rank in range(2):  # both ranks last saved the step before the kill
+        assert torch.load(broken / f"state{rank}.pt", weights_only=True)["step"] == 5
+    assert _launch(broken, "rdv2", steps) == [0, 0]  # resumed from the snapshots
+    for rank in range(2):
+        a = torch.load(whole / f"final{rank}.pt")
+        b = torch.load(broken / f"final{rank}.pt")
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (rank, k)
