@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -136,3 +138,63 @@ def test_omniglot_errors(tmp_path):
     (tmp_path / "images_background" / "A" / "character01").mkdir(parents=True)
     with pytest.raises(ValueError, match="no PNG drawings"):
         fm.data.load_omniglot(tmp_path)
+
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
+
+
+def test_omniglot_zip_equals_its_unpacked_folder(tmp_path):
+    archive = SHARED / "images_background_small1.zip"
+    if not archive.exists():
+        pytest.skip(f"no {archive}")
+    images, labels, names = fm.data.load_omniglot(archive, size=20)
+    assert images.shape == (136 * 20, 1, 20, 20) and len(names) == 136  # the official counts
+    assert names[0] == "Balinese/character01"
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(tmp_path)
+    (tmp_path / "images_background_small1").rename(tmp_path / "images_background")
+    f_images, f_labels, f_names = fm.data.load_omniglot(tmp_path, "background", size=20)
+    assert f_names == names and torch.equal(f_labels, labels) and torch.equal(f_images, images)
+
+
+def test_omniglot_archives_are_checked_before_use(tmp_path):
+    make_omniglot(tmp_path)
+    folder = tmp_path / "images_background"
+
+    def pack(name, members):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            for arcname, data in members:
+                z.writestr(arcname, data)
+        return path
+
+    drawings = [
+        (f"images_background/{p.relative_to(folder).as_posix()}", p.read_bytes())
+        for p in sorted(folder.rglob("*.png"))
+    ]
+    fine = pack("mine.zip", drawings)
+    assert fm.data.load_omniglot(fine)[0].shape == (12, 1, 28, 28)
+    for bad in ("../../escape.png", "/etc/escape.png", "C:/escape.png"):
+        with pytest.raises(ValueError, match=r"a path outside the archive: refused"):
+            fm.data.load_omniglot(pack("evil.zip", [*drawings, (bad, b"x")]))
+    broken = pack("broken.zip", [*drawings, ("images_background/A/character09/0.png", b"junk")])
+    with pytest.raises(
+        ValueError,
+        match=r"broken\.zip:images_background/A/character09/0\.png is not a readable image",
+    ):
+        fm.data.load_omniglot(broken)
+    png = next(folder.rglob("*.png"))
+    png.write_bytes(png.read_bytes()[:40])  # a cut file in a folder
+    with pytest.raises(ValueError, match=rf"{png.name} is not a readable image"):
+        fm.data.load_omniglot(tmp_path)
+    # a file named like an official archive must be that archive
+    impostor = pack("images_background_small1.zip", drawings)
+    with pytest.raises(
+        ValueError,
+        match=r"has sha256 .*, but the official images_background_small1\.zip has f38eb80f",
+    ):
+        fm.data.load_omniglot(impostor)
+    cut = tmp_path / "cut.zip"
+    cut.write_bytes(fine.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cut\.zip is not a zip archive"):
+        fm.data.load_omniglot(cut)
