@@ -94,6 +94,19 @@ def _task_trees(
     return _task_dims(params, fmodel.param_shapes, tasks, "params"), per_task
 
 
+def _checked_tasks(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor] | None,
+    split: tuple[CallInputs, Any],
+) -> tuple[dict[str, int | None], dict[str, Tensor]]:
+    """For a task-batched forward of ``split``: count the tasks, check the batch, and return
+    :func:`_task_trees`'s ``(param_dims, per_task_buffers)``."""
+    tasks = task_count(split)
+    check_batch(split, params)
+    return _task_trees(fmodel, params, buffers, tasks)
+
+
 def _batch_dims(batch: Any) -> Any:
     return optree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
 
@@ -114,9 +127,7 @@ def apply_tasks(
     """
     check_call(fmodel, params)
     call = split_inputs(inputs)
-    tasks = task_count(call)
-    check_batch((call, None), params)
-    pdims, buffers = _task_trees(fmodel, params, buffers, tasks)
+    pdims, buffers = _checked_tasks(fmodel, params, buffers, (call, None))
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], call: CallInputs) -> Any:
         return fmodel.apply(p, bufs, *call[0], **call[1])
@@ -165,9 +176,7 @@ def task_losses(
     """
     check_call(fmodel, params)
     split = split_batch(batch)
-    tasks = task_count(split)
-    check_batch(split, params)
-    dims, buffers = _task_trees(fmodel, params, buffers, tasks)
+    dims, buffers = _checked_tasks(fmodel, params, buffers, split)
     return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
 
 

@@ -57,3 +57,18 @@ def trajectory(fmodel, opt, data: list[tuple[Tensor, Tensor]]) -> list[dict[str,
         params = funcmeta.apply_updates(params, updates)
         out.append(params)
     return out
+
+
+def init_gloo(rank: int, rendezvous: str, world_size: int = 2) -> None:
+    """Join a gloo process group through the rendezvous file ``rendezvous`` (60 s timeout)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import init_gloo
 from torch import nn
 
 import funcmeta as fm
@@ -25,13 +25,7 @@ import funcmeta as fm
 
 def main(rank: int, rendezvous: str, folder: Path, steps: int, kill_at: int | None) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, rendezvous)
     torch.manual_seed(0)  # the same initialisation on every rank
     net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
     fmodel = fm.functional_model(net)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import init_gloo
 from torch import nn
 
 import funcmeta as fm
@@ -48,9 +49,7 @@ def meta_gradients(recipe, batch):
 
 
 def worker(rank, world_size, init_file, out_dir, recipe):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+    init_gloo(rank, init_file, world_size)
     try:
         counts = {}
 

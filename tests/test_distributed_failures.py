@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import init_gloo
 from torch import nn
 
 import funcmeta as fm
@@ -44,13 +43,7 @@ def _setup(case: str, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, case: str, rendezvous: str, out: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{rendezvous}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=60),
-    )
+    init_gloo(rank, rendezvous)
     tensors = _setup(case, rank)
     if case == "dead" and rank == 1:
         os._exit(3)  # a rank killed mid-iteration, before it averages

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcmeta.data._batch import query_pair, support_pair
+
 __all__ = ["EpisodeBatch", "Episodes", "split_classes"]
 
 
@@ -35,16 +37,8 @@ class EpisodeBatch(NamedTuple):
     y_query: Tensor
     classes: Tensor
 
-    @property
-    def support(self) -> tuple[Tensor, Tensor]:
-        """``(x_support, y_support)``: the support batch, as the recipes and
-        :func:`funcmeta.adapt_tasks` take it."""
-        return self.x_support, self.y_support
-
-    @property
-    def query(self) -> tuple[Tensor, Tensor]:
-        """``(x_query, y_query)``: the query batch."""
-        return self.x_query, self.y_query
+    support = support_pair
+    query = query_pair
 
 
 def split_classes(

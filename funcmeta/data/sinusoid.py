@@ -11,6 +11,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcmeta.data._batch import query_pair, support_pair
+
 __all__ = ["Sinusoid", "SinusoidBatch"]
 
 
@@ -27,16 +29,8 @@ class SinusoidBatch(NamedTuple):
     amplitude: Tensor
     phase: Tensor
 
-    @property
-    def support(self) -> tuple[Tensor, Tensor]:
-        """``(x_support, y_support)``: the support batch, as the recipes and
-        :func:`funcmeta.adapt_tasks` take it."""
-        return self.x_support, self.y_support
-
-    @property
-    def query(self) -> tuple[Tensor, Tensor]:
-        """``(x_query, y_query)``: the query batch."""
-        return self.x_query, self.y_query
+    support = support_pair
+    query = query_pair
 
 
 def _check_range(name: str, lo_hi: tuple[float, float]) -> tuple[float, float]:

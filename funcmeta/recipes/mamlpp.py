@@ -79,6 +79,8 @@ def mamlpp(
     step's query loss.
     """
     check_model(fmodel)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"MAML++ needs steps >= 1, got {steps!r}")
     if not callable(lr):
         raise TypeError("MAML++ needs per-step rates lr(k): fm.hyper.per_layer(..., steps=steps)")
     weights = torch.as_tensor(step_weights)
@@ -92,8 +94,6 @@ def mamlpp(
     state = None
     total: Tensor | float = 0.0
     new_buffers = []
-    step_loss = None
-    adapted = None
     for k in range(steps):
         adapted = adapt_tasks(
             fmodel,
@@ -110,8 +110,6 @@ def mamlpp(
         new_buffers.append(_across_tasks(adapted.buffers))
         step_loss = query_loss(fmodel, params, loss_fn, query, adapted.buffers)
         total = total + weights[k].to(step_loss.dtype) * step_loss
-    if adapted is None or step_loss is None:
-        raise ValueError("MAML++ needs steps >= 1")
     return RecipeResult(total, step_loss.detach(), adapted, step_buffers=new_buffers)
 
 
