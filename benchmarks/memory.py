@@ -1,9 +1,18 @@
-"""Peak memory of one second-order MAML meta-iteration against the number of inner steps.
+"""Peak memory and time of one MAML meta-iteration, by checkpointing setting and workload.
 
-Four settings: no checkpointing, per-layer checkpointing (``functional_model(checkpoint_layers=...)``),
-step-level checkpointing (``adapt(checkpoint_steps=True)``) and both. The model is a deep
-tanh MLP on a large batch, so activations dominate. The inner loop is SGD with learnable
-per-layer softplus rates.
+Settings: ``none``; ``per-layer`` (``functional_model(checkpoint_layers="sequential")``);
+``step`` (``adapt(checkpoint_steps=True)``); ``both``; and ``fomaml``: a first-order
+iteration with per-layer checkpointing, the floor that second order is compared with.
+
+Workloads (SGD inner loop with learnable per-layer softplus rates, fp32):
+
+- ``residual``: residual MLP blocks (LayerNorm, Linear to 4x width, GELU, Linear back), the
+  layer of a transformer's feed-forward half. Default 8 blocks of width 256, batch 2048.
+- ``encoder``: a pre-norm transformer encoder (``nn.TransformerEncoderLayer``, 4 heads,
+  feed-forward 4x), hidden 256, sequence 128, batch 8, 4 layers. Second-order steps run on the
+  math attention kernel (the only one with a double backward).
+- ``tanh``: a deep tanh MLP (Linear + Tanh per layer), default 6x512, batch 1024: layers
+  with almost nothing inside them, where per-layer checkpointing has nothing to save.
 
 Each point runs in a fresh process, which first runs one warm-up meta-iteration (one inner
 step) so that code, kernels and thread pools are loaded. On CPU the figure is then the peak
@@ -11,25 +20,31 @@ resident set size during the measured meta-iteration minus the resident size jus
 (the kernel's high-water mark, reset through ``/proc/self/clear_refs``). The workers run
 with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every tensor of 64 KiB or more with
 its own mmap and returns it to the system when freed, so RSS follows live tensor memory.
-With glibc's default dynamic threshold, freed tensors stay in the heap and RSS
-overstates what is live. On CUDA the figure is ``torch.cuda.max_memory_allocated`` minus the
-bytes allocated before.
+On CUDA the figure is ``torch.cuda.max_memory_allocated`` minus the bytes allocated before.
+Time is the median over ``--repeats`` meta-iterations in the same process (the first of them
+is the one whose peak is taken).
 
-    python benchmarks/memory.py [--device cpu] [--width 512] [--depth 6] [--batch 1024]
-        [--steps 1 2 4 8 16] [--plot benchmarks/out/memory.png]
+    python benchmarks/memory.py [--workloads residual encoder tanh] [--device cpu]
+        [--steps 1 3 8] [--repeats 3] [--plot docs/img/memory_cpu.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
-MODES = ("none", "per-layer", "per-step", "both")
+MODES = ("none", "per-layer", "step", "both", "fomaml")
+WORKLOADS = {
+    "residual": {"width": 256, "depth": 8, "batch": 2048, "steps": [1, 3, 8]},
+    "encoder": {"width": 256, "depth": 4, "batch": 8, "seq": 128, "steps": [1, 3]},
+    "tanh": {"width": 512, "depth": 6, "batch": 1024, "steps": [1, 3, 8]},
+}
 
 
 def rss_bytes() -> int:
@@ -51,29 +66,94 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def worker(args: argparse.Namespace) -> dict:
+class Meter:
+    """Peak memory above the start of a block: RSS on CPU, allocated bytes on CUDA."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = rss_bytes()
+            reset_peak_rss()
+
+    def peak(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return peak_rss_bytes() - self.base
+
+
+def build(workload: str, cfg: dict[str, int]) -> tuple[Any, Any, Any]:
+    """The network, a support and a query batch of ``workload``."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    import funcmeta as fm
+    width, depth, batch = cfg["width"], cfg["depth"], cfg["batch"]
+
+    class ResidualBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.up = nn.Linear(width, 4 * width)
+            self.down = nn.Linear(4 * width, width)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(F.gelu(self.up(self.norm(x))))
 
     torch.manual_seed(0)
-    device = torch.device(args.device)
-    layers: list[nn.Module] = []
-    for _ in range(args.depth):
-        layers += [nn.Linear(args.width, args.width), nn.Tanh()]
-    net = nn.Sequential(*layers, nn.Linear(args.width, 1)).to(device)
-    per_layer = args.mode in ("per-layer", "both")
-    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if per_layer else None)
-    lrs = fm.hyper.per_layer(fmodel.params, 1e-3, parameterization="softplus")
     g = torch.Generator().manual_seed(1)
-    xs, xq = (torch.randn(args.batch, args.width, generator=g).to(device) for _ in range(2))
-    ys, yq = (torch.randn(args.batch, 1, generator=g).to(device) for _ in range(2))
+    if workload == "residual":
+        net = nn.Sequential(*[ResidualBlock() for _ in range(depth)], nn.Linear(width, 1))
+        shape = (batch, width)
+    elif workload == "encoder":
+        layers = [
+            nn.TransformerEncoderLayer(
+                width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(depth)
+        ]
+        net = nn.Sequential(*layers, nn.Linear(width, 1))
+        shape = (batch, cfg["seq"], width)
+    else:
+        layers: list[nn.Module] = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        net = nn.Sequential(*layers, nn.Linear(width, 1))
+        shape = (batch, width)
+    support = (torch.randn(*shape, generator=g), torch.randn(*shape[:-1], 1, generator=g))
+    query = (torch.randn(*shape, generator=g), torch.randn(*shape[:-1], 1, generator=g))
+    return net, support, query
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import funcmeta as fm
+
+    device = torch.device(args.device)
+    cfg = json.loads(args.config)
+    net, support, query = build(args.workload, cfg)
+    net = net.to(device)
+    (xs, ys), (xq, yq) = ((a.to(device), b.to(device)) for a, b in (support, query))
+    per_layer = args.mode in ("per-layer", "both", "fomaml")
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if per_layer else None)
+    lrs = fm.hyper.per_layer(fmodel.params, 1e-3, parameterization="softplus").to(device)
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
 
     def meta_iteration(steps: int) -> None:
         net.zero_grad(set_to_none=True)
+        lrs.zero_grad(set_to_none=True)
         result = fm.adapt(
             fmodel,
             fmodel.params,
@@ -81,49 +161,53 @@ def worker(args: argparse.Namespace) -> dict:
             (xs, ys),
             fm.optim.sgd(lr=lrs),
             steps=steps,
-            checkpoint_steps=args.mode in ("per-step", "both"),
+            first_order=args.mode == "fomaml",
+            checkpoint_steps=args.mode in ("step", "both"),
         )
         F.mse_loss(fmodel(result.params, xq), yq).backward()
 
-    # A warm-up iteration first: code paths, kernels and thread pools are then in memory
-    # and do not count as the meta-iteration's.
-    meta_iteration(1)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = rss_bytes()
-        reset_peak_rss()
-    start = time.perf_counter()
-    meta_iteration(args.steps)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = peak_rss_bytes() - base
-    seconds = time.perf_counter() - start
-    grad_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in net.parameters())))
-    return {"peak": peak, "seconds": seconds, "param_bytes": param_bytes, "grad_norm": grad_norm}
+    meta_iteration(1)  # warm-up: code paths, kernels and thread pools
+    meter = Meter(device)
+    seconds = []
+    peak = 0
+    for r in range(args.repeats):
+        if r == 0:
+            meter.start()
+        start = time.perf_counter()
+        meta_iteration(args.steps_one)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        if r == 0:
+            peak = meter.peak()
+    grads = [p.grad for p in net.parameters()]
+    grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+    return {
+        "peak": peak,
+        "seconds": statistics.median(seconds),
+        "param_bytes": param_bytes,
+        "grad_norm": grad_norm,
+    }
 
 
-def run_point(args: argparse.Namespace, mode: str, steps: int) -> dict:
+def run_point(args: argparse.Namespace, workload: str, mode: str, steps: int) -> dict:
+    cfg = {k: v for k, v in WORKLOADS[workload].items() if k != "steps"}
     cmd = [
         sys.executable,
         __file__,
         "--worker",
+        "--workload",
+        workload,
         "--mode",
         mode,
         "--steps-one",
         str(steps),
         "--device",
         args.device,
-        "--width",
-        str(args.width),
-        "--depth",
-        str(args.depth),
-        "--batch",
-        str(args.batch),
+        "--repeats",
+        str(args.repeats),
+        "--config",
+        json.dumps(cfg),
     ]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
@@ -131,64 +215,40 @@ def run_point(args: argparse.Namespace, mode: str, steps: int) -> dict:
 
 
 def mib(n: float) -> str:
-    return f"{n / 2**20:8.1f}"
+    return f"{n / 2**20:.1f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=1024)
-    parser.add_argument("--steps", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--plot", default="benchmarks/out/memory.png")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
-    parser.add_argument("--steps-one", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        args.steps = args.steps_one
-        print(json.dumps(worker(args)))
-        return
-
-    import torch
-
-    print(
-        f"peak memory of one second-order meta-iteration (MiB above the start); device "
-        f"{args.device}, torch {torch.__version__}; {args.depth}x{args.width} tanh MLP, "
-        f"batch {args.batch}, fp32, SGD with learnable per-layer rates"
-    )
-    results: dict[str, dict[int, dict]] = {m: {} for m in MODES}
-    for steps in args.steps:
-        for mode in MODES:
-            results[mode][steps] = run_point(args, mode, steps)
-    param_bytes = results["none"][args.steps[0]]["param_bytes"]
-    print(f"parameters: {param_bytes / 2**20:.1f} MiB")
-    print(f"{'steps':>5} " + " ".join(f"{m:>10}" for m in MODES) + "   per-step/none")
-    for steps in args.steps:
-        row = [results[m][steps]["peak"] for m in MODES]
+def report(workload: str, results: dict[str, dict[int, dict]], steps: list[int]) -> None:
+    cfg = WORKLOADS[workload]
+    shape = ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "steps")
+    param = results["none"][steps[0]]["param_bytes"]
+    print(f"\n## {workload} ({shape}; parameters {mib(param)} MiB)")
+    print("MiB above the start of the meta-iteration (second order unless fomaml)")
+    print("| inner steps | " + " | ".join(MODES) + " | per-layer / none | both / none |")
+    print("| --- " * (len(MODES) + 3) + "|")
+    for k in steps:
+        row = [results[m][k]["peak"] for m in MODES]
+        none = row[0]
         print(
-            f"{steps:>5} " + " ".join(f"{mib(v):>10}" for v in row) + f"   {row[2] / row[0]:8.2f}"
+            f"| {k} | "
+            + " | ".join(mib(v) for v in row)
+            + f" | {row[1] / none:.2f} | {row[3] / none:.2f} |"
         )
-    print("seconds per meta-iteration")
-    for steps in args.steps:
-        print(f"{steps:>5} " + " ".join(f"{results[m][steps]['seconds']:10.2f}" for m in MODES))
-    norms = {m: results[m][args.steps[-1]]["grad_norm"] for m in MODES}
-    spread = max(norms.values()) - min(norms.values())
-    print(f"meta-gradient norm at {args.steps[-1]} steps, spread across settings: {spread:.2e}")
-    s = args.steps
-    growth = [
-        (results["per-step"][b]["peak"] - results["per-step"][a]["peak"]) / (b - a)
-        for a, b in itertools.pairwise(s)
-    ]
+    print("seconds per meta-iteration (median)")
+    print("| inner steps | " + " | ".join(MODES) + " | per-layer / none |")
+    print("| --- " * (len(MODES) + 2) + "|")
+    for k in steps:
+        row = [results[m][k]["seconds"] for m in MODES]
+        print(f"| {k} | " + " | ".join(f"{v:.2f}" for v in row) + f" | {row[1] / row[0]:.2f} |")
+    k = steps[-1]
+    norms = [results[m][k]["grad_norm"] for m in MODES if m != "fomaml"]
     print(
-        "per-step growth with step-level checkpointing (MiB per extra step): "
-        + ", ".join(f"{g / 2**20:.1f}" for g in growth)
-        + f"; bound 2 x (parameters + state) = {2 * param_bytes / 2**20:.1f}"
+        f"meta-gradient norm at {k} steps: {norms[0]:.6e}; largest relative spread across "
+        f"second-order settings {(max(norms) - min(norms)) / norms[0]:.1e}"
     )
-    if 8 in s:
-        ratio = results["per-step"][8]["peak"] / results["none"][8]["peak"]
-        print(f"at 8 steps, step-level / unchecked = {ratio:.2f} (target <= 0.35)")
+
+
+def plot(path: str, workloads: list[str], all_results: dict, device: str) -> None:
     try:
         import matplotlib
 
@@ -197,20 +257,60 @@ def main() -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e .[bench])")
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m in MODES:
-        ax.plot(s, [results[m][k]["peak"] / 2**20 for k in s], marker="o", label=m)
-    ax.set_xlabel("inner steps (second order)")
-    ax.set_ylabel("peak memory above start (MiB)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(s, [str(k) for k in s])
-    ax.set_title(f"{args.depth}x{args.width} tanh MLP, batch {args.batch}, {args.device}")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    os.makedirs(os.path.dirname(args.plot) or ".", exist_ok=True)
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.5 * len(workloads), 3.8))
+    axes = [axes] if len(workloads) == 1 else list(axes)
+    for ax, w in zip(axes, workloads, strict=True):
+        results, steps = all_results[w]
+        for m in MODES:
+            ax.plot(steps, [results[m][k]["peak"] / 2**20 for k in steps], marker="o", label=m)
+        ax.set_xlabel("inner steps")
+        ax.set_ylabel("peak MiB above start")
+        ax.set_xticks(steps, [str(k) for k in steps])
+        ax.set_title(f"{w} ({device})")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
-    print(f"plot: {args.plot}")
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, nargs="+", default=None, help="all workloads")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plot", default="benchmarks/out/memory.png")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--steps-one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+
+    import platform
+
+    import torch
+
+    print(
+        f"peak memory and time of one MAML meta-iteration; device {args.device}, torch "
+        f"{torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
+        "fp32, SGD with learnable per-layer softplus rates"
+    )
+    all_results = {}
+    for w in args.workloads:
+        steps = args.steps or WORKLOADS[w]["steps"]
+        results: dict[str, dict[int, dict]] = {m: {} for m in MODES}
+        for k in steps:
+            for m in MODES:
+                results[m][k] = run_point(args, w, m, k)
+        report(w, results, steps)
+        all_results[w] = (results, steps)
+    plot(args.plot, args.workloads, all_results, args.device)
 
 
 if __name__ == "__main__":

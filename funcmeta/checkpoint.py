@@ -32,10 +32,9 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funcmeta import kernels
 from funcmeta._functorch import any_batched, call_outside_vmap, named_tensors
+from funcmeta._remat import remat
 from funcmeta._shadow import Standin, ancestors, relative, shadow, within
 from funcmeta.tree import Predicate
 
@@ -154,30 +153,19 @@ class _Checkpointed(Standin):
             calls[0] += 1
             return functional_call(inner, (params, buffers), inputs[n_p + n_b :], kw)
 
-        # The checkpoint keeps its inputs with a version check, and the forward may write into
-        # the buffers: it gets snapshots of them instead (for BatchNorm, a few numbers).
+        # The first run may write into the buffers: the recomputations get snapshots of them
+        # as they were before it (for BatchNorm, a few numbers).
         snapshots = [b.clone() for b in btensors]
         inputs = (*ptensors, *snapshots, *args)
-        # The recomputation runs on the kernels of this forward, whatever is in force when the
-        # backward that needs it runs.
-        context_fn = kernels.recompute_with(kernels.capture())
         if any_batched(inputs, kwargs):
-            # Under task batching (vmap): checkpoint(vmap(layer)) outside the vmap level.
+            # Under task batching (vmap): remat(vmap(layer)) outside the vmap level.
             return call_outside_vmap(
-                lambda f, flat: torch_checkpoint(
-                    f, *flat, use_reentrant=False, context_fn=context_fn
-                ),
+                lambda f, flat: remat(f, *flat),
                 layer_fn,
                 (inputs, kwargs),
                 extra=(list(btensors),),
             )
-        return torch_checkpoint(
-            lambda *inp, **kw: layer_fn(inp, kw, btensors),
-            *inputs,
-            use_reentrant=False,
-            context_fn=context_fn,
-            **kwargs,
-        )
+        return remat(lambda inp, kw: layer_fn(inp, kw, btensors), inputs, kwargs)
 
 
 def checkpointed_runner(

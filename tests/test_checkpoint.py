@@ -211,13 +211,13 @@ def test_under_no_grad_step_checkpointing_is_skipped_and_results_agree():
 # --- the scenario of the issue: blocks, rates, subset, clipping, autocast --------------
 
 
-def scenario(checkpointed: bool, dtype=torch.float32):
+def scenario(layers: bool, steps: bool, autocast: bool = True):
     torch.manual_seed(0)
     net = nn.Sequential(
         *[nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(4)],
         nn.Linear(16, 3),
-    ).to(dtype)
-    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if checkpointed else None)
+    )
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if layers else None)
     last = ["3", "4"]
     rates = fm.hyper.per_layer(
         {k: v for k, v in fmodel.params.items() if k.split(".")[0] in last},
@@ -225,16 +225,13 @@ def scenario(checkpointed: bool, dtype=torch.float32):
         parameterization="softplus",
     )
     g = torch.Generator().manual_seed(1)
-    xs, xq = (
-        torch.randn(32, 16, generator=g, dtype=dtype),
-        torch.randn(32, 16, generator=g, dtype=dtype),
-    )
+    xs, xq = torch.randn(32, 16, generator=g), torch.randn(32, 16, generator=g)
     ys, yq = torch.randint(0, 3, (32,), generator=g), torch.randint(0, 3, (32,), generator=g)
 
     def loss_fn(out, y):
         return F.cross_entropy(out.float(), y)
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         result = fm.adapt(
             fmodel,
             fmodel.params,
@@ -244,7 +241,7 @@ def scenario(checkpointed: bool, dtype=torch.float32):
             steps=2,
             trainable=last,
             clip_grad_norm=1.0,
-            checkpoint_steps=checkpointed,
+            checkpoint_steps=steps,
         )
         loss = loss_fn(fmodel(result.params, xq), yq)
     inputs = [*net.parameters(), *rates.parameters()]
@@ -252,12 +249,21 @@ def scenario(checkpointed: bool, dtype=torch.float32):
 
 
 def test_scenario_blocks_rates_subset_clip_autocast():
-    reference = scenario(checkpointed=False)
-    ours = scenario(checkpointed=True)
-    assert all(torch.isfinite(g).all() for g in ours)
-    assert ours[-1].abs().sum() > 0 and ours[0].abs().sum() > 0  # rates and the body learn
-    for a, b in zip(ours, reference, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    """Under bf16 autocast, step checkpointing replays the unchecked graph op for op
+    (bit-identical). Per-layer checkpointing computes each layer's second-order terms in a
+    graph of its own, so bf16 rounding falls differently: the differences must stay well
+    below what bf16 itself changes (against the same run in float32; measured: at most
+    0.3 of it)."""
+    reference = scenario(layers=False, steps=False)
+    float32 = scenario(layers=False, steps=False, autocast=False)
+    for a, b in zip(scenario(layers=False, steps=True), reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for setting in ({"layers": True, "steps": False}, {"layers": True, "steps": True}):
+        ours = scenario(**setting)
+        assert ours[-1].abs().sum() > 0 and ours[0].abs().sum() > 0  # rates and the body learn
+        for a, b, c in zip(ours, reference, float32, strict=True):
+            assert torch.isfinite(a).all()
+            assert (a - b).norm() <= 0.5 * (b - c).norm(), setting
 
 
 # --- CUDA ------------------------------------------------------------------------------
