@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-import bert_meta  # noqa: E402
+import bert_meta
 
 SMALL = bert_meta.Scenario(
     layers=4,
