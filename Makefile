@@ -39,7 +39,8 @@ lint: setup-dev
 bench: setup-dev
 	$(PIP) install -q -e ".[dev,bench]"
 	$(PYTHON) benchmarks/overhead.py
-	$(PYTHON) benchmarks/memory.py
+	$(PYTHON) benchmarks/memory.py --repeats 2 --plot docs/img/memory_cpu.png
+	$(PYTHON) benchmarks/bert_meta.py
 	$(PYTHON) benchmarks/tasks.py
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 	$(PYTHON) benchmarks/ddp_check.py

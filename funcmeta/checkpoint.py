@@ -1,13 +1,24 @@
 """Per-layer activation checkpointing of a module's *pure* layer functions.
 
-:func:`funcmeta.functional_model` takes ``checkpoint_layers=`` to choose layers. Each chosen layer runs
-as ``torch.utils.checkpoint.checkpoint(layer_fn, *layer_params, *layer_buffers, *args,
-use_reentrant=False)``, where ``layer_fn`` calls the layer through
-``torch.func.functional_call`` with exactly those tensors. The parameters are explicit inputs
-of the checkpointed function, so the recomputation in backward uses the tensors of the
-forward (adapted parameters included), never whatever the module holds at that time.
-Non-reentrant checkpoints compose with ``torch.autograd.grad(create_graph=True)``, so
-second-order meta-gradients flow through them.
+:func:`funcmeta.functional_model` takes ``checkpoint_layers=`` to choose layers. Each chosen
+layer runs as a pure function of its parameters, buffers and inputs (the layer called through
+``torch.func.functional_call`` with exactly those tensors), under ``funcmeta._remat.remat``:
+
+- the forward keeps only those tensors, not the layer's activations;
+- a backward recomputes the layer and takes its vector-Jacobian product;
+- a backward that is itself recorded (``autograd.grad(create_graph=True)``, the inner loop of
+  second-order MAML) keeps one node per layer holding the layer's inputs and incoming
+  gradients; the outer backward rematerialises the layer, its backward and the derivative of
+  that, one layer at a time. So per-layer checkpointing saves memory in second order too,
+  as ``jax.checkpoint`` does under grad-of-grad.
+
+The parameters are explicit inputs of the pure function, so every recomputation uses the
+tensors of the forward (adapted parameters included), never whatever the module holds at
+that time. Recomputations replay the forward's random number generator states (dropout
+masks), autocast and kernel choice; BatchNorm statistics are written once, by the forward
+(recomputations start from a snapshot of the buffers and write into copies). A checkpointed
+layer must not write into its inputs in place (they are kept for the recomputation): that
+raises.
 
 The user's module is not modified. A private shadow of the module tree shares every
 parameter and buffer by reference (``funcmeta._shadow``). Only the modules on the path to a

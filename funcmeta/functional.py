@@ -305,8 +305,11 @@ def functional_model(
     ``checkpoint_layers`` chooses layers to run under per-layer activation checkpointing
     (see :mod:`funcmeta.checkpoint`): ``None``; a policy name (``"sequential"``: the
     children of every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of
-    submodule names; or a predicate ``(name, module) -> bool``. Outputs and gradients, second
-    order included, are those of the unchecked model. Unknown names, or a predicate that
+    submodule names; or a predicate ``(name, module) -> bool``. A checkpointed layer keeps its
+    inputs instead of its activations, in first and in second order (the graph of a
+    ``create_graph`` backward keeps the layer's inputs and incoming gradients only). Outputs
+    and gradients, second order included, are those of the unchecked model (to float
+    round-off). Unknown names, or a predicate that
     matches nothing, raise ``ValueError``. (Step-level checkpointing is the inner-loop option
     ``checkpoint_steps``: :class:`funcmeta.AdaptOptions`.)
 
