@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -174,28 +172,18 @@ def meta_iteration(
 
 def worker(args: argparse.Namespace) -> dict:
     import torch
-    from memory import Meter
+    from memory import measure
 
     device = torch.device(args.device)
     sc = Scenario(**json.loads(args.config))
     parts = setup(sc, args.mode, device)
     support, query = batches(sc, device)
     meta_iteration(sc, args.mode, parts, support, query, steps=1)  # warm-up
-    meter = Meter(device)
-    seconds = []
-    peak = 0
-    for r in range(args.repeats):
-        if r == 0:
-            meter.start()
-        start = time.perf_counter()
-        meta_iteration(sc, args.mode, parts, support, query)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        if r == 0:
-            peak = meter.peak()
+    peak, seconds = measure(
+        lambda: meta_iteration(sc, args.mode, parts, support, query), device, args.repeats
+    )
     params = sum(p.numel() for p in parts["model"].parameters())
-    return {"peak": peak, "seconds": statistics.median(seconds), "params": params}
+    return {"peak": peak, "seconds": seconds, "params": params}
 
 
 def main() -> None:

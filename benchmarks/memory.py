@@ -92,6 +92,27 @@ class Meter:
         return peak_rss_bytes() - self.base
 
 
+def measure(run: Any, device: Any, repeats: int) -> tuple[int, float]:
+    """Run ``run()`` ``repeats`` times: the peak memory of the first run above its start, and
+    the median seconds."""
+    import torch
+
+    meter = Meter(device)
+    seconds = []
+    peak = 0
+    for r in range(repeats):
+        if r == 0:
+            meter.start()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+        if r == 0:
+            peak = meter.peak()
+    return peak, statistics.median(seconds)
+
+
 def build(workload: str, cfg: dict[str, int]) -> tuple[Any, Any, Any]:
     """The network, a support and a query batch of ``workload``."""
     import torch
@@ -167,24 +188,12 @@ def worker(args: argparse.Namespace) -> dict:
         F.mse_loss(fmodel(result.params, xq), yq).backward()
 
     meta_iteration(1)  # warm-up: code paths, kernels and thread pools
-    meter = Meter(device)
-    seconds = []
-    peak = 0
-    for r in range(args.repeats):
-        if r == 0:
-            meter.start()
-        start = time.perf_counter()
-        meta_iteration(args.steps_one)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        if r == 0:
-            peak = meter.peak()
+    peak, seconds = measure(lambda: meta_iteration(args.steps_one), device, args.repeats)
     grads = [p.grad for p in net.parameters()]
     grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
     return {
         "peak": peak,
-        "seconds": statistics.median(seconds),
+        "seconds": seconds,
         "param_bytes": param_bytes,
         "grad_norm": grad_norm,
     }
