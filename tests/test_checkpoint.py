@@ -290,7 +290,10 @@ def test_cuda_meta_gradients_equal_the_unchecked_run(setting):
 
 @pytest.mark.cuda
 def test_cuda_fp16_autocast_with_loss_scaling_and_checkpointing():
-    def run(checkpointed):
+    """As the bf16 test on CPU: the checkpointed run differs from the unchecked one by far
+    less than fp16 itself does (against the same run in float32)."""
+
+    def run(checkpointed, autocast=True):
         torch.manual_seed(0)
         net = nn.Sequential(
             *[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)], nn.Linear(64, 4)
@@ -300,7 +303,7 @@ def test_cuda_fp16_autocast_with_loss_scaling_and_checkpointing():
         g = torch.Generator().manual_seed(1)
         xs, xq = (torch.randn(64, 64, generator=g).cuda() for _ in range(2))
         ys, yq = (torch.randint(0, 4, (64,), generator=g).cuda() for _ in range(2))
-        with torch.autocast("cuda", dtype=torch.float16):
+        with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
             result = fm.adapt(
                 fmodel,
                 fmodel.params,
@@ -308,14 +311,15 @@ def test_cuda_fp16_autocast_with_loss_scaling_and_checkpointing():
                 (xs, ys),
                 fm.optim.sgd(lr=rates),
                 steps=2,
-                loss_scale=1024.0,
+                loss_scale=1024.0 if autocast else None,
                 checkpoint_steps=checkpointed,
                 offload_activations=checkpointed,
             )
             loss = F.cross_entropy(fmodel(result.params, xq).float(), yq)
         return torch.autograd.grad(loss, [*net.parameters(), *rates.parameters()])
 
-    reference, ours = run(False), run(True)
-    for a, b in zip(ours, reference, strict=True):
-        assert torch.isfinite(a).all()
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    reference, ours, float32 = run(False), run(True), run(False, autocast=False)
+    diff = sum(((a - b) ** 2).sum() for a, b in zip(ours, reference, strict=True)).sqrt()
+    effect = sum(((b - c) ** 2).sum() for b, c in zip(reference, float32, strict=True)).sqrt()
+    assert all(torch.isfinite(a).all() for a in ours)
+    assert diff <= 0.5 * effect, (float(diff), float(effect))
