@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta import kernels, tree
+from funcmeta._remat import graph_input
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
 from funcmeta.optim.base import GradientTransformation, apply_updates
@@ -144,10 +145,10 @@ class _Inner:
         with torch.enable_grad():
             if second:
                 if not all(p.requires_grad for p in leaves):
-                    leaves = [p if p.requires_grad else p.detach().requires_grad_() for p in leaves]
+                    leaves = [p if p.requires_grad else graph_input(p) for p in leaves]
                 wrt = leaves
             else:
-                wrt = [p.detach().requires_grad_() for p in leaves]
+                wrt = [graph_input(p) for p in leaves]
             current = tree.unflatten(self.spec, wrt)
             full = current if self.fixed is None else tree.combine(current, self.fixed)
             loss, new_buffers = self.forward(full, buffers)

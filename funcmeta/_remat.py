@@ -39,7 +39,7 @@ try:  # torch's pytree registry on optree: registered types (HuggingFace ModelOu
 except ImportError:  # pragma: no cover - depends on the torch and optree releases
     import torch.utils._pytree as torch_pytree  # type: ignore[no-redef]
 
-__all__ = ["remat"]
+__all__ = ["graph_input", "remat"]
 
 _TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
 
@@ -109,15 +109,18 @@ def _differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-def _alias(t: Tensor) -> Tensor:
-    """A new graph input with the data of ``t``, requiring grad as ``t`` does (run in grad
-    mode). One that requires grad is a view, not a leaf: autocast caches its cast of a leaf
-    until the autocast region ends, which would keep a low-precision copy of every run's
-    parameters alive. Writing into it in place raises, as it should: the function's inputs
-    are kept for its recomputation."""
-    if not t.requires_grad:
-        return t.detach()
+def graph_input(t: Tensor) -> Tensor:
+    """A new graph input with the data of ``t`` that requires grad (call it in grad mode). It
+    is a view, not a leaf: autocast caches its cast of a leaf that requires grad until the
+    autocast region ends, which would keep a low-precision copy of every such input alive
+    (one per layer call, or per inner step). Writing into it in place raises, as it should
+    where the input is kept for a recomputation."""
     return t.detach().requires_grad_().view_as(t)
+
+
+def _alias(t: Tensor) -> Tensor:
+    """A new graph input with the data of ``t``, requiring grad as ``t`` does."""
+    return graph_input(t) if t.requires_grad else t.detach()
 
 
 class _Run:
@@ -151,10 +154,10 @@ class _Run:
         """The first run, as the model would run it (grad mode on, inputs requiring grad as
         given), keeping nothing for backward. Returns its tensor outputs, detached."""
         self.replay = _Replay(list(tensors))
-        with torch.enable_grad():
-            inputs = [_alias(t) for t in tensors]
-            with torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing):
-                out = self.call(inputs)
+        inputs = _leaves(tensors)
+        discard = torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
+        with torch.enable_grad(), discard:
+            out = self.call(inputs)
         leaves, self.out_spec = torch_pytree.tree_flatten(out)
         self.out_leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         return [x.detach() for x in leaves if isinstance(x, Tensor)]
@@ -198,8 +201,10 @@ class _Run:
 
 
 def _leaves(tensors: Any) -> list[Tensor]:
-    """Detached graph inputs with the data of ``tensors``, requiring grad as they do."""
-    return [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    """Graph inputs with the data of ``tensors``, cut from their history, requiring grad as
+    they do."""
+    with torch.enable_grad():
+        return [_alias(t) for t in tensors]
 
 
 def _views(tensors: Any) -> list[Tensor]:

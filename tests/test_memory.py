@@ -45,3 +45,28 @@ def test_fifty_meta_iterations_keep_no_graph_alive():
     # one iteration's graph holds ~ tens of MB here; a leak would add that every iteration
     growth = rss[-1] - rss[9]
     assert growth < 40 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 40 iterations"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read RSS")
+@pytest.mark.parametrize("checkpoint", [None, "sequential"], ids=["plain", "per-layer"])
+def test_a_long_inner_loop_under_autocast_keeps_no_cast_per_step(checkpoint):
+    """Autocast caches its low-precision cast of a leaf that requires grad until the autocast
+    region ends. The inner loop's (and a checkpointed layer's) fresh graph inputs are views,
+    so 40 first-order steps of a 1024x1024 layer (a 2 MiB bf16 cast each) in one region do
+    not pile up casts: measured 14-28 MiB of growth, against 328 MiB with leaves."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh()),
+        torch.nn.Linear(1024, 1),
+    )
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint)
+    x, y = torch.randn(8, 1024), torch.randn(8, 1)
+    opt = fm.optim.sgd(lr=0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, first_order=True)
+        gc.collect()
+        before = rss_bytes()
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=40, first_order=True)
+        gc.collect()
+        growth = rss_bytes() - before
+    assert growth < 100 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB over 40 steps"
