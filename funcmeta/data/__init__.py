@@ -8,15 +8,20 @@ Example:
     (torch.Size([4, 10, 1]), torch.Size([4, 15, 1]))
 """
 
+from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta.data.episodes import EpisodeBatch, Episodes, split_classes
-from funcmeta.data.omniglot import load_omniglot
+from funcmeta.data.omniglot import load_omniglot, load_omniglot_runs
 from funcmeta.data.sinusoid import Sinusoid, SinusoidBatch
 
 __all__ = [
     "EpisodeBatch",
+    "OMNIGLOT_FILES",
+    "OMNIGLOT_URL",
     "Episodes",
     "Sinusoid",
     "SinusoidBatch",
+    "download_omniglot",
     "load_omniglot",
+    "load_omniglot_runs",
     "split_classes",
 ]

@@ -1,9 +1,15 @@
-"""Omniglot (Lake et al., 2015) from a local folder in the official layout.
+"""Omniglot (Lake et al., 2015): the official archives or folders, and the one-shot runs.
 
-The official archives unpack to ``images_background/`` (30 alphabets, 964 characters) and
-``images_evaluation/`` (20 alphabets, 659 characters). Each holds
+The official archives unpack to ``images_background/`` (30 alphabets, 964 characters),
+``images_evaluation/`` (20 alphabets, 659 characters) and the two "minimal" background
+splits ``images_background_small1/`` (5 alphabets, 136 characters) and
+``images_background_small2/`` (5 alphabets, 156). Each holds
 ``<alphabet>/<characterNN>/<drawing>.png``, with 20 drawings of 105x105 per character.
-:func:`load_omniglot` reads one of them into tensors; nothing is downloaded.
+:func:`load_omniglot` reads one of them into tensors, from the zip archive as published or
+from the unpacked folder; with ``download=True`` it fetches the archive first
+(:func:`funcmeta.data.download_omniglot`). :func:`load_omniglot_runs` reads the official
+one-shot classification benchmark (``all_runs.zip``: 20 within-alphabet 20-way one-shot runs
+of the evaluation set) as 20 episodes with their answers.
 
 Example (a two-character folder made on the spot; point ``root`` at a downloaded copy):
     >>> import tempfile, pathlib, funcmeta as fm
@@ -31,30 +37,45 @@ from typing import IO
 import torch
 from torch import Tensor
 
+from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta.data._files import check_sha256, safe_members
+from funcmeta.data.episodes import EpisodeBatch
 
-__all__ = ["load_omniglot"]
+__all__ = ["load_omniglot", "load_omniglot_runs"]
 
-SPLITS = {"background": "images_background", "evaluation": "images_evaluation"}
+SPLITS = {
+    "background": "images_background",
+    "evaluation": "images_evaluation",
+    "background_small1": "images_background_small1",
+    "background_small2": "images_background_small2",
+}
 
 Opener = Callable[[], IO[bytes]]
 
 
-def _folder_drawings(root: Path, split: str) -> tuple[dict[str, list[tuple[str, Opener]]], Path]:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
-    folder = root / SPLITS[split]
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"no Omniglot split at {folder}: expected {SPLITS[split]}/<alphabet>/<character>/*.png"
+def _fetched(root: Path, name: str, download: bool, what: str, url: str) -> Path | None:
+    """``root/name`` if it is there; fetched first when ``download``; else ``None``."""
+    archive = root / name
+    if archive.is_file():
+        return archive
+    if not download:
+        return None
+    if name not in OMNIGLOT_FILES:
+        raise ValueError(
+            f"download=True fetches only the files with a known sha256 ({sorted(OMNIGLOT_FILES)}); "
+            f"put {what} ({name} or its unpacked folder) in {root} yourself"
         )
+    return download_omniglot(root, [name], url=url)[name]
+
+
+def _folder_drawings(folder: Path) -> dict[str, list[tuple[str, Opener]]]:
     drawings: dict[str, list[tuple[str, Opener]]] = {}
     for character in sorted(p for p in folder.glob("*/*") if p.is_dir()):
         files = sorted(character.glob("*.png"))
         if files:
             key = f"{character.parent.name}/{character.name}"
             drawings[key] = [(str(f), functools.partial(f.open, "rb")) for f in files]
-    return drawings, folder
+    return drawings
 
 
 def _zip_drawings(path: Path, stack: contextlib.ExitStack) -> dict[str, list[tuple[str, Opener]]]:
@@ -93,12 +114,19 @@ def load_omniglot(
     size: int = 28,
     invert: bool = True,
     rotations: bool = False,
+    download: bool = False,
+    url: str = OMNIGLOT_URL,
 ) -> tuple[Tensor, Tensor, list[str]]:
     """``(images, labels, class_names)`` of one Omniglot split.
 
-    ``root`` is a folder holding ``images_background/`` or ``images_evaluation/`` (chosen
-    by ``split``), or one split's zip archive as published (``images_background.zip``,
-    ``images_background_small1.zip``, ...), read without unpacking. An archive named like an
+    ``root`` is one split's zip archive as published (``images_background.zip``,
+    ``images_background_small1.zip``, ...), read without unpacking, or a folder holding the
+    split chosen by ``split`` (``"background"``, ``"evaluation"``, ``"background_small1"``,
+    ``"background_small2"``) unpacked (``images_background/`` ...) or as its archive
+    (``images_background.zip`` ...), the folder first. With ``download=True`` a split missing
+    from the folder is fetched into it from the dataset's public repository and verified
+    (the minimal splits, whose sha256 is known; ``url`` is the base address, a mirror with
+    the repository's layout works). An archive named like an
     official file must have its sha256 (:data:`funcmeta.data._files.KNOWN_SHA256`); member
     names that would leave the archive (absolute, ``..``) are refused; an image that does not
     decode raises ``ValueError`` naming it.
@@ -115,11 +143,23 @@ def load_omniglot(
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("load_omniglot reads PNG files with Pillow: pip install pillow") from e
     source = Path(root).expanduser()
+    if not source.is_file() and split not in SPLITS:
+        raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
     with contextlib.ExitStack() as open_archive:
         if source.is_file():
             drawings, where = _zip_drawings(source, open_archive), source
+        elif (source / SPLITS[split]).is_dir():
+            where = source / SPLITS[split]
+            drawings = _folder_drawings(where)
         else:
-            drawings, where = _folder_drawings(source, split)
+            name = SPLITS[split] + ".zip"
+            archive = _fetched(source, name, download, f"the {split} split", url)
+            if archive is None:
+                raise FileNotFoundError(
+                    f"no Omniglot split at {source}: expected {SPLITS[split]}/<alphabet>/"
+                    f"<character>/*.png or {name} (download=True fetches the minimal splits)"
+                )
+            drawings, where = _zip_drawings(archive, open_archive), archive
         decoded = {
             base: torch.stack([_decode(w, opener, size) for w, opener in files]).unsqueeze(1)
             for base, files in drawings.items()
@@ -136,3 +176,98 @@ def load_omniglot(
     if not images:
         raise ValueError(f"no PNG drawings under {where}")
     return torch.cat(images), torch.cat(labels), names
+
+
+def _run_files(source: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Opener], str]:
+    """Every file of the runs, by its path relative to the folder holding ``runNN/``."""
+    if source.is_file():
+        check_sha256(source)
+        if not zipfile.is_zipfile(source):
+            raise ValueError(f"{source} is not a zip archive (truncated or corrupt?)")
+        archive = stack.enter_context(zipfile.ZipFile(source))
+        names = [n for n in safe_members(archive, source) if not n.endswith("/")]
+        return {n: functools.partial(archive.open, n) for n in names}, f"{source}:"
+    base = source / "all_runs" if (source / "all_runs").is_dir() else source
+    files = {
+        p.relative_to(base).as_posix(): functools.partial(p.open, "rb")
+        for p in sorted(base.glob("run*/**/*"))
+        if p.is_file()
+    }
+    return files, f"{base}/"
+
+
+def load_omniglot_runs(
+    root: str | Path,
+    *,
+    size: int = 28,
+    invert: bool = True,
+    download: bool = False,
+    url: str = OMNIGLOT_URL,
+) -> EpisodeBatch:
+    """The official one-shot classification benchmark as one :class:`EpisodeBatch` of its
+    runs (20 in ``all_runs.zip``): each a 20-way one-shot episode within one alphabet of the
+    evaluation set.
+
+    ``root`` is ``all_runs.zip``, a folder holding it, or the unpacked runs (``runNN/`` in
+    ``root`` or in ``root/all_runs``). With ``download=True`` a missing ``all_runs.zip`` is
+    fetched into ``root`` from ``url`` and verified. Per run: ``x_support`` holds ``training/classMM.png``
+    in the order of ``MM`` (``y_support`` is ``MM - 1``), ``x_query`` holds
+    ``test/itemKK.png`` in the order of ``KK``, and ``y_query`` is the answer from
+    ``class_labels.txt``. Images are preprocessed as :func:`load_omniglot` does; ``classes``
+    is ``0 .. ways-1`` (the runs have no global labels). A run whose answers name a missing
+    image, or runs of different sizes, raise ``ValueError``.
+
+    Example (needs the file; ``download=True`` fetches it):
+        >>> import funcmeta as fm
+        >>> runs = fm.data.load_omniglot_runs("data/omniglot/all_runs.zip")  # doctest: +SKIP
+        >>> runs.x_support.shape, runs.y_query.shape  # doctest: +SKIP
+        (torch.Size([20, 20, 1, 28, 28]), torch.Size([20, 20]))
+    """
+    source = Path(root).expanduser()
+    if source.is_dir() and not any(source.glob("run*")) and not (source / "all_runs").is_dir():
+        fetched = _fetched(source, "all_runs.zip", download, "the one-shot runs", url)
+        if fetched is None:
+            raise FileNotFoundError(
+                f"no one-shot runs at {source}: expected all_runs.zip or runNN/class_labels.txt "
+                "(download=True fetches all_runs.zip)"
+            )
+        source = fetched
+    elif not source.exists():
+        raise FileNotFoundError(f"no one-shot runs at {source}")
+    with contextlib.ExitStack() as stack:
+        files, where = _run_files(source, stack)
+        label_files = sorted(n for n in files if n.endswith("/class_labels.txt"))
+        if not label_files:
+            raise ValueError(f"no runNN/class_labels.txt under {source}")
+        runs = []
+        for labels_name in label_files:
+            with files[labels_name]() as f:
+                lines = [ln.split() for ln in f.read().decode().splitlines() if ln.strip()]
+            if any(len(ln) != 2 for ln in lines):
+                raise ValueError(
+                    f"{where}{labels_name}: expected lines '<test image> <training image>'"
+                )
+            training = sorted({train for _, train in lines})
+            index = {name: i for i, name in enumerate(training)}
+            missing = [n for pair in lines for n in pair if n not in files]
+            if missing:
+                raise ValueError(
+                    f"{where}{labels_name} names images that are absent: {missing[:3]}"
+                )
+            support = torch.stack([_decode(where + n, files[n], size) for n in training])
+            query = torch.stack([_decode(where + t, files[t], size) for t, _ in sorted(lines)])
+            answers = torch.tensor([index[train] for _, train in sorted(lines)])
+            runs.append((support, query, answers))
+    shapes = {(len(s), len(q)) for s, q, _ in runs}
+    if len(shapes) != 1:
+        raise ValueError(
+            f"the runs under {source} differ in size (ways, queries): {sorted(shapes)}"
+        )
+    x_s = torch.stack([s for s, _, _ in runs]).unsqueeze(2)
+    x_q = torch.stack([q for _, q, _ in runs]).unsqueeze(2)
+    if invert:
+        x_s, x_q = 1 - x_s, 1 - x_q
+    ways = x_s.shape[1]
+    y_s = torch.arange(ways).repeat(len(runs), 1)
+    y_q = torch.stack([a for _, _, a in runs])
+    return EpisodeBatch(x_s, y_s, x_q, y_q, y_s.clone())

@@ -1,0 +1,100 @@
+"""Fetching the official Omniglot files into a cache directory, verified by sha256.
+
+Only files whose checksum funcmeta knows (:data:`funcmeta.data._files.KNOWN_SHA256`) are
+downloaded: a file is written under its final name only after its sha256 matched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+from funcmeta.data._files import KNOWN_SHA256, sha256
+
+__all__ = ["OMNIGLOT_FILES", "OMNIGLOT_URL", "download_omniglot"]
+
+OMNIGLOT_URL = "https://github.com/brendenlake/omniglot/raw/master/"
+"""Where the dataset's public repository serves its files; a file's address is this
+followed by its path in :data:`OMNIGLOT_FILES`."""
+
+OMNIGLOT_FILES = {
+    "images_background_small1.zip": "python/images_background_small1.zip",
+    "images_background_small2.zip": "python/images_background_small2.zip",
+    "all_runs.zip": "python/one-shot-classification/all_runs.zip",
+}
+"""The official files :func:`download_omniglot` can fetch, by name: their path in the
+repository. Each has a known sha256."""
+
+DEFAULT_FILES = tuple(OMNIGLOT_FILES)
+
+
+def _fetch(url: str, target: Path, expected: str, timeout: float) -> None:
+    """Stream ``url`` into a temporary file beside ``target``; rename it into place only
+    once its sha256 is ``expected``."""
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+            for block in iter(lambda: response.read(1 << 20), b""):
+                digest.update(block)
+                out.write(block)
+        found = digest.hexdigest()
+        if found != expected:
+            raise ValueError(
+                f"downloaded {url}: sha256 {found}, but the official {target.name} has "
+                f"{expected}; nothing was kept (a changed file or a broken transfer)"
+            )
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def download_omniglot(
+    root: str | Path,
+    files: Iterable[str] = DEFAULT_FILES,
+    *,
+    url: str = OMNIGLOT_URL,
+    timeout: float = 60.0,
+) -> dict[str, Path]:
+    """Fetch official Omniglot ``files`` (names in :data:`OMNIGLOT_FILES`) into ``root``
+    and return their paths by name.
+
+    A file already in ``root`` with the right sha256 is kept and not fetched again; one with
+    another checksum is fetched anew. Every download is checked against the known sha256
+    before it takes its name; a mismatch raises ``ValueError`` and leaves nothing behind.
+    ``url`` is the base address (the dataset's public repository by default; a mirror with
+    the same layout works). Network failures raise ``OSError`` (``urllib.error.URLError``)
+    naming the address.
+
+    Example (the files of this release of the dataset; needs the network):
+        >>> import funcmeta as fm
+        >>> paths = fm.data.download_omniglot("~/.cache/funcmeta/omniglot")  # doctest: +SKIP
+        >>> images, labels, names = fm.data.load_omniglot(paths["images_background_small1.zip"])  # doctest: +SKIP
+    """
+    names = list(files)
+    unknown = [n for n in names if n not in OMNIGLOT_FILES]
+    if unknown:
+        raise ValueError(
+            f"no known download with a checksum for {unknown}; the files are "
+            f"{sorted(OMNIGLOT_FILES)}"
+        )
+    folder = Path(root).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    base = url if url.endswith("/") else url + "/"
+    paths = {}
+    for name in names:
+        target = folder / name
+        expected = KNOWN_SHA256[name]
+        if not (target.is_file() and sha256(target) == expected):
+            address = base + OMNIGLOT_FILES[name]
+            try:
+                _fetch(address, target, expected, timeout)
+            except OSError as e:
+                raise OSError(f"could not download {address}: {e}") from e
+        paths[name] = target
+    return paths

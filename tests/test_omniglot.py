@@ -1,0 +1,207 @@
+"""Omniglot as a user gets it: the official archives (read in place, or downloaded from a
+local HTTP server on the loopback address and verified), the minimal splits by name, and the
+official one-shot runs with their answers. The shared data folder beside the project holds
+the real files; CI has it (a missing file fails there rather than skipping)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import os
+import shutil
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import funcmeta as fm
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
+
+
+def shared(name: str) -> Path:
+    path = SHARED / name
+    if not path.exists():
+        assert not os.environ.get("CI"), f"{path} is missing in CI"
+        pytest.skip(f"no {path} (the shared data folder beside the project)")
+    return path
+
+
+class _Files(http.server.BaseHTTPRequestHandler):
+    """Serves ``files[basename]`` for any path ending in that name; counts the requests."""
+
+    def __init__(self, *args, files, log, **kwargs):
+        self.files, self.log = files, log
+        super().__init__(*args, **kwargs)
+
+    def do_GET(self):
+        self.log.append(self.path)
+        body = self.files.get(self.path.rsplit("/", 1)[-1])
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    """A loopback HTTP server: ``(base_url, files, requests)``; tests fill ``files``."""
+    files: dict[str, bytes] = {}
+    requests: list[str] = []
+    handler = functools.partial(_Files, files=files, log=requests)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/omniglot/", files, requests
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_download_fetches_verifies_and_reuses(tmp_path, server):
+    url, files, requests = server
+    for name in fm.data.OMNIGLOT_FILES:
+        files[name] = shared(name).read_bytes()
+    cache = tmp_path / "cache"
+    paths = fm.data.download_omniglot(cache, url=url)
+    assert sorted(paths) == sorted(fm.data.OMNIGLOT_FILES)
+    assert sorted(requests) == sorted(
+        f"/omniglot/{path}" for path in fm.data.OMNIGLOT_FILES.values()
+    )  # the repository's layout under the base address
+    for name, path in paths.items():
+        assert path.read_bytes() == files[name]
+    # present and intact: not fetched again
+    fm.data.download_omniglot(cache, url=url)
+    assert len(requests) == 3
+    # the loaders fetch what is missing from a folder, and read what they fetched
+    other = tmp_path / "other"
+    images, _, names = fm.data.load_omniglot(
+        other, "background_small2", size=14, download=True, url=url
+    )
+    assert images.shape == (156 * 20, 1, 14, 14) and len(names) == 156
+    runs = fm.data.load_omniglot_runs(other, download=True, url=url)
+    assert runs.x_support.shape == (20, 20, 1, 28, 28)
+    assert sorted(p.name for p in other.iterdir()) == [
+        "all_runs.zip",
+        "images_background_small2.zip",
+    ]
+
+
+def test_download_refuses_a_wrong_checksum_and_leaves_nothing(tmp_path, server):
+    url, files, _ = server
+    good = shared("all_runs.zip").read_bytes()
+    files["all_runs.zip"] = good[:-10] + b"0123456789"  # same size, other bytes
+    with pytest.raises(ValueError, match=r"sha256 .*but the official all_runs\.zip has 437c1eea"):
+        fm.data.download_omniglot(tmp_path, ["all_runs.zip"], url=url)
+    assert list(tmp_path.iterdir()) == []
+    # a corrupt file already in the cache is replaced by a verified download
+    (tmp_path / "all_runs.zip").write_bytes(b"junk")
+    files["all_runs.zip"] = good
+    path = fm.data.download_omniglot(tmp_path, ["all_runs.zip"], url=url)["all_runs.zip"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest().startswith("437c1eea")
+
+
+def test_download_errors(tmp_path, server):
+    url, _, _ = server
+    with pytest.raises(OSError, match=r"could not download http://127\.0\.0\.1:\d+/omniglot/"):
+        fm.data.download_omniglot(tmp_path, ["all_runs.zip"], url=url)  # 404
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="no known download with a checksum for"):
+        fm.data.download_omniglot(tmp_path, ["images_evaluation.zip"], url=url)
+    with pytest.raises(ValueError, match="download=True fetches only the files with a known"):
+        fm.data.load_omniglot(tmp_path, "evaluation", download=True, url=url)
+    with pytest.raises(FileNotFoundError, match="download=True fetches the minimal splits"):
+        fm.data.load_omniglot(tmp_path, "background_small1")
+    with pytest.raises(FileNotFoundError, match=r"download=True fetches all_runs\.zip"):
+        fm.data.load_omniglot_runs(tmp_path)
+
+
+def test_minimal_splits_by_name_from_a_folder_of_archives(tmp_path):
+    for name in ("images_background_small1.zip", "images_background_small2.zip"):
+        shutil.copy(shared(name), tmp_path / name)
+    a_images, _, a_names = fm.data.load_omniglot(tmp_path, "background_small1", size=14)
+    b_images, _, b_names = fm.data.load_omniglot(shared("images_background_small1.zip"), size=14)
+    assert a_names == b_names and torch.equal(a_images, b_images)
+    _, _, names2 = fm.data.load_omniglot(tmp_path, "background_small2", size=14)
+    assert len(names2) == 156 and len(set(a_names) & set(names2)) == 50  # Greek and Latin
+
+
+def runs_answers(archive: Path) -> list[list[tuple[str, str]]]:
+    """The answers read independently: per run, (test image, training image) pairs."""
+    with zipfile.ZipFile(archive) as z:
+        runs = sorted(n for n in z.namelist() if n.endswith("class_labels.txt"))
+        return [
+            sorted(tuple(line.split()) for line in z.read(r).decode().split("\n") if line)
+            for r in runs
+        ]
+
+
+def test_runs_reader_gives_the_official_episodes_with_their_answers(tmp_path):
+    archive = shared("all_runs.zip")
+    runs = fm.data.load_omniglot_runs(archive, size=105, invert=False)
+    assert runs.x_support.shape == (20, 20, 1, 105, 105) and runs.x_query.shape == (
+        20,
+        20,
+        1,
+        105,
+        105,
+    )
+    assert torch.equal(runs.y_support, torch.arange(20).repeat(20, 1))
+    answers = runs_answers(archive)
+    from PIL import Image
+
+    with zipfile.ZipFile(archive) as z:
+        for r in (0, 7, 19):
+            for k, (test, train) in enumerate(answers[r]):
+                assert test.endswith(f"test/item{k + 1:02d}.png")
+                cls = int(train.split("class")[-1][:2]) - 1
+                assert runs.y_query[r, k].item() == cls
+                with z.open(train) as f:  # the training image of the answer is that support
+                    raw = bytearray(Image.open(f).convert("L").tobytes())
+                pixels = torch.frombuffer(raw, dtype=torch.uint8).float()
+                assert torch.equal(runs.x_support[r, cls, 0].flatten(), pixels / 255)
+    # the unpacked folder, in either layout, reads the same
+    with zipfile.ZipFile(archive) as z:
+        z.extractall(tmp_path / "all_runs")
+    for root in (tmp_path, tmp_path / "all_runs"):
+        again = fm.data.load_omniglot_runs(root, size=105, invert=False)
+        assert all(torch.equal(a, b) for a, b in zip(again, runs, strict=True))
+    # the default: 28x28, ink 1, as load_omniglot gives the background images
+    small = fm.data.load_omniglot_runs(archive)
+    assert small.x_query.shape == (20, 20, 1, 28, 28)
+    assert small.x_query.mean() < 0.2  # mostly background, now 0
+
+
+def test_runs_reader_errors(tmp_path):
+    def pack(name, members):
+        path = tmp_path / name
+        with zipfile.ZipFile(path, "w") as z:
+            for arcname, data in members:
+                z.writestr(arcname, data)
+        return path
+
+    with pytest.raises(ValueError, match=r"no runNN/class_labels\.txt"):
+        fm.data.load_omniglot_runs(pack("empty.zip", [("readme.txt", b"x")]))
+    bad = pack("bad.zip", [("run01/class_labels.txt", b"run01/test/item01.png\n")])
+    with pytest.raises(ValueError, match="expected lines '<test image> <training image>'"):
+        fm.data.load_omniglot_runs(bad)
+    missing = pack(
+        "missing.zip",
+        [("run01/class_labels.txt", b"run01/test/item01.png run01/training/class01.png\n")],
+    )
+    with pytest.raises(ValueError, match="names images that are absent"):
+        fm.data.load_omniglot_runs(missing)
+    with pytest.raises(ValueError, match=r"all_runs\.zip has sha256"):
+        fm.data.load_omniglot_runs(pack("all_runs.zip", [("x", b"y")]))
+    with pytest.raises(FileNotFoundError, match="no one-shot runs"):
+        fm.data.load_omniglot_runs(tmp_path / "nowhere")
