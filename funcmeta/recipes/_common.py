@@ -32,21 +32,23 @@ class RecipeResult(NamedTuple):
         query_loss: the mean query loss after adaptation, detached, for logging (``None``
             when Reptile is given no query set).
         adapted: the inner loop's :class:`funcmeta.AdaptResult`, with a task axis (MAML++:
-            that of the last step).
+            that of the last step); ``None`` for Prototypical Networks, which have none.
         step_buffers: MAML++ only: each inner step's BatchNorm statistics, to pass back as
             ``step_buffers`` in the next call.
         residual: iMAML only: ``||rhs - (I + H/lam) x|| / ||rhs||`` of the returned
             solution, one per task.
         curvature_stop: iMAML only: the tasks whose conjugate gradient met non-positive
             curvature and stopped there.
+        logits: Prototypical Networks only: the query logits ``(T, Q, ways)``.
     """
 
     loss: Tensor
     query_loss: Tensor | None
-    adapted: AdaptResult
+    adapted: AdaptResult | None
     step_buffers: list[dict[str, Tensor]] | None = None
     residual: Tensor | None = None
     curvature_stop: Tensor | None = None
+    logits: Tensor | None = None
 
 
 def resolve_opt(opt: GradientTransformation | None, lr: Any) -> GradientTransformation:
