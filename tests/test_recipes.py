@@ -3,6 +3,9 @@ forward, or a closed form), float64, plus each method's defining property."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,8 +246,10 @@ def linear_problem(seed=0, dims=4):
     return net, (xs, ys), (xq, yq)
 
 
-def imaml_closed_form(theta, support, query, lam):
-    """phi* = (A + lam I)^-1 (b + lam theta); meta-gradient lam (A + lam I)^-1 grad L_q(phi*)."""
+def imaml_closed_form(theta, support, query, lam, damping=0.0, lam_damping=0.0):
+    """phi* = (A + lam I)^-1 (b + lam theta); meta-gradient
+    ((1 + damping) I + A / (lam + lam_damping))^-1 grad L_q(phi*) (undamped: lam (A + lam I)^-1
+    grad L_q(phi*))."""
     dims = theta.numel()
     grads = []
     for t in range(T):
@@ -255,13 +260,18 @@ def imaml_closed_form(theta, support, query, lam):
         phi = torch.linalg.solve(m, b + lam * theta.T)
         xq, yq = query[0][t], query[1][t]
         gq = 2 / xq.shape[0] * xq.T @ (xq @ phi - yq)
-        grads.append(lam * torch.linalg.solve(m, gq))
+        damped = (1 + damping) * torch.eye(dims, dtype=DTYPE) + a / (lam + lam_damping)
+        grads.append(torch.linalg.solve(damped, gq))
     return torch.stack(grads).mean(0).T
 
 
-def test_imaml_matches_the_closed_form_and_ignores_the_inner_path():
+@pytest.mark.parametrize(
+    "damping", [(0.0, 0.0), (1.0, 10.0), (0.5, 3.0)], ids=["exact", "default", "other"]
+)
+def test_imaml_matches_the_closed_form_and_ignores_the_inner_path(damping):
     lam = 2.0
     found = []
+    given = {} if damping == (1.0, 10.0) else dict(damping=damping[0], lam_damping=damping[1])
     for lr, steps in ((0.1, 600), (0.05, 1200)):
         net, support, query = linear_problem()
         fmodel = fm.functional_model(net)
@@ -275,9 +285,10 @@ def test_imaml_matches_the_closed_form_and_ignores_the_inner_path():
             steps=steps,
             lr=lr,
             cg_steps=4,
+            **given,
         )
         out.loss.backward()
-        expected = imaml_closed_form(net.weight.detach(), support, query, lam)
+        expected = imaml_closed_form(net.weight.detach(), support, query, lam, *damping)
         torch.testing.assert_close(net.weight.grad, expected, rtol=1e-7, atol=1e-9)
         assert (out.residual < 1e-8).all()
         found.append(net.weight.grad.clone())
@@ -293,6 +304,68 @@ def test_imaml_errors():
         fm.recipes.imaml(
             fmodel, fmodel.params, F.mse_loss, support, query, steps=20, lam=1.0, cg_steps=0
         )
+    with pytest.raises(ValueError, match="damping and lam_damping must be >= 0"):
+        fm.recipes.imaml(
+            fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lam=1.0, damping=-1
+        )
+    with pytest.raises(ValueError, match="max_residual must be positive"):
+        fm.recipes.imaml(
+            fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lam=1.0, max_residual=0
+        )
+
+
+def test_imaml_warns_when_cg_or_the_inner_loop_fails():
+    net, support, query = linear_problem()
+    fmodel = fm.functional_model(net)
+    run = functools.partial(fm.recipes.imaml, fmodel, fmodel.params, F.mse_loss, support, query)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fm.recipes.ConvergenceWarning)
+        run(steps=300, lam=2.0, lr=0.1, cg_steps=4)  # converged: silent
+        # one CG step cannot solve the undamped system to 1e-12
+        with pytest.raises(
+            fm.recipes.ConvergenceWarning,
+            match=r"conjugate gradient did not converge for 3 of 3 tasks .*task 0: ",
+        ):
+            run(
+                steps=300, lam=2.0, lr=0.1, cg_steps=1, damping=0, lam_damping=0, max_residual=1e-12
+            )
+        # an inner learning rate far past 2 / curvature: the proximal objective grows
+        with pytest.raises(
+            fm.recipes.ConvergenceWarning, match="the inner loop ended above where it started"
+        ):
+            run(steps=20, lam=2.0, lr=3.0)
+
+
+def test_imaml_doc_example_is_stable_across_seeds():
+    """The recipe page's loop, as a new user runs it: 8 seeds, no warning, converged CG,
+    bounded losses (with the undamped solve and lr 0.05, 2 of 8 seeds blew up)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fm.recipes.ConvergenceWarning)
+        for seed in range(8):
+            torch.manual_seed(seed)
+            net = torch.nn.Sequential(
+                torch.nn.Linear(1, 40), torch.nn.Tanh(), torch.nn.Linear(40, 1)
+            )
+            fmodel = fm.functional_model(net)
+            outer = torch.optim.Adam(net.parameters(), lr=1e-3)
+            tasks = fm.data.Sinusoid()
+            for _ in range(10):  # the old blow-ups showed from the first iteration
+                b = tasks.sample(8, support=10, query=10)
+                out = fm.recipes.imaml(
+                    fmodel,
+                    fmodel.params,
+                    F.mse_loss,
+                    b.support,
+                    b.query,
+                    steps=20,
+                    lam=2.0,
+                    lr=0.01,
+                )
+                outer.zero_grad()
+                out.loss.backward()
+                outer.step()
+                assert out.residual.max() < 1e-2 and not out.curvature_stop.any()
+                assert out.query_loss < 20 and out.adapted.losses.max() < 20
 
 
 def test_add_proximal_is_the_gradient_of_the_proximal_term():
@@ -315,9 +388,20 @@ def test_imaml_stops_at_non_positive_curvature_and_stays_finite():
     def concave(out, y):
         return -F.mse_loss(out, y)
 
-    out = fm.recipes.imaml(
-        fmodel, fmodel.params, concave, support, query, lam=0.1, steps=3, lr=0.01, cg_steps=4
-    )
+    with pytest.warns(fm.recipes.ConvergenceWarning, match="did not converge"):
+        out = fm.recipes.imaml(
+            fmodel,
+            fmodel.params,
+            concave,
+            support,
+            query,
+            lam=0.1,
+            steps=3,
+            lr=0.01,
+            cg_steps=4,
+            damping=0,  # undamped: indefinite (the default damping makes it definite)
+            lam_damping=0,
+        )
     out.loss.backward()
     assert out.curvature_stop.all()
     assert torch.isfinite(net.weight.grad).all()
