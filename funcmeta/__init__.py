@@ -24,6 +24,7 @@ from funcmeta import (
     hyper,
     inputs,
     kernels,
+    models,
     optim,
     options,
     recipes,
@@ -31,6 +32,7 @@ from funcmeta import (
     tasks,
     tree,
 )
+from funcmeta.evaluation import Evaluation, evaluate
 from funcmeta.functional import FunctionalModel, functional_model
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.inputs import Args
@@ -44,6 +46,7 @@ __all__ = [
     "AdaptOptions",
     "AdaptResult",
     "Args",
+    "Evaluation",
     "FunctionalModel",
     "NonFiniteError",
     "__version__",
@@ -54,10 +57,12 @@ __all__ = [
     "checkpoint",
     "data",
     "distributed",
+    "evaluate",
     "functional_model",
     "hyper",
     "inputs",
     "kernels",
+    "models",
     "options",
     "optim",
     "recipes",

@@ -3,7 +3,8 @@
 Every recipe has the calling convention of :func:`funcmeta.adapt_tasks`: ``recipe(fmodel,
 params, loss_fn, support, query, *, steps, ...)``, where ``support`` and ``query`` are
 ``(inputs, targets)`` with a leading task axis, then its own keywords (``lr`` or ``opt`` for
-the inner optimizer) and the inner-loop options of :class:`funcmeta.AdaptOptions`. Every
+the inner optimizer) and the inner-loop options of :class:`funcmeta.AdaptOptions`
+(Prototypical Networks, which have no inner loop, take neither ``steps`` nor options). Every
 recipe returns a :class:`RecipeResult`: call ``.backward()`` on ``result.loss``. For Reptile
 and iMAML, which are not loss-based, ``loss`` is a surrogate whose gradient is the method's
 meta-gradient. The meta-gradients reach the module's ``.grad`` (and any learnable
@@ -17,6 +18,7 @@ hyperparameters), ready for a ``torch.optim`` outer optimizer.
 | :func:`reptile` | average displacement (Nichol et al., 2018) |
 | :func:`mamlpp` | MAML++: LSLR, multi-step loss, derivative-order annealing, per-step BN statistics (Antoniou et al., 2019) |
 | :func:`imaml` | implicit gradients by conjugate gradient (Rajeswaran et al., 2019) |
+| :func:`protonet` | Prototypical Networks: nearest class mean in an embedding (Snell et al., 2017) |
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -31,13 +33,15 @@ Example:
 
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.anil import anil
-from funcmeta.recipes.imaml import imaml
+from funcmeta.recipes.imaml import ConvergenceWarning, imaml
 from funcmeta.recipes.maml import fomaml, maml
 from funcmeta.recipes.mamlpp import mamlpp, mamlpp_step_weights
 from funcmeta.recipes.metasgd import metasgd, metasgd_rates
+from funcmeta.recipes.protonet import protonet, prototype_logits
 from funcmeta.recipes.reptile import reptile
 
 __all__ = [
+    "ConvergenceWarning",
     "RecipeResult",
     "anil",
     "fomaml",
@@ -47,5 +51,7 @@ __all__ = [
     "mamlpp_step_weights",
     "metasgd",
     "metasgd_rates",
+    "prototype_logits",
+    "protonet",
     "reptile",
 ]
