@@ -67,3 +67,47 @@ def test_fewshot_example_runs_every_recipe(recipe, tmp_path):
         ]
     )
     assert 0.0 <= scores["after"] <= 1.0 and 0.0 <= scores["before"] <= 1.0
+
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
+
+
+def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
+    """A short run of examples/omniglot.py on the official files: every recipe trains for a
+    few iterations and is scored on the 20 official runs and on held-out episodes; the
+    dataset's Modified Hausdorff baseline comes out as published."""
+    if not (SHARED / "all_runs.zip").exists():
+        import os
+
+        assert not os.environ.get("CI"), f"{SHARED} is missing in CI"
+        pytest.skip(f"no {SHARED} (the shared data folder beside the project)")
+    summary = load("omniglot").main(
+        [
+            "--data",
+            str(SHARED),
+            "--iterations",
+            "3",
+            "--hidden",
+            "8",
+            "--meta-batch",
+            "2",
+            "--eval-episodes",
+            "8",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "o.json"),
+            "--plot",
+            str(tmp_path / "o.png"),
+        ]
+    )
+    assert summary["mhd_error"] == pytest.approx(0.3875)  # 155 of 400 wrong: the demo's 38.8%
+    assert sorted(summary["recipes"]) == sorted(
+        ["maml", "fomaml", "metasgd", "anil", "reptile", "mamlpp", "imaml", "protonet"]
+    )
+    for name, r in summary["recipes"].items():
+        assert r["iterations"] == 3, name
+        assert 0 <= r["official_runs"]["error"] <= 1 and r["official_runs"]["ci95"] > 0
+        assert 0 <= r["5way_1shot"]["accuracy"] <= 1 and 0 <= r["20way_1shot"]["accuracy"] <= 1
+    assert "cg_residual" in summary["recipes"]["imaml"]
+    assert (tmp_path / "o.json").exists()
+    assert "official runs error" in capsys.readouterr().out
