@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_FLOOR ?= 2.5.0
 TORCH_NEWEST ?= 2.15.0
 
-.PHONY: setup setup-dev demo test test-matrix lint docs bench clean
+.PHONY: setup setup-dev demo test test-matrix lint docs bench omniglot clean
 
 setup:
 	@$(PYTHON) scripts/has_torch.py || $(PIP) install "$(TORCH_PIN)"
@@ -45,6 +45,11 @@ bench: setup-dev
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 	$(PYTHON) benchmarks/ddp_check.py
 	$(PYTHON) benchmarks/peers.py
+
+# Every recipe on Omniglot's official one-shot benchmark (about 50 minutes on 2 CPU cores); the
+# official files are downloaded into data/omniglot and verified, or read there if present.
+omniglot: setup
+	$(PYTHON) examples/omniglot.py --data data/omniglot --download --budget 240 --plot docs/img/omniglot_cpu.png
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache docs/_build

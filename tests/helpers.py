@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import zipfile
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -72,3 +74,29 @@ def init_gloo(rank: int, rendezvous: str, world_size: int = 2) -> None:
         world_size=world_size,
         timeout=timedelta(seconds=60),
     )
+
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+"""The shared data folder beside the project (CI clones with it there)."""
+
+
+def shared_file(relative: str) -> Path:
+    """A file of the shared data folder. Outside CI a missing one skips the test; in CI it
+    fails, so that a test cannot skip silently there."""
+    import os
+
+    import pytest
+
+    path = SHARED_DATA / relative
+    if not path.exists():
+        assert not os.environ.get("CI"), f"{path} is missing in CI"
+        pytest.skip(f"no {path} (the shared data folder beside the project)")
+    return path
+
+
+def write_zip(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A zip archive at ``path`` holding ``(name, data)`` members, names as given."""
+    with zipfile.ZipFile(path, "w") as z:
+        for arcname, data in members:
+            z.writestr(arcname, data)
+    return path

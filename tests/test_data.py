@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import shared_file, write_zip
 
 import funcmeta as fm
 
@@ -143,15 +142,8 @@ def test_omniglot_errors(tmp_path):
         fm.data.load_omniglot(tmp_path)
 
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
-
-
 def test_omniglot_zip_equals_its_unpacked_folder(tmp_path):
-    archive = SHARED / "images_background_small1.zip"
-    if not archive.exists():
-        # the shared data lies beside every clone CI makes; elsewhere it may be absent
-        assert not os.environ.get("CI"), f"{archive} is missing in CI"
-        pytest.skip(f"no {archive} (the shared data folder beside the project)")
+    archive = shared_file("omniglot/images_background_small1.zip")
     images, labels, names = fm.data.load_omniglot(archive, size=20)
     assert images.shape == (136 * 20, 1, 20, 20) and len(names) == 136  # the official counts
     assert names[0] == "Balinese/character01"
@@ -167,11 +159,7 @@ def test_omniglot_archives_are_checked_before_use(tmp_path):
     folder = tmp_path / "images_background"
 
     def pack(name, members):
-        path = tmp_path / name
-        with zipfile.ZipFile(path, "w") as z:
-            for arcname, data in members:
-                z.writestr(arcname, data)
-        return path
+        return write_zip(tmp_path / name, members)
 
     drawings = [
         (f"images_background/{p.relative_to(folder).as_posix()}", p.read_bytes())

@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import shared_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -69,22 +70,15 @@ def test_fewshot_example_runs_every_recipe(recipe, tmp_path):
     assert 0.0 <= scores["after"] <= 1.0 and 0.0 <= scores["before"] <= 1.0
 
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
-
-
 def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
     """A short run of examples/omniglot.py on the official files: every recipe trains for a
     few iterations and is scored on the 20 official runs and on held-out episodes; the
     dataset's Modified Hausdorff baseline comes out as published."""
-    if not (SHARED / "all_runs.zip").exists():
-        import os
-
-        assert not os.environ.get("CI"), f"{SHARED} is missing in CI"
-        pytest.skip(f"no {SHARED} (the shared data folder beside the project)")
+    shared = shared_file("omniglot/all_runs.zip").parent
     summary = load("omniglot").main(
         [
             "--data",
-            str(SHARED),
+            str(shared),
             "--iterations",
             "3",
             "--hidden",
@@ -109,5 +103,16 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
         assert 0 <= r["official_runs"]["error"] <= 1 and r["official_runs"]["ci95"] > 0
         assert 0 <= r["5way_1shot"]["accuracy"] <= 1 and 0 <= r["20way_1shot"]["accuracy"] <= 1
     assert "cg_residual" in summary["recipes"]["imaml"]
+    steps = {name: r["inner_steps"] for name, r in summary["recipes"].items()}
+    assert steps == {
+        "maml": 1,
+        "fomaml": 5,
+        "metasgd": 1,
+        "anil": 1,
+        "reptile": 5,
+        "mamlpp": 1,
+        "imaml": 5,
+        "protonet": 0,
+    }
     assert (tmp_path / "o.json").exists()
     assert "official runs error" in capsys.readouterr().out

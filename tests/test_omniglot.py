@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
-import os
 import shutil
 import threading
 import zipfile
@@ -16,18 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import shared_file, write_zip
 
 import funcmeta as fm
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "omniglot"
-
 
 def shared(name: str) -> Path:
-    path = SHARED / name
-    if not path.exists():
-        assert not os.environ.get("CI"), f"{path} is missing in CI"
-        pytest.skip(f"no {path} (the shared data folder beside the project)")
-    return path
+    return shared_file(f"omniglot/{name}")
 
 
 class _Files(http.server.BaseHTTPRequestHandler):
@@ -184,11 +178,7 @@ def test_runs_reader_gives_the_official_episodes_with_their_answers(tmp_path):
 
 def test_runs_reader_errors(tmp_path):
     def pack(name, members):
-        path = tmp_path / name
-        with zipfile.ZipFile(path, "w") as z:
-            for arcname, data in members:
-                z.writestr(arcname, data)
-        return path
+        return write_zip(tmp_path / name, members)
 
     with pytest.raises(ValueError, match=r"no runNN/class_labels\.txt"):
         fm.data.load_omniglot_runs(pack("empty.zip", [("readme.txt", b"x")]))
