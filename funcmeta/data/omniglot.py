@@ -78,20 +78,26 @@ def _folder_drawings(folder: Path) -> dict[str, list[tuple[str, Opener]]]:
     return drawings
 
 
-def _zip_drawings(path: Path, stack: contextlib.ExitStack) -> dict[str, list[tuple[str, Opener]]]:
+def _zip_members(path: Path, stack: contextlib.ExitStack) -> dict[str, Opener]:
+    """An archive's file members, each with an opener, once its checksum (for an official
+    name), its format and its member paths have passed; it stays open as long as ``stack``."""
     check_sha256(path)
     if not zipfile.is_zipfile(path):
         raise ValueError(f"{path} is not a zip archive (truncated or corrupt?)")
     archive = stack.enter_context(zipfile.ZipFile(path))
+    names = [n for n in safe_members(archive, path) if not n.endswith("/")]
+    return {n: functools.partial(archive.open, n) for n in names}
+
+
+def _zip_drawings(path: Path, stack: contextlib.ExitStack) -> dict[str, list[tuple[str, Opener]]]:
+    members = _zip_members(path, stack)
     drawings: dict[str, list[tuple[str, Opener]]] = {}
-    for name in sorted(safe_members(archive, path)):
+    for name in sorted(members):
         parts = name.split("/")
         if len(parts) < 3 or not name.endswith(".png"):
             continue
         key = f"{parts[-3]}/{parts[-2]}"
-        drawings.setdefault(key, []).append(
-            (f"{path}:{name}", functools.partial(archive.open, name))
-        )
+        drawings.setdefault(key, []).append((f"{path}:{name}", members[name]))
     return dict(sorted(drawings.items()))
 
 
@@ -181,12 +187,7 @@ def load_omniglot(
 def _run_files(source: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Opener], str]:
     """Every file of the runs, by its path relative to the folder holding ``runNN/``."""
     if source.is_file():
-        check_sha256(source)
-        if not zipfile.is_zipfile(source):
-            raise ValueError(f"{source} is not a zip archive (truncated or corrupt?)")
-        archive = stack.enter_context(zipfile.ZipFile(source))
-        names = [n for n in safe_members(archive, source) if not n.endswith("/")]
-        return {n: functools.partial(archive.open, n) for n in names}, f"{source}:"
+        return _zip_members(source, stack), f"{source}:"
     base = source / "all_runs" if (source / "all_runs").is_dir() else source
     files = {
         p.relative_to(base).as_posix(): functools.partial(p.open, "rb")
