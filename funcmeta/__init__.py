@@ -39,6 +39,7 @@ from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
 from funcmeta.options import AdaptOptions
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
+from funcmeta.tune import tune_task_chunk
 
 __version__ = "0.1.0"
 
@@ -70,4 +71,5 @@ __all__ = [
     "task_losses",
     "tasks",
     "tree",
+    "tune_task_chunk",
 ]

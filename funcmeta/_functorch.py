@@ -46,13 +46,15 @@ __all__ = [
     "TaskLoop",
     "any_batched",
     "call_outside_vmap",
+    "concat_outputs",
     "fast_vmap",
     "innermost_level",
     "is_batched",
+    "map_tensors",
     "missing_primitives",
     "named_tensors",
+    "physical",
     "recurrent_layers",
-    "task_standins",
 ]
 
 PRIMITIVES = (
@@ -115,7 +117,7 @@ def _prepare() -> None:
     _PREPARED = True
 
 
-def _map_outputs(fn: Callable[[Tensor], Any], out: Any) -> Any:
+def map_tensors(fn: Callable[[Tensor], Any], out: Any) -> Any:
     """``fn`` on every tensor of ``out``; other leaves as they are. Walks torch's pytree
     registry too, so registered output types (HuggingFace ``ModelOutput``) are opened."""
     leaves, spec = torch_pytree.tree_flatten(out)
@@ -149,7 +151,7 @@ def fast_vmap(
             for x, d in zip(flat_args, in_dims, strict=True)
         ]
         out = fn(*batched)
-        return _map_outputs(lambda t: _remove_batch_dim(t, level, batch_size, 0), out)
+        return map_tensors(lambda t: _remove_batch_dim(t, level, batch_size, 0), out)
     finally:
         _vmap_decrement_nesting()
 
@@ -199,17 +201,28 @@ def _outside(level: int) -> Iterator[None]:
         push_dynamic_layer_stack(saved)
 
 
-def _stack_outputs(outs: list[Any]) -> Any:
-    """One output with a leading task axis from the outputs of each task."""
+def _join_outputs(outs: list[Any], join: Callable[[list[Tensor]], Tensor]) -> Any:
+    """One output from several of the same structure: ``join`` of each tensor's values,
+    other leaves from the first."""
     flat = [torch_pytree.tree_flatten(o) for o in outs]
     spec = flat[0][1]
     if any(s != spec for _, s in flat[1:]):
-        raise RuntimeError("a layer run per task returned differently structured outputs")
-    stacked = [
-        torch.stack([leaves[i] for leaves, _ in flat]) if isinstance(leaf, Tensor) else leaf
+        raise RuntimeError("the tasks' runs returned differently structured outputs")
+    joined = [
+        join([leaves[i] for leaves, _ in flat]) if isinstance(leaf, Tensor) else leaf
         for i, leaf in enumerate(flat[0][0])
     ]
-    return torch_pytree.tree_unflatten(stacked, spec)
+    return torch_pytree.tree_unflatten(joined, spec)
+
+
+def _stack_outputs(outs: list[Any]) -> Any:
+    """One output with a leading task axis from the outputs of each task."""
+    return _join_outputs(outs, torch.stack)
+
+
+def concat_outputs(outs: list[Any]) -> Any:
+    """One output from the outputs of consecutive chunks of tasks (task axis first)."""
+    return _join_outputs(outs, torch.cat)
 
 
 def call_outside_vmap(
@@ -270,12 +283,14 @@ def call_outside_vmap(
 
     with _outside(level):
         out = wrap(batched_fn, flat_args)
-    return _map_outputs(lambda t: _add_batch_dim(t, 0, level), out)
+    return map_tensors(lambda t: _add_batch_dim(t, 0, level), out)
 
 
-def _physical(x: Tensor, level: int) -> Tensor:
-    tensor, dim = _unwrap_batched(x, level)
-    return tensor if dim == 0 else tensor.movedim(dim, 0)
+def physical(x: Tensor, level: int, dim: int = 0) -> Tensor:
+    """The ordinary tensor under ``x``, batched at vmap ``level``, with the batch axis at
+    ``dim`` (a view)."""
+    tensor, bdim = _unwrap_batched(x, level)
+    return tensor if bdim == dim else tensor.movedim(bdim, dim)
 
 
 class TaskLinear(Standin):
@@ -295,13 +310,13 @@ class TaskLinear(Standin):
             b is not None and not (is_batched(b) and maybe_get_level(b) == level)
         ):
             return F.linear(x, w, b)
-        xp, wp = _physical(x, level), _physical(w, level)
+        xp, wp = physical(x, level), physical(w, level)
         flat = xp.dim() != 3  # (T, N, in) goes in as it is; other shapes via (T, -1, in)
         x3 = xp.reshape(xp.shape[0], -1, xp.shape[-1]) if flat else xp
         if b is None:
             out = torch.bmm(x3, wp.transpose(1, 2))
         else:
-            out = torch.baddbmm(_physical(b, level).unsqueeze(1), x3, wp.transpose(1, 2))
+            out = torch.baddbmm(physical(b, level).unsqueeze(1), x3, wp.transpose(1, 2))
         if flat:
             out = out.reshape(*xp.shape[:-1], out.shape[-1])
         return _add_batch_dim(out, 0, level)
@@ -358,17 +373,4 @@ def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
     for name, m in module.named_modules():
         if isinstance(m, nn.RNNBase) and not any(within(name, n) for n in out):
             out[name] = TaskLoop
-    return out
-
-
-def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
-    """The stand-ins of the task-batched runner, by submodule name: :class:`TaskLoop` for
-    recurrent layers, :class:`TaskLinear` for plain ``nn.Linear`` (subclasses may override
-    ``forward``) elsewhere."""
-    if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
-        return {}
-    out = recurrent_layers(module)
-    for name, m in module.named_modules():
-        if type(m) is nn.Linear and not any(within(name, n) for n in list(out)):
-            out[name] = TaskLinear
     return out

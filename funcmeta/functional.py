@@ -26,13 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta import kernels
-from funcmeta._functorch import (
-    any_batched,
-    call_outside_vmap,
-    recurrent_layers,
-    task_standins,
-)
+from funcmeta._functorch import any_batched, call_outside_vmap, recurrent_layers
 from funcmeta._shadow import sync_training
+from funcmeta._task_layers import task_standins
 from funcmeta.checkpoint import CheckpointSpec, checkpointed_runner, select
 
 __all__ = ["FunctionalModel", "check_keys", "functional_model"]
@@ -44,6 +40,8 @@ class FunctionalModel:
     Attributes:
         module: the wrapped module; never mutated by calls.
         checkpointed: names of the submodules run under per-layer checkpointing.
+        task_chunk: how many tasks a task-batched call runs at once (see
+            :func:`functional_model`); settable, ``None`` for all of them.
         params: ``dict[str, Tensor]`` of the module's own Parameters, by reference (tied
             weights appear once, under their first name), so meta-gradients reach
             ``param.grad`` and an outer ``torch.optim`` optimizer over
@@ -51,16 +49,22 @@ class FunctionalModel:
         buffers: ``dict[str, Tensor]`` of the module's buffers, by reference.
     """
 
-    def __init__(self, module: nn.Module, checkpoint_layers: CheckpointSpec = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        checkpoint_layers: CheckpointSpec = None,
+        task_chunk: int | None = None,
+    ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
         self.module = module
+        self.task_chunk = task_chunk
         self.checkpointed = select(module, checkpoint_layers)
         self._runner, self._copies = checkpointed_runner(
             module, self.checkpointed, recurrent_layers(module)
         )
-        # the runner used under task batching (vmap): nn.Linear on the baddbmm fast path,
-        # recurrent layers run per task
+        # the runner used under task batching (vmap): linear, convolution, BatchNorm and
+        # pooling layers on their fast paths, recurrent layers run per task
         self._task_runner, self._task_copies = checkpointed_runner(
             module, self.checkpointed, task_standins(module)
         )
@@ -77,6 +81,18 @@ class FunctionalModel:
     @property
     def params(self) -> dict[str, Tensor]:
         return dict(self._params)
+
+    @property
+    def task_chunk(self) -> int | None:
+        return self._task_chunk
+
+    @task_chunk.setter
+    def task_chunk(self, value: int | None) -> None:
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"task_chunk must be None or a positive int, got {value!r}")
+        self._task_chunk = value
 
     @property
     def param_shapes(self) -> dict[str, torch.Size]:
@@ -298,7 +314,7 @@ def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str
 
 
 def functional_model(
-    module: nn.Module, *, checkpoint_layers: CheckpointSpec = None
+    module: nn.Module, *, checkpoint_layers: CheckpointSpec = None, task_chunk: int | None = None
 ) -> FunctionalModel:
     """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
@@ -313,6 +329,13 @@ def functional_model(
     matches nothing, raise ``ValueError``. (Step-level checkpointing is the inner-loop option
     ``checkpoint_steps``: :class:`funcmeta.AdaptOptions`.)
 
+    ``task_chunk`` sets how many tasks the task-batched functions (:func:`funcmeta.adapt_tasks`,
+    :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`) run in one vmapped call:
+    ``None`` (all), or ``c``, for chunks of ``c`` tasks one after another (``1``: each task
+    on its own, without vmap). The results are the same (random draws such as dropout masks
+    aside); only speed and the size of the largest intermediate tensors change.
+    :func:`funcmeta.tune_task_chunk` measures the choices and sets the fastest.
+
     Example:
         >>> import torch, funcmeta as fm
         >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
@@ -320,4 +343,4 @@ def functional_model(
         >>> fmodel(params, torch.ones(1, 2)).item()
         0.0
     """
-    return FunctionalModel(module, checkpoint_layers)
+    return FunctionalModel(module, checkpoint_layers, task_chunk)

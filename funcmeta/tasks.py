@@ -39,7 +39,7 @@ import optree
 import torch
 from torch import Tensor
 
-from funcmeta._functorch import fast_vmap
+from funcmeta._functorch import concat_outputs, fast_vmap, map_tensors
 from funcmeta._loop import AdaptResult, LossFn, forward_loss, run, validate
 from funcmeta.functional import FunctionalModel, check_keys
 from funcmeta.inputs import (
@@ -133,13 +133,17 @@ def apply_tasks(
         return fmodel.apply(p, bufs, *call[0], **call[1])
 
     trees = (dict(params), buffers, call)
-    return _flat_vmap(one_task, trees, (pdims, {k: 0 for k in buffers}, _batch_dims(call)))
+    in_dims = (pdims, {k: 0 for k in buffers}, _batch_dims(call))
+    return _flat_vmap(one_task, trees, in_dims, fmodel.task_chunk)
 
 
-def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
-    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims``, the trees passed flat: vmap then
-    walks a flat argument list instead of dicts (its pytree walk is a visible share of a small
-    model's step)."""
+def _flat_vmap(
+    fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...], chunk: int | None = None
+) -> Any:
+    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims`` (0 or None), the trees passed flat:
+    vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
+    of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
+    time without vmap for 1) and the outputs are concatenated."""
     flat, spec = optree.tree_flatten(trees, none_is_leaf=False)
     flat_dims = optree.tree_flatten(dims, none_is_leaf=True)[0]
     if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
@@ -149,7 +153,18 @@ def _flat_vmap(fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
     def unflat(*xs: Any) -> Any:
         return fn(*optree.tree_unflatten(spec, list(xs)))
 
-    return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
+    if chunk is None or chunk >= size:
+        return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
+    outs = []
+    for start in range(0, size, chunk):
+        if chunk == 1:
+            part = [x if d is None else x.select(d, start) for x, d in zip(flat, flat_dims)]
+            outs.append(map_tensors(lambda t: t.unsqueeze(0), unflat(*part)))
+            continue
+        n = min(chunk, size - start)
+        part = [x if d is None else x.narrow(d, start, n) for x, d in zip(flat, flat_dims)]
+        outs.append(fast_vmap(unflat, tuple(part), tuple(flat_dims), n))
+    return concat_outputs(outs)
 
 
 def task_losses(
@@ -198,7 +213,7 @@ def _task_forward(
 
     trees = (batch, dict(params), buffers)
     in_dims = (_batch_dims(batch), dims, {k: 0 for k in buffers})
-    return _flat_vmap(one_task, trees, in_dims)
+    return _flat_vmap(one_task, trees, in_dims, fmodel.task_chunk)
 
 
 @takes_options

@@ -1,0 +1,197 @@
+"""Task-batched fast paths for the layers of conv nets: convolution, BatchNorm and pooling.
+
+Under ``vmap`` over tasks, a convolution whose weights differ per task and a BatchNorm with
+per-task affine parameters go through functorch's generic batching rules: the convolution
+input is copied into a task-grouped layout at every layer, and BatchNorm is split into a
+normalisation plus element-wise products and sums over the whole activation, in forward,
+backward and double backward. These stand-ins compute each layer for all tasks with one native
+call on the unwrapped tensors, in one layout shared by all of them: ``(N, T * C, ...)``, the
+tasks side by side along the channels, so that the output of one layer is the input of the
+next without a copy.
+
+- :class:`TaskConv`: ``nn.Conv1d/2d/3d`` with per-task weights as one convolution with
+  ``T * groups`` groups.
+- :class:`TaskBatchNorm`: ``nn.BatchNorm1d/2d/3d`` as one batch normalisation over ``T * C``
+  channels, with per-task (or shared) affine parameters and per-task running statistics,
+  updated in place as the layer would.
+- :class:`TaskPool`: max, average and adaptive average pooling on the same layout.
+
+Each computes exactly what the layer computes per task (the same kernels on the same numbers
+per channel). A layer with hooks, and a call these do not cover (unbatched input, a
+single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``,
+``return_indices=True``), runs the layer as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from funcmeta._functorch import (
+    TaskLinear,
+    _add_batch_dim,
+    _unwrap_batched,
+    is_batched,
+    maybe_get_level,
+    physical,
+    recurrent_layers,
+)
+from funcmeta._shadow import Standin, has_hooks, within
+
+__all__ = ["TaskBatchNorm", "TaskConv", "TaskPool", "task_standins"]
+
+_CONV = {nn.Conv1d: (1, F.conv1d), nn.Conv2d: (2, F.conv2d), nn.Conv3d: (3, F.conv3d)}
+_NORM = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
+_POOL = {
+    nn.MaxPool1d: 1,
+    nn.MaxPool2d: 2,
+    nn.MaxPool3d: 3,
+    nn.AvgPool1d: 1,
+    nn.AvgPool2d: 2,
+    nn.AvgPool3d: 3,
+    nn.AdaptiveAvgPool1d: 1,
+    nn.AdaptiveAvgPool2d: 2,
+    nn.AdaptiveAvgPool3d: 3,
+}
+
+
+def _grouped(x: Tensor, level: int) -> Tensor:
+    """The physical tensor of ``x`` (batched at ``level``) as ``(N, T * C, ...)``: a view
+    when the tasks already sit next to the channels, a copy otherwise."""
+    xp = physical(x, level, 1)
+    return xp.reshape(xp.shape[0], xp.shape[1] * xp.shape[2], *xp.shape[3:])
+
+
+def _ungrouped(out: Tensor, tasks: int, level: int) -> Tensor:
+    """``(N, T * C, ...)`` back to a tensor batched at ``level`` (a view, batch dim 1)."""
+    return _add_batch_dim(out.view(out.shape[0], tasks, -1, *out.shape[2:]), 1, level)
+
+
+def _per_task(value: Tensor | None, level: int, tasks: int) -> Tensor | None:
+    """A per-channel parameter as ``(T * C,)``: its tasks' values side by side, or a shared
+    value repeated for every task."""
+    if value is None:
+        return None
+    if is_batched(value):
+        return physical(value, level, 0).reshape(-1)
+    return value.repeat(tasks)
+
+
+def _same_level(level: int, *values: Tensor | None) -> bool:
+    """Whether every batched tensor among ``values`` is batched at ``level`` (shared and
+    absent ones pass)."""
+    return all(v is None or not is_batched(v) or maybe_get_level(v) == level for v in values)
+
+
+class TaskConv(Standin):
+    """Stands in for ``nn.Conv1d/2d/3d`` under task batching: per-task weights as one grouped
+    convolution over the tasks; shared weights by vmap's rule (the tasks as more samples)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        if has_hooks(m):
+            return m(x)
+        dims, conv = _CONV[type(m)]
+        w, b = m.weight, m.bias
+        if not (is_batched(x) and is_batched(w) and x.dim() == dims + 2):
+            return m._conv_forward(x, w, b)
+        level = maybe_get_level(w)
+        if maybe_get_level(x) != level or not _same_level(level, b):
+            return m._conv_forward(x, w, b)
+        xg = _grouped(x, level)
+        wp = physical(w, level, 0)
+        tasks = wp.shape[0]
+        wg = wp.reshape(tasks * wp.shape[1], *wp.shape[2:])
+        bg = _per_task(b, level, tasks)
+        if m.padding_mode != "zeros":
+            xg = F.pad(xg, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+            padding: Any = 0
+        else:
+            padding = m.padding
+        out = conv(xg, wg, bg, m.stride, padding, m.dilation, m.groups * tasks)
+        return _ungrouped(out, tasks, level)
+
+
+class TaskBatchNorm(Standin):
+    """Stands in for ``nn.BatchNorm1d/2d/3d`` under task batching: one batch normalisation
+    over ``T * C`` channels, with the module's train/eval logic and running-statistics
+    updates written into each task's buffers."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        if has_hooks(m) or m.momentum is None or not is_batched(x):
+            return m(x)
+        if x.dim() not in _NORM[type(m)]:
+            return m(x)  # the layer's own error for a wrong shape, or a single sample
+        level = maybe_get_level(x)
+        mean, var = m.running_mean, m.running_var
+        use_stats = not m.training or m.track_running_stats
+        if not _same_level(level, m.weight, m.bias):
+            return m(x)
+        if use_stats and mean is not None:
+            if not (is_batched(mean) and is_batched(var) and _same_level(level, mean, var)):
+                return m(x)
+            mean_p, var_p = physical(mean, level, 0), physical(var, level, 0)
+            if not (mean_p.is_contiguous() and var_p.is_contiguous()):
+                return m(x)  # the in-place update must reach each task's buffer
+            mean_g, var_g = mean_p.view(-1), var_p.view(-1)
+        else:
+            mean_g = var_g = None
+        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+            m.num_batches_tracked.add_(1)
+        xg = _grouped(x, level)
+        tasks = xg.shape[1] // x.shape[1]
+        out = F.batch_norm(
+            xg,
+            mean_g,
+            var_g,
+            _per_task(m.weight, level, tasks),
+            _per_task(m.bias, level, tasks),
+            m.training or (mean is None and var is None),
+            m.momentum,
+            m.eps,
+        )
+        return _ungrouped(out, tasks, level)
+
+
+class TaskPool(Standin):
+    """Stands in for max, average and adaptive average pooling under task batching: the
+    pooling on the ``(N, T * C, ...)`` layout of the layers around it."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        dims = _POOL[type(m)]
+        if has_hooks(m) or not is_batched(x) or x.dim() != dims + 2:
+            return m(x)
+        if getattr(m, "return_indices", False):
+            return m(x)
+        level = maybe_get_level(x)
+        xg = _grouped(x, level)
+        tasks = xg.shape[1] // x.shape[1]
+        return _ungrouped(m.forward(xg), tasks, level)
+
+
+def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
+    """The stand-ins of the task-batched runner, by submodule name: :class:`TaskLoop` for
+    recurrent layers (outermost), and outside them the fast paths of ``nn.Linear``
+    (:class:`funcmeta._functorch.TaskLinear`), convolutions, BatchNorm and pooling. Exact
+    types only: a subclass (a parametrized layer included) may compute something else."""
+    if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
+        return {}
+    out = recurrent_layers(module)
+    loops = list(out)
+    for name, m in module.named_modules():
+        if any(within(name, n) for n in loops):
+            continue
+        kind = type(m)
+        if kind is nn.Linear:
+            out[name] = TaskLinear
+        elif kind in _CONV:
+            out[name] = TaskConv
+        elif kind in _NORM:
+            out[name] = TaskBatchNorm
+        elif kind in _POOL:
+            out[name] = TaskPool
+    return out

@@ -1,0 +1,305 @@
+"""The task-batched fast paths of conv-net layers (convolution, BatchNorm, pooling) against a
+per-task loop of ``fm.adapt`` and against vmap's generic batching: float64, second order,
+BatchNorm in train and eval mode, per-task and shared parameters, hooks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+import funcmeta._task_layers as task_layers
+import funcmeta.functional as functional
+
+DTYPE = torch.float64
+T = 3
+
+
+def conv2d_net():
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, padding_mode="reflect"),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2, ceil_mode=True),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False),
+        nn.BatchNorm2d(6, affine=False),
+        nn.Tanh(),
+        nn.AvgPool2d(2, padding=1, count_include_pad=False),
+        nn.Conv2d(6, 6, 3, padding="same", padding_mode="circular", dilation=2),
+        nn.BatchNorm2d(6, momentum=0.3),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    )
+
+
+def conv1d_net():
+    return nn.Sequential(
+        nn.Conv1d(2, 4, 5, padding=2),
+        nn.BatchNorm1d(4),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(4, 4, 3, padding_mode="replicate", padding=1),
+        nn.AvgPool1d(3, stride=2),
+        nn.AdaptiveAvgPool1d(2),
+        nn.Flatten(),
+        nn.Linear(8, 5),
+        nn.BatchNorm1d(5),
+        nn.Tanh(),
+        nn.Linear(5, 3),
+    )
+
+
+def conv3d_net():
+    return nn.Sequential(
+        nn.Conv3d(1, 3, 3, padding=1),
+        nn.BatchNorm3d(3, track_running_stats=False),
+        nn.ReLU(),
+        nn.MaxPool3d(2),
+        nn.Conv3d(3, 4, 2),
+        nn.BatchNorm3d(4),
+        nn.AvgPool3d(1),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
+
+
+NETS = {
+    "conv2d": (conv2d_net, (2, 12, 12)),
+    "conv1d": (conv1d_net, (2, 20)),
+    "conv3d": (conv3d_net, (1, 6, 6, 6)),
+}
+
+
+def make(name, seed=0):
+    build, shape = NETS[name]
+    torch.manual_seed(seed)
+    net = build().to(DTYPE)
+    g = torch.Generator().manual_seed(seed)
+    xs, xq = (torch.randn(T, 6, *shape, generator=g, dtype=DTYPE) for _ in range(2))
+    ys, yq = (torch.randint(0, 3, (T, 6), generator=g) for _ in range(2))
+    return net, (xs, ys), (xq, yq)
+
+
+def run(net, support, query, *, tasks, steps=2, params=None, **options):
+    """Outer loss, meta-gradients (to the module and the learned rates) and buffers, of
+    ``adapt_tasks`` (``tasks=True``) or of a per-task loop of ``adapt``."""
+    fmodel = fm.functional_model(net)
+    params = fmodel.params if params is None else params
+    rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus")
+    opt = fm.optim.sgd(lr=rates, momentum=0.5)
+    if tasks:
+        result = fm.adapt_tasks(
+            fmodel, params, F.cross_entropy, support, opt, steps=steps, **options
+        )
+        out, buffers = fm.apply_tasks(fmodel, result.params, query[0], buffers=result.buffers)
+        losses = [F.cross_entropy(out[t], query[1][t]) for t in range(T)]
+    else:
+        losses, per_task = [], []
+        for t in range(T):
+            p = {k: v[t] if v.dim() > fmodel.param_shapes[k].__len__() else v for k, v in params.items()}
+            result = fm.adapt(
+                fmodel, p, F.cross_entropy, (support[0][t], support[1][t]), opt, steps=steps,
+                **options,
+            )
+            out, bufs = fmodel.apply(result.params, result.buffers, query[0][t])
+            losses.append(F.cross_entropy(out, query[1][t]))
+            per_task.append(bufs)
+        buffers = {k: torch.stack([b[k] for b in per_task]) for k in fmodel.buffers}
+    outer = torch.stack(losses).mean()
+    leaves = [v for v in params.values() if v.requires_grad] + list(rates.parameters())
+    return outer.detach(), torch.autograd.grad(outer, leaves), buffers
+
+
+def assert_same(a, b):
+    (la, ga, ba), (lb, gb, bb) = a, b
+    torch.testing.assert_close(la, lb, rtol=1e-10, atol=1e-12)
+    assert any(float(g.abs().max()) > 0 for g in gb)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-9, atol=1e-11 * max(1.0, float(y.abs().max())))
+    assert ba.keys() == bb.keys()
+    for k in ba:
+        torch.testing.assert_close(ba[k], bb[k], rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture
+def fast_calls(monkeypatch):
+    """Counts the layer calls that took a fast path (the grouped layout's exit)."""
+    calls = []
+    ungrouped = task_layers._ungrouped
+
+    def counting(out, tasks, level):
+        calls.append(tuple(out.shape))
+        return ungrouped(out, tasks, level)
+
+    monkeypatch.setattr(task_layers, "_ungrouped", counting)
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", list(NETS))
+def test_fast_paths_equal_the_per_task_loop(name, mode, fast_calls):
+    net, support, query = make(name)
+    net.train(mode == "train")
+    reference = run(net, support, query, tasks=False)
+    assert not fast_calls
+    ours = run(net, support, query, tasks=True)
+    assert_same(ours, reference)
+    assert len(fast_calls) >= 3 * 6  # 3 steps' forwards (2 inner, 1 query), every fast layer
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_per_task_initial_parameters(name):
+    net, support, query = make(name)
+    g = torch.Generator().manual_seed(3)
+    params = {
+        k: (v + 0.1 * torch.randn(T, *v.shape, generator=g, dtype=DTYPE)).requires_grad_()
+        if i % 2 == 0
+        else v
+        for i, (k, v) in enumerate(net.named_parameters())
+    }
+    reference = run(net, support, query, tasks=False, params=params)
+    ours = run(net, support, query, tasks=True, params=params)
+    assert_same(ours, reference)
+
+
+def test_shared_fixed_body_and_adapted_head():
+    """ANIL's shape: the convolutions and BatchNorm affine parameters held fixed (shared by
+    the tasks, so unbatched), only the last layer adapted."""
+    net, support, query = make("conv2d")
+    head = ["12.weight", "12.bias"]
+    reference = run(net, support, query, tasks=False, trainable=head)
+    ours = run(net, support, query, tasks=True, trainable=head)
+    assert_same(ours, reference)
+
+
+def test_shared_batchnorm_affine_parameters_with_adapted_convolutions():
+    net, support, query = make("conv2d")
+    adapted = [k for k, _ in net.named_parameters() if not k.startswith(("1.", "9."))]
+    reference = run(net, support, query, tasks=False, trainable=adapted)
+    ours = run(net, support, query, tasks=True, trainable=adapted)
+    assert_same(ours, reference)
+
+
+@pytest.mark.parametrize("name", list(NETS))
+def test_fast_paths_equal_vmaps_generic_batching(name, monkeypatch):
+    net, support, query = make(name)
+    ours = run(net, support, query, tasks=True)
+    monkeypatch.setattr(functional, "task_standins", lambda module: {})
+    plain = run(net, support, query, tasks=True)
+    assert_same(ours, plain)
+
+
+def test_a_hooked_layer_runs_as_it_is(fast_calls):
+    """A layer with a hook is not replaced: the hook sees one task's tensors, as in a loop."""
+    net, support, query = make("conv2d")
+    run(net, support, query, tasks=True)
+    unhooked = len(fast_calls)
+    fast_calls.clear()
+    seen = []
+    net[4].register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+    reference = run(net, support, query, tasks=False)
+    looped = list(seen)
+    seen.clear()
+    ours = run(net, support, query, tasks=True)
+    assert_same(ours, reference)
+    assert set(seen) == set(looped) == {(6, 6, 3, 3)}
+    assert len(fast_calls) == unhooked - len(seen)  # only the hooked layer left its fast path
+
+
+def test_momentum_none_falls_back_to_the_layer():
+    """A cumulative moving average needs each task's count: the layer runs under vmap."""
+    net, support, query = make("conv2d")
+    net[1].momentum = None
+    reference = run(net, support, query, tasks=False)
+    ours = run(net, support, query, tasks=True)
+    assert_same(ours, reference)
+
+
+def test_running_statistics_are_each_tasks_own():
+    net, support, _ = make("conv2d")
+    fmodel = fm.functional_model(net)
+    result = fm.adapt_tasks(
+        fmodel, fmodel.params, F.cross_entropy, support, fm.optim.sgd(lr=0.1), steps=2
+    )
+    means = result.buffers["1.running_mean"]
+    assert means.shape == (T, 4)
+    assert not torch.allclose(means[0], means[1])
+    assert torch.equal(result.buffers["1.num_batches_tracked"], torch.full((T,), 2))
+    assert torch.equal(net[1].running_mean, torch.zeros(4, dtype=DTYPE))  # module untouched
+
+
+def test_standins_cover_the_conv_net_layers_and_exact_types_only():
+    class MyConv(nn.Conv2d):
+        pass
+
+    net = nn.Sequential(
+        nn.Conv2d(1, 2, 3), MyConv(2, 2, 3), nn.BatchNorm2d(2), nn.MaxPool2d(2),
+        nn.MaxPool2d(2, return_indices=False), nn.LSTM(2, 2), nn.Linear(2, 2),
+    )
+    nn.utils.parametrizations.weight_norm(net[0])
+    kinds = {k: v.__name__ for k, v in task_layers.task_standins(net).items()}
+    assert kinds == {
+        "2": "TaskBatchNorm", "3": "TaskPool", "4": "TaskPool", "5": "TaskLoop", "6": "TaskLinear"
+    }
+
+
+# --- task chunks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 2, T, None])
+def test_task_chunks_equal_the_loop(chunk, monkeypatch):
+    net, support, query = make("conv2d")
+    reference = run(net, support, query, tasks=False)
+    made = fm.functional_model
+    monkeypatch.setattr(fm, "functional_model", lambda m: made(m, task_chunk=chunk))
+    ours = run(net, support, query, tasks=True)
+    assert_same(ours, reference)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_task_chunk_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="task_chunk must be None or a positive int"):
+        fm.functional_model(nn.Linear(1, 1), task_chunk=bad)
+    fmodel = fm.functional_model(nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="task_chunk"):
+        fmodel.task_chunk = bad
+
+
+def test_tune_task_chunk_times_every_candidate_and_keeps_the_fastest(monkeypatch):
+    net, support, _ = make("conv1d")
+    fmodel = fm.functional_model(net)
+    seen = []
+    adapt_tasks = fm.tune.adapt_tasks
+
+    def spy(fmodel, *args, **kwargs):
+        seen.append(fmodel.task_chunk)
+        return adapt_tasks(fmodel, *args, **kwargs)
+
+    monkeypatch.setattr(fm.tune, "adapt_tasks", spy)
+    opt = fm.optim.sgd(lr=0.1)
+    times = fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2)
+    assert sorted(times) == [1, 2, 3]
+    assert seen == [1, 2, 3] * 3  # a warm-up round, then the repeats, interleaved
+    best = min(times, key=times.get)
+    assert fmodel.task_chunk == (None if best == T else best)
+    fm.tune_task_chunk(
+        fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, candidates=[2], repeats=1
+    )
+    assert fmodel.task_chunk == 2
+
+
+def test_tune_task_chunk_checks_its_arguments_and_restores_on_error():
+    net, support, _ = make("conv1d")
+    fmodel = fm.functional_model(net, task_chunk=2)
+    opt = fm.optim.sgd(lr=0.1)
+    with pytest.raises(ValueError, match="candidates"):
+        fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, candidates=[0])
+    with pytest.raises(ValueError, match="repeats"):
+        fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=0)
+    with pytest.raises(TypeError, match="unknown"):
+        fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, bogus=1)
+    assert fmodel.task_chunk == 2
