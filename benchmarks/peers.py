@@ -5,10 +5,16 @@ Implementations:
 - **funcmeta loop:** ``fm.adapt`` per task.
 - **funcmeta batched:** ``fm.adapt_tasks``.
 - **higher:** ``innerloop_ctx`` per task.
+- **funcmeta tuned:** ``fm.adapt_tasks`` with the ``task_chunk`` that ``fm.tune_task_chunk``
+  chose on the workload (tuned once, before timing).
+- **higher:** ``innerloop_ctx`` per task.
 - **torchopt:** ``MetaSGD`` per task, with ``extract_state_dict``/``recover_state_dict``.
+- **learn2learn:** ``MAML(first_order=False)`` (``MetaSGD`` for per-element rates),
+  ``clone()`` and ``adapt()`` per task.
 
-The peers are optional: ``pip install -e .[bench]``, and a peer that does not import is
-reported and skipped. learn2learn is not included (see benchmarks/RESULTS.md).
+The peers are optional: ``pip install -e .[bench]`` brings higher and torchopt;
+learn2learn 0.2.0 needs a build (``bash benchmarks/build_learn2learn.sh``: its published C
+files predate Python 3.11). A peer that does not import is reported and skipped.
 
 Workloads: conv4 5-way 1-shot 28x28 (meta-batch 4 and 32, 1 and 5 inner SGD steps), the
 sinusoid MLP 40-40 10-shot (meta-batch 32, 5 steps), and Meta-SGD on the sinusoid MLP (per-element
@@ -54,6 +60,18 @@ try:
     PEERS["torchopt"] = torchopt
 except ImportError as e:  # pragma: no cover - optional
     print(f"torchopt is not available: {e}")
+try:
+    # learn2learn imports torchvision and gym at import time; the MAML code needs neither
+    from learn2learn_shim import install as _shim
+
+    _shimmed = _shim(["torchvision", "gym"])
+    import learn2learn
+
+    PEERS["learn2learn"] = learn2learn
+    if _shimmed:
+        print(f"learn2learn: stand-ins for {', '.join(_shimmed)} (not installed, not used)")
+except ImportError as e:  # pragma: no cover - optional
+    print(f"learn2learn is not available: {e} (bash benchmarks/build_learn2learn.sh)")
 
 
 def sinusoid_mlp() -> nn.Module:
@@ -131,6 +149,23 @@ def funcmeta_batched(net, rates, support, query, loss_fn, steps):
     ).loss
 
 
+_TUNED: dict[tuple[int, int, int], fm.FunctionalModel] = {}
+
+
+def funcmeta_tuned(net, rates, support, query, loss_fn, steps):
+    """Tuned on its first call for a workload (the agreement check, before timing)."""
+    key = (id(net), support[0].shape[0], steps)
+    if key not in _TUNED:
+        fmodel = fm.functional_model(net)
+        opt = fm.optim.sgd(lr=rates or LR)
+        fm.tune_task_chunk(fmodel, fmodel.params, loss_fn, support, opt, steps=steps, repeats=1)
+        _TUNED[key] = fmodel
+    fmodel = _TUNED[key]
+    return fm.recipes.maml(
+        fmodel, fmodel.params, loss_fn, support, query, lr=rates or LR, steps=steps
+    ).loss
+
+
 def with_higher(net, rates, support, query, loss_fn, steps):
     # one parameter group per tensor, so that a per-element rate can be given to each
     opt = torch.optim.SGD([{"params": [p]} for p in net.parameters()], lr=LR)
@@ -158,12 +193,30 @@ def with_torchopt(net, rates, support, query, loss_fn, steps):
     return torch.stack(losses).mean()
 
 
+def with_learn2learn(net, rates, support, query, loss_fn, steps):
+    l2l = learn2learn.algorithms
+    if rates is None:
+        meta = l2l.MAML(net, lr=LR, first_order=False)
+    else:
+        meta = l2l.MetaSGD(net, lr=LR, first_order=False)
+        meta.lrs = nn.ParameterList([rates[k] for k, _ in net.named_parameters()])
+    losses = []
+    for t in range(support[0].shape[0]):
+        learner = meta.clone()
+        for _ in range(steps):
+            learner.adapt(loss_fn(learner(support[0][t]), support[1][t]))
+        losses.append(loss_fn(learner(query[0][t]), query[1][t]))
+    return torch.stack(losses).mean()
+
+
 IMPLEMENTATIONS = {
     "reference": reference,
     "funcmeta loop": funcmeta_loop,
     "funcmeta batched": funcmeta_batched,
+    "funcmeta tuned": funcmeta_tuned,
     "higher": with_higher,
     "torchopt": with_torchopt,
+    "learn2learn": with_learn2learn,
 }
 
 
@@ -173,7 +226,9 @@ NO_PER_ELEMENT_RATES = {"torchopt"}
 
 def available() -> dict:
     return {
-        k: f for k, f in IMPLEMENTATIONS.items() if k not in ("higher", "torchopt") or k in PEERS
+        k: f
+        for k, f in IMPLEMENTATIONS.items()
+        if k not in ("higher", "torchopt", "learn2learn") or k in PEERS
     }
 
 
@@ -194,7 +249,7 @@ def setup(name: str, tasks: int):
     if name == "metasgd-sinusoid":
         gen = torch.Generator().manual_seed(1)
         rates = {
-            k: (torch.rand(p.shape, generator=gen) * 0.095 + 0.005).requires_grad_()
+            k: nn.Parameter(torch.rand(p.shape, generator=gen) * 0.095 + 0.005)
             for k, p in net.named_parameters()
         }
     return net, rates, *workload_data(name, tasks)

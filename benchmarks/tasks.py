@@ -1,22 +1,32 @@
-"""Task batching speed: milliseconds per second-order MAML meta-iteration, batched
+"""Task batching speed and memory: a second-order MAML meta-iteration batched
 (``fm.adapt_tasks``) against a Python loop over the tasks (``fm.adapt``), and, for the MLP, a
 hand-batched ``torch.bmm`` implementation of the same meta-iteration (the eager floor).
 
+Batched runs twice: all tasks in one vmapped computation ("batched"), and with the chunk size
+``fm.tune_task_chunk`` picks on the workload before timing ("tuned", ``fmodel.task_chunk``).
+
 Workloads: the sinusoid MLP (1-40-40-1 ReLU, 10-shot support and query, 5 SGD steps) and
 conv4 (4 x conv3x3-64 + BatchNorm + ReLU + max-pool, linear head; 5-way 1-shot 28x28, 5 query
-images per class, 5 SGD steps). The implementations of one workload are timed interleaved in
-one process; the table gives medians. Before timing, the script checks that the
-implementations give the same meta-gradients.
+images per class, 1 and 5 SGD steps). The implementations of one workload are timed
+interleaved in one process; the table gives medians. Before timing, the script checks that
+the implementations give the same meta-gradients. Then, for conv4 at 5 steps, it measures
+each implementation's peak memory (resident set above the start of the meta-iteration,
+fresh process each, glibc's mmap threshold fixed so that freed memory leaves the process).
 
     python benchmarks/tasks.py [--device cpu] [--repeats 9] [--meta-batch 4 16 32 64]
+        [--conv-steps 1 5] [--memory-tasks 16 32] [--skip-memory]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -45,20 +55,20 @@ def conv4(ways: int = 5) -> nn.Module:
     )
 
 
-def loop_meta(fmodel, loss_fn, support, query):
+def loop_meta(fmodel, loss_fn, support, query, steps=STEPS):
     opt = fm.optim.sgd(lr=LR)
     losses = []
     for t in range(support[0].shape[0]):
         task = (support[0][t], support[1][t])
-        result = fm.adapt(fmodel, fmodel.params, loss_fn, task, opt, steps=STEPS)
+        result = fm.adapt(fmodel, fmodel.params, loss_fn, task, opt, steps=steps)
         out, _ = fmodel.apply(result.params, result.buffers, query[0][t])
         losses.append(loss_fn(out, query[1][t]))
     return torch.stack(losses).mean()
 
 
-def batched_meta(fmodel, loss_fn, support, query):
+def batched_meta(fmodel, loss_fn, support, query, steps=STEPS):
     opt = fm.optim.sgd(lr=LR)
-    result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=STEPS)
+    result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=steps)
     out, _ = fm.apply_tasks(fmodel, result.params, query[0], buffers=result.buffers)
     # every task has as many query points: the mean over all is the mean of task means
     return loss_fn(out.flatten(0, 1), query[1].flatten(0, 1))
@@ -108,13 +118,67 @@ def fmt(value: float | None, width: int, digits: int) -> str:
     return f"{value:{width}.{digits}f}" if value is not None else " " * (width - 1) + "-"
 
 
+def tuned_model(net, loss_fn, support, steps) -> fm.FunctionalModel:
+    """A functional model whose ``task_chunk`` ``fm.tune_task_chunk`` chose on this workload."""
+    fmodel = fm.functional_model(net)
+    opt = fm.optim.sgd(lr=LR)
+    fm.tune_task_chunk(fmodel, fmodel.params, loss_fn, support, opt, steps=steps, repeats=1)
+    return fmodel
+
+
+def agree(grads, ref) -> bool:
+    # A float32 sanity check, relative to each tensor's largest entry: second order through
+    # conv and BatchNorm amplifies float32 rounding (up to 0.6% seen for conv4 at 4 tasks).
+    # Exactness is checked in float64 by tests/test_tasks.py and tests/test_task_layers.py.
+    return all(
+        float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
+        for a, b in zip(grads, ref, strict=True)
+    )
+
+
+def memory_worker(impl: str, tasks: int, steps: int, chunk: int | None) -> None:
+    torch.manual_seed(0)
+    net = conv4()
+    support, query, loss_fn = make_data("conv4", tasks, torch.device("cpu"))
+    fmodel = fm.functional_model(net, task_chunk=chunk)
+    meta = loop_meta if impl == "loop" else batched_meta
+    params = list(net.parameters())
+    torch.autograd.grad(meta(fmodel, loss_fn, support, query, 1), params)  # warm-up
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    torch.autograd.grad(meta(fmodel, loss_fn, support, query, steps), params)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"peak": hwm - base}))
+
+
+def peak_memory(impl: str, tasks: int, steps: int, chunk: int | None) -> float:
+    """MiB, in a fresh process (see the module docstring)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    command = [sys.executable, __file__, "--memory-worker", impl, str(tasks), str(steps)]
+    out = subprocess.run(
+        [*command, str(chunk or 0)], check=True, capture_output=True, text=True, env=env
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"] / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--meta-batch", type=int, nargs="+", default=[4, 16, 32, 64])
     parser.add_argument("--workloads", nargs="+", default=["sinusoid", "conv4"])
+    parser.add_argument("--conv-steps", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--memory-tasks", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.memory_worker:
+        impl, tasks, steps, chunk = args.memory_worker
+        memory_worker(impl, int(tasks), int(steps), int(chunk) or None)
+        return
     device = torch.device(args.device)
     name = (
         torch.cuda.get_device_name()
@@ -124,46 +188,69 @@ def main() -> None:
     print(
         f"device: {device} ({name}); torch {torch.__version__}; threads {torch.get_num_threads()}"
     )
-    print(f"second-order MAML meta-iteration, {STEPS} SGD steps; median ms of {args.repeats}")
+    print(f"second-order MAML meta-iteration, SGD steps K; median ms of {args.repeats}")
     print("agree: meta-gradients within 1% of each tensor's largest entry (float32)")
+    print("chunk: the task_chunk fm.tune_task_chunk chose (all: every task at once)")
     print(
-        f"{'workload':<9} {'T':>3} {'agree':>5} {'loop ms':>9} {'batched ms':>11} "
-        f"{'bmm ms':>8} {'loop/batched':>13} {'batched/bmm':>12}"
+        f"{'workload':<9} {'K':>2} {'T':>3} {'agree':>5} {'loop ms':>9} {'batched ms':>11} "
+        f"{'tuned ms':>9} {'chunk':>5} {'bmm ms':>8} {'loop/batched':>13} {'loop/tuned':>11} "
+        f"{'batched/bmm':>12}"
     )
+    chunks: dict[tuple[int, int], int | None] = {}
     for workload in args.workloads:
         torch.manual_seed(0)
         net = (sinusoid_mlp() if workload == "sinusoid" else conv4()).to(device)
         fmodel = fm.functional_model(net)
         params = list(net.parameters())
-        for tasks in args.meta_batch:
-            support, query, loss_fn = make_data(workload, tasks, device)
-            impls = {
-                "loop": functools.partial(loop_meta, fmodel, loss_fn, support, query),
-                "batched": functools.partial(batched_meta, fmodel, loss_fn, support, query),
-            }
-            if workload == "sinusoid":
-                impls["bmm"] = functools.partial(bmm_meta, net, support, query)
-            grads = {k: timed(f, params, device)[1] for k, f in impls.items()}
-            # A float32 sanity check, relative to each tensor's largest entry: second order
-            # through conv and BatchNorm amplifies float32 rounding (up to 0.6% seen for conv4
-            # at 4 tasks). Exactness is checked in float64 by tests/test_tasks.py (1e-12).
-            agree = all(
-                float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
-                for other in grads.values()
-                for a, b in zip(other, grads["loop"], strict=True)
-            )
-            times: dict[str, list[float]] = {k: [] for k in impls}
-            for _ in range(args.repeats):
-                for k, f in impls.items():
-                    times[k].append(timed(f, params, device)[0])
-            med = {k: statistics.median(v) for k, v in times.items()}
-            bmm = med.get("bmm")
-            ratio_bmm = med["batched"] / bmm if bmm else None
-            print(
-                f"{workload:<9} {tasks:>3} {'yes' if agree else 'NO':>5} {med['loop']:9.1f} "
-                f"{med['batched']:11.1f} {fmt(bmm, 8, 1)} "
-                f"{med['loop'] / med['batched']:13.2f} {fmt(ratio_bmm, 12, 2)}"
-            )
+        for steps in args.conv_steps if workload == "conv4" else [STEPS]:
+            for tasks in args.meta_batch:
+                support, query, loss_fn = make_data(workload, tasks, device)
+                tuned = tuned_model(net, loss_fn, support, steps)
+                chunks[(tasks, steps)] = tuned.task_chunk
+                impls = {
+                    "loop": functools.partial(loop_meta, fmodel, loss_fn, support, query, steps),
+                    "batched": functools.partial(
+                        batched_meta, fmodel, loss_fn, support, query, steps
+                    ),
+                    "tuned": functools.partial(batched_meta, tuned, loss_fn, support, query, steps),
+                }
+                if workload == "sinusoid":
+                    impls["bmm"] = functools.partial(bmm_meta, net, support, query)
+                grads = {k: timed(f, params, device)[1] for k, f in impls.items()}
+                ok = all(agree(g, grads["loop"]) for g in grads.values())
+                times: dict[str, list[float]] = {k: [] for k in impls}
+                for _ in range(args.repeats):
+                    for k, f in impls.items():
+                        times[k].append(timed(f, params, device)[0])
+                med = {k: statistics.median(v) for k, v in times.items()}
+                bmm = med.get("bmm")
+                ratio_bmm = med["batched"] / bmm if bmm else None
+                chunk = tuned.task_chunk or "all"
+                print(
+                    f"{workload:<9} {steps:>2} {tasks:>3} {'yes' if ok else 'NO':>5} "
+                    f"{med['loop']:9.1f} {med['batched']:11.1f} {med['tuned']:9.1f} "
+                    f"{chunk!s:>5} {fmt(bmm, 8, 1)} {med['loop'] / med['batched']:13.2f} "
+                    f"{med['loop'] / med['tuned']:11.2f} {fmt(ratio_bmm, 12, 2)}",
+                    flush=True,
+                )
+    if args.skip_memory or "conv4" not in args.workloads or device.type != "cpu":
+        return
+    steps = max(args.conv_steps)
+    print(f"peak memory, conv4 K={steps}, MiB above the start (fresh process each)")
+    print(
+        f"{'T':>3} {'loop':>8} {'batched':>8} {'tuned':>8} {'chunk':>5} {'batched/loop':>13} "
+        f"{'tuned/loop':>11}"
+    )
+    for tasks in args.memory_tasks:
+        chunk = chunks.get((tasks, steps))
+        loop = peak_memory("loop", tasks, steps, None)
+        batched = peak_memory("batched", tasks, steps, None)
+        tuned = peak_memory("batched", tasks, steps, chunk)
+        print(
+            f"{tasks:>3} {loop:8.1f} {batched:8.1f} {tuned:8.1f} {chunk or 'all'!s:>5} "
+            f"{batched / loop:13.2f} {tuned / loop:11.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -165,6 +165,8 @@ def any_batched(*values: Any) -> bool:
     """Whether a tensor among ``values`` (tensors, mappings and sequences of them, or any pytrees) is
     batched by an enclosing vmap. Tensors, mapping values and sequence items are looked at directly, since this
     runs on every call of a model."""
+    if peek_interpreter_stack is not None and peek_interpreter_stack() is None:
+        return False  # no vmap (nor any other torch.func transform) is running
     for value in values:
         if isinstance(value, Tensor):
             if is_batched(value):

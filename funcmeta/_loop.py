@@ -20,7 +20,8 @@ from funcmeta import kernels, tree
 from funcmeta._remat import graph_input
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
-from funcmeta.optim.base import GradientTransformation, apply_updates
+from funcmeta.optim.base import GradientTransformation
+from funcmeta.optim.base import step as optim_step
 from funcmeta.optim.clip import clip_grads_by_global_norm
 from funcmeta.options import AdaptOptions
 from funcmeta.tree import Filter, Tree
@@ -65,7 +66,8 @@ def forward_loss(
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
     ``((args, kwargs), targets)`` made by :func:`validate`."""
     (args, kwargs), targets = batch
-    out, new_buffers = fmodel.apply(params, buffers, *args, **kwargs)
+    # the inner loop's parameters have the checked names and shapes
+    out, new_buffers = fmodel.apply_checked(params, buffers, args, kwargs)
     loss = loss_fn(out, targets)
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
@@ -87,6 +89,8 @@ def validate(
     :func:`funcmeta.adapt_tasks`) before any computation. Returns the batch split into call
     arguments and targets, and the number of tasks (``None`` without ``tasks``)."""
     check_call(fmodel, params, opt)
+    if not tasks:  # task batching checks them against its task axis
+        fmodel.check_params(params)
     options.check_steps(steps)
     split = split_batch(batch)
     count = task_count(split) if tasks else None
@@ -175,8 +179,7 @@ class _Inner:
             )
         adapted = tree.unflatten(self.spec, leaves)
         with contextlib.nullcontext() if graph else torch.no_grad():
-            updates, state = self.opt.update(grad_tree, state, adapted)
-            adapted = apply_updates(adapted, updates)
+            adapted, state = optim_step(self.opt, grad_tree, state, adapted)
         return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
 
 
@@ -319,8 +322,8 @@ def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
 
 
 def _adapted_leaves(adapted: Tree, frozen: list[str]) -> tuple[list[str], list[Tensor], Any]:
-    names = tree.paths(adapted)
     leaves, spec = tree.flatten(adapted)
+    names = tree.spec_paths(spec)
     if not leaves:
         why = (
             f"; the module's frozen parameters (requires_grad=False) are {frozen}" if frozen else ""

@@ -139,7 +139,23 @@ class FunctionalModel:
         forward wrote into its buffers (BatchNorm running statistics in train mode); the
         buffers passed in and the module's own are left unchanged.
         """
+        self.check_params(params)
+        return self.apply_checked(params, buffers, args, kwargs)
+
+    def check_params(self, params: Mapping[str, Tensor]) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the entry unless ``params`` has the
+        module's parameter names, each a tensor of the module's shape."""
         _check(params, self._param_shapes, "params")
+
+    def apply_checked(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """:meth:`apply` for ``params`` already checked against the module (the inner loop's
+        adapted parameters); the buffers are checked here."""
         _check(buffers, self._buffer_shapes, "buffers")
         if any_batched(params, buffers, args, kwargs):
             if not self._fast_path_layers:

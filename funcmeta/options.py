@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
@@ -106,6 +107,8 @@ class AdaptOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> AdaptOptions:
         """Build from keyword options; an unknown name raises ``TypeError`` naming it."""
+        if not options:
+            return _default(cls)
         known = [f.name for f in dataclasses.fields(cls)]
         unknown = [k for k in options if k not in known]
         if unknown:
@@ -129,6 +132,12 @@ class AdaptOptions:
             raise ValueError(f"steps must be a non-negative int, got {steps!r}")
         if self.truncate > steps:
             raise ValueError(f"truncate must be an int in [0, steps={steps}], got {self.truncate}")
+
+
+@functools.cache
+def _default(cls: type[AdaptOptions]) -> AdaptOptions:
+    """The options with every default (frozen, so one instance serves every call)."""
+    return cls()
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -156,13 +156,14 @@ def _flat_vmap(
     if chunk is None or chunk >= size:
         return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
     outs = []
+    pairs = list(zip(flat, flat_dims, strict=True))
     for start in range(0, size, chunk):
         if chunk == 1:
-            part = [x if d is None else x.select(d, start) for x, d in zip(flat, flat_dims)]
+            part = [x if d is None else x.select(d, start) for x, d in pairs]
             outs.append(map_tensors(lambda t: t.unsqueeze(0), unflat(*part)))
             continue
         n = min(chunk, size - start)
-        part = [x if d is None else x.narrow(d, start, n) for x, d in zip(flat, flat_dims)]
+        part = [x if d is None else x.narrow(d, start, n) for x, d in pairs]
         outs.append(fast_vmap(unflat, tuple(part), tuple(flat_dims), n))
     return concat_outputs(outs)
 

@@ -87,7 +87,22 @@ def unflatten(spec: optree.PyTreeSpec, leaf_list: Iterable[Any]) -> Tree:
 
 def paths(tree: Tree) -> list[str]:
     """Dotted paths of the leaves of ``tree``, aligned with :func:`leaves`."""
-    return [path_str(p) for p in optree.tree_paths(tree)]
+    return spec_paths(optree.tree_structure(tree))
+
+
+_PATHS_CACHE: dict[optree.PyTreeSpec, tuple[str, ...]] = {}
+
+
+def spec_paths(spec: optree.PyTreeSpec) -> list[str]:
+    """Dotted paths of the leaves of a tree with structure ``spec`` (worked out once per
+    structure)."""
+    found = _PATHS_CACHE.get(spec)
+    if found is None:
+        found = tuple(path_str(p) for p in spec.paths())
+        if len(_PATHS_CACHE) > 4096:
+            _PATHS_CACHE.clear()
+        _PATHS_CACHE[spec] = found
+    return list(found)
 
 
 def _is_container(node: Any) -> bool:

@@ -100,9 +100,17 @@ def run(net, support, query, *, tasks, steps=2, params=None, **options):
     else:
         losses, per_task = [], []
         for t in range(T):
-            p = {k: v[t] if v.dim() > fmodel.param_shapes[k].__len__() else v for k, v in params.items()}
+            p = {
+                k: v[t] if v.dim() > fmodel.param_shapes[k].__len__() else v
+                for k, v in params.items()
+            }
             result = fm.adapt(
-                fmodel, p, F.cross_entropy, (support[0][t], support[1][t]), opt, steps=steps,
+                fmodel,
+                p,
+                F.cross_entropy,
+                (support[0][t], support[1][t]),
+                opt,
+                steps=steps,
                 **options,
             )
             out, bufs = fmodel.apply(result.params, result.buffers, query[0][t])
@@ -237,13 +245,22 @@ def test_standins_cover_the_conv_net_layers_and_exact_types_only():
         pass
 
     net = nn.Sequential(
-        nn.Conv2d(1, 2, 3), MyConv(2, 2, 3), nn.BatchNorm2d(2), nn.MaxPool2d(2),
-        nn.MaxPool2d(2, return_indices=False), nn.LSTM(2, 2), nn.Linear(2, 2),
+        nn.Conv2d(1, 2, 3),
+        MyConv(2, 2, 3),
+        nn.BatchNorm2d(2),
+        nn.MaxPool2d(2),
+        nn.MaxPool2d(2, return_indices=False),
+        nn.LSTM(2, 2),
+        nn.Linear(2, 2),
     )
     nn.utils.parametrizations.weight_norm(net[0])
     kinds = {k: v.__name__ for k, v in task_layers.task_standins(net).items()}
     assert kinds == {
-        "2": "TaskBatchNorm", "3": "TaskPool", "4": "TaskPool", "5": "TaskLoop", "6": "TaskLinear"
+        "2": "TaskBatchNorm",
+        "3": "TaskPool",
+        "4": "TaskPool",
+        "5": "TaskLoop",
+        "6": "TaskLinear",
     }
 
 
@@ -281,7 +298,9 @@ def test_tune_task_chunk_times_every_candidate_and_keeps_the_fastest(monkeypatch
 
     monkeypatch.setattr(fm.tune, "adapt_tasks", spy)
     opt = fm.optim.sgd(lr=0.1)
-    times = fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2)
+    times = fm.tune_task_chunk(
+        fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2
+    )
     assert sorted(times) == [1, 2, 3]
     assert seen == [1, 2, 3] * 3  # a warm-up round, then the repeats, interleaved
     best = min(times, key=times.get)
@@ -297,7 +316,9 @@ def test_tune_task_chunk_checks_its_arguments_and_restores_on_error():
     fmodel = fm.functional_model(net, task_chunk=2)
     opt = fm.optim.sgd(lr=0.1)
     with pytest.raises(ValueError, match="candidates"):
-        fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, candidates=[0])
+        fm.tune_task_chunk(
+            fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, candidates=[0]
+        )
     with pytest.raises(ValueError, match="repeats"):
         fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=0)
     with pytest.raises(TypeError, match="unknown"):

@@ -30,6 +30,8 @@ from funcmeta.optim.base import (
     apply_updates,
     chain,
     safe_sqrt,
+    step,
+    with_descend,
 )
 from funcmeta.optim.clip import (
     ClipState,
@@ -83,5 +85,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_rms",
     "sgd",
+    "step",
     "trace",
+    "with_descend",
 ]

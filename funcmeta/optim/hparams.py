@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from numbers import Real
 from typing import Any
 
@@ -120,6 +120,44 @@ def per_leaf(
                 "expected a number or a tensor"
             )
     return values
+
+
+class LeafResolver:
+    """:func:`per_leaf` for one hyperparameter, remembering its last answer: a fixed
+    (non-schedule) value resolved against parameters of the same structure and shapes, with
+    the same tensors in it, gives the same list, so an inner loop resolves it once per call
+    instead of once per step."""
+
+    def __init__(self, value: Hyperparameter, name: str) -> None:
+        self.value, self.name = value, name
+        self._key: Any = None
+        self._leaves: list[Any] = []
+        self._out: list[Any] = []
+
+    def __call__(self, grads: Tree, spec: Any, grad_leaves: list[Tensor], step: int) -> list[Any]:
+        """``per_leaf(value, grads, grad_leaves, step, name)``; ``spec`` is ``grads``'s
+        structure."""
+        value = self.value
+        if is_number(value) or (callable(value) and not isinstance(value, Tensor)):
+            return per_leaf(value, grads, grad_leaves, step, self.name)
+        # what the answer depends on: the value's entries (by identity; a dict's items are
+        # read directly, cheaper than flattening it), the structure and the shapes
+        if isinstance(value, Mapping):
+            held: list[Any] = list(value.items())
+            same = len(held) == len(self._leaves) and all(
+                k == k0 and v is v0 for (k, v), (k0, v0) in zip(held, self._leaves, strict=True)
+            )
+        else:
+            held = tree.leaves(value)
+            same = len(held) == len(self._leaves) and all(
+                a is b for a, b in zip(held, self._leaves, strict=True)
+            )
+        key = (spec, tuple(g.shape for g in grad_leaves))
+        if same and key == self._key:
+            return list(self._out)
+        out = per_leaf(value, grads, grad_leaves, step, self.name)
+        self._key, self._leaves, self._out = key, held, out
+        return list(out)
 
 
 def _broadcast_shape(a: torch.Size, b: torch.Size) -> torch.Size | None:

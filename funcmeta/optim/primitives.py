@@ -20,8 +20,15 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
-from funcmeta.optim.base import GradientTransformation
-from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
+from funcmeta.optim.base import GradientTransformation, with_descend
+from funcmeta.optim.hparams import (
+    Hyperparameter,
+    LeafResolver,
+    check_number,
+    is_number,
+    is_zero,
+    per_leaf,
+)
 from funcmeta.tree import Tree
 
 __all__ = [
@@ -56,20 +63,41 @@ class ScaleByLearningRateState(NamedTuple):
 def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
     """``updates = -lr * updates``: the last link of every optimizer here."""
     check_number(lr, "learning rate")
+    rates = LeafResolver(lr, "lr")
 
     def init(params: Tree) -> ScaleByLearningRateState:
-        validate(lr, params, "lr")
+        if not callable(lr) or isinstance(lr, Tensor):
+            leaves, spec = tree.flatten(params)
+            rates(params, spec, leaves, 0)  # checked against the parameters before any step
         return ScaleByLearningRateState(0)
 
     def update(
         updates: Tree, state: ScaleByLearningRateState, params: Tree | None = None
     ) -> tuple[Tree, ScaleByLearningRateState]:
         g, spec = tree.flatten(updates)
-        lrs = per_leaf(lr, updates, g, state.count, "lr")
+        lrs = rates(updates, spec, g, state.count)
         out = [x.mul(-h) if is_number(h) else -(h * x) for x, h in zip(g, lrs, strict=True)]
         return tree.unflatten(spec, out), ScaleByLearningRateState(state.count + 1)
 
-    return GradientTransformation(init, update)
+    def descend(
+        updates: Tree, state: ScaleByLearningRateState, params: Tree
+    ) -> tuple[Tree, ScaleByLearningRateState]:
+        # p - lr * g in two operations instead of update's three (lr * g, its negation,
+        # the addition); the same numbers, since p + -(x) and p - x round alike
+        g, spec = tree.flatten(updates)
+        p = spec.flatten_up_to(params)
+        lrs = rates(updates, spec, g, state.count)
+        out = [
+            _same_dtype(w - (x.mul(h) if is_number(h) else h * x), w)
+            for w, x, h in zip(p, g, lrs, strict=True)
+        ]
+        return tree.unflatten(spec, out), ScaleByLearningRateState(state.count + 1)
+
+    return with_descend(GradientTransformation(init, update), descend)
+
+
+def _same_dtype(x: Tensor, like: Tensor) -> Tensor:
+    return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
 class AddDecayedWeightsState(NamedTuple):
