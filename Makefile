@@ -38,10 +38,11 @@ lint: setup-dev
 
 bench: setup-dev
 	$(PIP) install -q -e ".[dev,bench]"
+	PYTHON=$(PYTHON) bash benchmarks/build_learn2learn.sh || echo "learn2learn not built: peers.py runs without it"
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/memory.py --repeats 2 --plot docs/img/memory_cpu.png
 	$(PYTHON) benchmarks/bert_meta.py
-	$(PYTHON) benchmarks/tasks.py
+	$(PYTHON) benchmarks/tasks.py --repeats 5
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 	$(PYTHON) benchmarks/ddp_check.py
 	$(PYTHON) benchmarks/peers.py

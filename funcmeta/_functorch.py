@@ -14,7 +14,8 @@ runs ``fn`` once per task instead of vmapping it: for layers that have no vmap b
 layer whose weights are batched costs about ten times an unbatched one (torch 2.13, CPU): the
 generic batching rule. When the input, weight and bias are batched at the same level,
 ``TaskLinear`` does the whole batch as one ``torch.baddbmm`` on the unwrapped tensors. A layer
-with hooks runs as it is (the hooks see what they would see in a per-task loop).
+with hooks runs as it is (the hooks see what they would see in a per-task loop). The fast
+paths of convolutions, BatchNorm and pooling are in :mod:`funcmeta._task_layers`.
 
 Both use functorch's batching primitives from ``torch._C._functorch`` (present from torch
 2.0 to at least 2.15). If a torch release lacks them, :func:`call_outside_vmap` raises an
