@@ -18,11 +18,12 @@ files predate Python 3.11). A peer that does not import is reported and skipped.
 
 Workloads: conv4 5-way 1-shot 28x28 (meta-batch 4 and 32, 1 and 5 inner SGD steps), the
 sinusoid MLP 40-40 10-shot (meta-batch 32, 5 steps), and Meta-SGD on the sinusoid MLP (per-element
-learnable rates, 1 step; reference, funcmeta and higher). Every implementation gets the same
-initial weights and data. The script first checks that each one's meta-gradients agree with
-the reference (float32: within 1% of each tensor's largest entry). It then times them
-interleaved in one process (median ms) and gives the ratio to the reference. Finally it
-measures peak memory per implementation for conv4 at 5 steps, a fresh process each.
+learnable rates, 1 step; every implementation but torchopt). Every implementation gets the
+same initial weights and data. The script first checks that each one's meta-gradients agree
+with the reference (float32: within 1% of each tensor's largest entry). It then times them
+interleaved in one process, each round in a rotated order (median ms), and gives the ratio
+to the reference. Finally it measures peak memory per implementation for conv4 at 5 steps,
+a fresh process each.
 
     python benchmarks/peers.py [--repeats 5] [--skip-memory]
 """
@@ -158,7 +159,9 @@ def funcmeta_tuned(net, rates, support, query, loss_fn, steps):
     if key not in _TUNED:
         fmodel = fm.functional_model(net)
         opt = fm.optim.sgd(lr=rates or LR)
-        fm.tune_task_chunk(fmodel, fmodel.params, loss_fn, support, opt, steps=steps, repeats=1)
+        fm.tune_task_chunk(
+            fmodel, fmodel.params, loss_fn, support, opt, steps=steps, query=query, repeats=3
+        )
         _TUNED[key] = fmodel
     fmodel = _TUNED[key]
     return fm.recipes.maml(
@@ -327,10 +330,13 @@ def main() -> None:
             calls[k] = (fn, fn()[1])
         ref = calls["reference"][1]
         times = {k: [] for k, c in calls.items() if c}
-        for _ in range(args.repeats):
-            for k, c in calls.items():
-                if c:
-                    times[k].append(c[0]()[0])
+        names = [k for k, c in calls.items() if c]
+        for r in range(args.repeats):
+            # each round in a rotated order: what runs right after another implementation
+            # (after its memory was freed) is not always the same one
+            for i in range(len(names)):
+                k = names[(i + r) % len(names)]
+                times[k].append(calls[k][0]()[0])
         ref_ms = statistics.median(times["reference"])
         cells = []
         for k in impls:

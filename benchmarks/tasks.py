@@ -8,8 +8,8 @@ Batched runs twice: all tasks in one vmapped computation ("batched"), and with t
 Workloads: the sinusoid MLP (1-40-40-1 ReLU, 10-shot support and query, 5 SGD steps) and
 conv4 (4 x conv3x3-64 + BatchNorm + ReLU + max-pool, linear head; 5-way 1-shot 28x28, 5 query
 images per class, 1 and 5 SGD steps). The implementations of one workload are timed
-interleaved in one process; the table gives medians. Before timing, the script checks that
-the implementations give the same meta-gradients. Then, for conv4 at 5 steps, it measures
+interleaved in one process, each round in a rotated order; the table gives medians. Before
+timing, the script checks that the implementations give the same meta-gradients. Then, for conv4 at 5 steps, it measures
 each implementation's peak memory (resident set above the start of the meta-iteration,
 fresh process each, glibc's mmap threshold fixed so that freed memory leaves the process).
 
@@ -118,11 +118,13 @@ def fmt(value: float | None, width: int, digits: int) -> str:
     return f"{value:{width}.{digits}f}" if value is not None else " " * (width - 1) + "-"
 
 
-def tuned_model(net, loss_fn, support, steps) -> fm.FunctionalModel:
+def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
     """A functional model whose ``task_chunk`` ``fm.tune_task_chunk`` chose on this workload."""
     fmodel = fm.functional_model(net)
     opt = fm.optim.sgd(lr=LR)
-    fm.tune_task_chunk(fmodel, fmodel.params, loss_fn, support, opt, steps=steps, repeats=1)
+    fm.tune_task_chunk(
+        fmodel, fmodel.params, loss_fn, support, opt, steps=steps, query=query, repeats=3
+    )
     return fmodel
 
 
@@ -205,7 +207,7 @@ def main() -> None:
         for steps in args.conv_steps if workload == "conv4" else [STEPS]:
             for tasks in args.meta_batch:
                 support, query, loss_fn = make_data(workload, tasks, device)
-                tuned = tuned_model(net, loss_fn, support, steps)
+                tuned = tuned_model(net, loss_fn, support, query, steps)
                 chunks[(tasks, steps)] = tuned.task_chunk
                 impls = {
                     "loop": functools.partial(loop_meta, fmodel, loss_fn, support, query, steps),
@@ -219,9 +221,13 @@ def main() -> None:
                 grads = {k: timed(f, params, device)[1] for k, f in impls.items()}
                 ok = all(agree(g, grads["loop"]) for g in grads.values())
                 times: dict[str, list[float]] = {k: [] for k in impls}
-                for _ in range(args.repeats):
-                    for k, f in impls.items():
-                        times[k].append(timed(f, params, device)[0])
+                names = list(impls)
+                for r in range(args.repeats):
+                    # each round in a rotated order: what runs right after another
+                    # implementation (after its memory was freed) is not always the same one
+                    for i in range(len(names)):
+                        k = names[(i + r) % len(names)]
+                        times[k].append(timed(impls[k], params, device)[0])
                 med = {k: statistics.median(v) for k, v in times.items()}
                 bmm = med.get("bmm")
                 ratio_bmm = med["batched"] / bmm if bmm else None

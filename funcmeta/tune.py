@@ -11,7 +11,7 @@ Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> fmodel = fm.functional_model(torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
     >>> b = fm.data.Sinusoid().sample(8, 5, 5)
-    >>> times = fm.tune_task_chunk(fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.01), steps=2, repeats=1)
+    >>> times = fm.tune_task_chunk(fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.01), steps=2, query=b.query, repeats=1)
     >>> sorted(times)
     [1, 2, 4, 8]
     >>> fmodel.task_chunk in (1, 2, 4, None)   # the fastest; None: all 8 at once
@@ -53,6 +53,7 @@ def tune_task_chunk(
     opt: GradientTransformation,
     *,
     steps: int,
+    query: tuple[Any, Any] | None = None,
     candidates: Sequence[int] | None = None,
     repeats: int = 3,
     buffers: Mapping[str, Tensor] | None = None,
@@ -60,12 +61,14 @@ def tune_task_chunk(
 ) -> dict[int, float]:
     """Time a meta-iteration for each chunk size and set ``fmodel.task_chunk`` to the fastest.
 
-    The meta-iteration is :func:`funcmeta.adapt_tasks` on ``batch`` with ``opt``, ``steps``
-    and ``options``, then the gradient of the adapted parameters' summed losses on ``batch``
-    with respect to the entries of ``params`` that require grad (the second-order backward,
-    unless ``first_order=True`` is among the options). Candidates (default: 1, 2, 4, ... and
-    the number of tasks T) are timed interleaved, ``repeats`` times each after one warm-up
-    run, on the device and data given.
+    The meta-iteration is :func:`funcmeta.adapt_tasks` on ``batch`` (the support sets) with
+    ``opt``, ``steps`` and ``options``, then the gradient of the adapted parameters' summed
+    losses on ``query`` (default: ``batch`` again) with respect to the entries of ``params``
+    that require grad: the second-order backward, unless ``first_order=True`` is among the
+    options. Pass the query sets when they are larger than the support sets: the query pass
+    is then much of the work. Candidates (default: 1, 2, 4, ... and the number of tasks T) are
+    timed interleaved, each round in a rotated order, ``repeats`` times each after one
+    warm-up run, on the device and data given.
 
     Returns:
         The median milliseconds per meta-iteration, by chunk size. ``fmodel.task_chunk`` is
@@ -88,7 +91,8 @@ def tune_task_chunk(
         result = adapt_tasks(
             fmodel, params, loss_fn, batch, opt, steps=steps, buffers=buffers, **options
         )
-        losses, _ = task_losses(fmodel, result.params, loss_fn, batch, buffers=result.buffers)
+        target = batch if query is None else query
+        losses, _ = task_losses(fmodel, result.params, loss_fn, target, buffers=result.buffers)
         if leaves and losses.requires_grad:
             torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
         for d in devices:
@@ -100,7 +104,8 @@ def tune_task_chunk(
     saved = fmodel.task_chunk
     try:
         for round_ in range(repeats + 1):
-            for c in sizes:
+            for i in range(len(sizes)):
+                c = sizes[(i + round_) % len(sizes)]  # rotated: no size always runs first
                 fmodel.task_chunk = c
                 ms = iteration()
                 if round_:

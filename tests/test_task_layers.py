@@ -302,7 +302,7 @@ def test_tune_task_chunk_times_every_candidate_and_keeps_the_fastest(monkeypatch
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2
     )
     assert sorted(times) == [1, 2, 3]
-    assert seen == [1, 2, 3] * 3  # a warm-up round, then the repeats, interleaved
+    assert seen == [1, 2, 3, 2, 3, 1, 3, 1, 2]  # a warm-up round, then the repeats, rotated
     best = min(times, key=times.get)
     assert fmodel.task_chunk == (None if best == T else best)
     fm.tune_task_chunk(
@@ -324,3 +324,35 @@ def test_tune_task_chunk_checks_its_arguments_and_restores_on_error():
     with pytest.raises(TypeError, match="unknown"):
         fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, bogus=1)
     assert fmodel.task_chunk == 2
+
+
+@pytest.mark.parametrize("kind", ["parametrization", "old weight_norm"])
+def test_weight_normalised_convolutions_run_as_they_are(kind):
+    """A parametrized convolution is a subclass (no stand-in); the old ``weight_norm`` is a
+    forward pre-hook (the stand-in runs the layer as it is). Both equal the loop."""
+    net, support, query = make("conv2d")
+    if kind == "parametrization":
+        nn.utils.parametrizations.weight_norm(net[4])
+    else:
+        nn.utils.weight_norm(net[4])
+    reference = run(net, support, query, tasks=False)
+    ours = run(net, support, query, tasks=True)
+    assert_same(ours, reference)
+
+
+def test_tune_task_chunk_takes_the_meta_loss_on_the_query(monkeypatch):
+    net, support, query = make("conv1d")
+    fmodel = fm.functional_model(net)
+    scored = []
+    task_losses = fm.tune.task_losses
+
+    def spy(fmodel, params, loss_fn, batch, **kwargs):
+        scored.append(batch[0])
+        return task_losses(fmodel, params, loss_fn, batch, **kwargs)
+
+    monkeypatch.setattr(fm.tune, "task_losses", spy)
+    opt = fm.optim.sgd(lr=0.1)
+    fm.tune_task_chunk(
+        fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, query=query, repeats=1
+    )
+    assert len(scored) == 2 * 3 and all(x is query[0] for x in scored)
