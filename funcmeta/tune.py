@@ -83,10 +83,13 @@ def tune_task_chunk(
     leaves = [v for v in params.values() if v.requires_grad]
     devices = {v.device for v in params.values()}
 
-    def iteration() -> float:
+    def sync() -> None:
         for d in devices:
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
+
+    def iteration() -> float:
+        sync()
         start = time.perf_counter()
         result = adapt_tasks(
             fmodel, params, loss_fn, batch, opt, steps=steps, buffers=buffers, **options
@@ -95,9 +98,7 @@ def tune_task_chunk(
         losses, _ = task_losses(fmodel, result.params, loss_fn, target, buffers=result.buffers)
         if leaves and losses.requires_grad:
             torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
+        sync()
         return (time.perf_counter() - start) * 1e3
 
     times: dict[int, list[float]] = {c: [] for c in sizes}

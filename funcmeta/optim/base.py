@@ -166,10 +166,15 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
     def add(p: Tensor | None, u: Tensor | None) -> Tensor | None:
         if u is None or p is None:
             return p
-        out = p + u
-        return out if out.dtype == p.dtype else out.to(p.dtype)
+        return same_dtype(p + u, p)
 
     return optree.tree_map(add, params, updates, none_is_leaf=True)
+
+
+def same_dtype(x: Tensor, like: Tensor) -> Tensor:
+    """``x`` in ``like``'s dtype: a stepped parameter keeps its dtype (a float32 rate on a
+    bfloat16 parameter)."""
+    return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
 def safe_sqrt(x: Tensor) -> Tensor:

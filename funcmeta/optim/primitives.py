@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
-from funcmeta.optim.base import GradientTransformation, with_descend
+from funcmeta.optim.base import GradientTransformation, same_dtype, with_descend
 from funcmeta.optim.hparams import (
     Hyperparameter,
     LeafResolver,
@@ -88,16 +88,12 @@ def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
         p = spec.flatten_up_to(params)
         lrs = rates(updates, spec, g, state.count)
         out = [
-            _same_dtype(w - (x.mul(h) if is_number(h) else h * x), w)
+            same_dtype(w - (x.mul(h) if is_number(h) else h * x), w)
             for w, x, h in zip(p, g, lrs, strict=True)
         ]
         return tree.unflatten(spec, out), ScaleByLearningRateState(state.count + 1)
 
     return with_descend(GradientTransformation(init, update), descend)
-
-
-def _same_dtype(x: Tensor, like: Tensor) -> Tensor:
-    return x if x.dtype == like.dtype else x.to(like.dtype)
 
 
 class AddDecayedWeightsState(NamedTuple):
