@@ -37,6 +37,7 @@ from torch import Tensor
 from funcmeta import kernels
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
+from funcmeta.implicit.solvers import CG, ConvergenceWarning
 from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation, chain
 from funcmeta.optim.primitives import add_proximal
@@ -50,21 +51,6 @@ DAMPING = 1.0
 """``c`` of the authors' damped system ``(1 + c) v + H v / (lam + d)``."""
 LAM_DAMPING = 10.0
 """``d`` of the authors' damped system ``(1 + c) v + H v / (lam + d)``."""
-
-
-class ConvergenceWarning(RuntimeWarning):
-    """iMAML's assumptions failed for some tasks: conjugate gradient left a residual above
-    ``max_residual``, or the inner loop ended above where it started. Turn it into an error
-    with ``warnings.simplefilter("error", fm.recipes.ConvergenceWarning)``."""
-
-
-def _dot(a: dict[str, Tensor], b: dict[str, Tensor]) -> Tensor:
-    """Per-task inner products of two task-batched trees: shape ``(T,)``."""
-    return sum((a[k] * b[k]).flatten(1).sum(1) for k in a)
-
-
-def _per_task(scalar: Tensor, like: Tensor) -> Tensor:
-    return scalar.reshape(-1, *([1] * (like.dim() - 1)))
 
 
 @takes_options
@@ -155,45 +141,19 @@ def imaml(
             k: (1 + damping) * v[k] + h / (lam + lam_damping) for k, h in zip(free, hv, strict=True)
         }
 
-    x = {k: torch.zeros_like(r) for k, r in rhs.items()}
-    r = {k: t.clone() for k, t in rhs.items()}
-    p = {k: t.clone() for k, t in rhs.items()}
-    rr = _dot(r, r)
-    rhs_norm = rr.sqrt().clamp_min(1e-30)
-    active = torch.ones_like(rr, dtype=torch.bool)
-    stopped = torch.zeros_like(active)
-    for it in range(cg_steps):
-        active = active & (rr.sqrt() / rhs_norm > cg_tol)
-        if not bool(active.any()):
-            break
-        ap = operator(p)
-        pap = _dot(p, ap)
-        curved = pap > 0
-        if it == 0:
-            # No positive curvature along the right-hand side itself: fall back to x = rhs,
-            # the solution with H taken as 0 (first-order).
-            first = active & ~curved
-            x = {k: torch.where(_per_task(first, v), rhs[k], v) for k, v in x.items()}
-        stopped = stopped | (active & ~curved)
-        step = active & curved
-        alpha = torch.where(step, rr / torch.where(step, pap, 1.0), 0.0)
-        x = {k: x[k] + _per_task(alpha, x[k]) * p[k] for k in x}
-        r = {k: r[k] - _per_task(alpha, r[k]) * ap[k] for k in r}
-        active = step
-        rr_new = _dot(r, r)
-        beta = torch.where(active, rr_new / torch.where(active, rr, 1.0), 0.0)
-        p = {k: r[k] + _per_task(beta, r[k]) * p[k] for k in p}
-        rr = torch.where(active, rr_new, rr)
+    # one system per task (the leading axis): truncated CG with its first-order fallback
+    solution = CG(steps=cg_steps, tol=cg_tol)(operator, rhs, batch_dims=1)
+    x = solution.x
     meta_grad = {k: v.mean(0).detach() for k, v in x.items()}
     surrogate = sum((params[k] * g).sum() for k, g in meta_grad.items())
-    # the true residual of the x returned (one more product; CG's running r is not it for
-    # the tasks that stopped or fell back)
-    ax = operator(x)
-    left = {k: rhs[k] - ax[k] for k in rhs}
-    residual = (_dot(left, left).sqrt() / rhs_norm).detach()
+    residual = solution.residual.detach()
     _check_convergence(residual, max_residual, s_losses.detach(), free, theta, lam, adapted)
     return RecipeResult(
-        surrogate, q_losses.detach().mean(), adapted, residual=residual, curvature_stop=stopped
+        surrogate,
+        q_losses.detach().mean(),
+        adapted,
+        residual=residual,
+        curvature_stop=solution.curvature_stop,
     )
 
 
