@@ -15,7 +15,7 @@ some characters, then evaluates:
 
 MAML-family models get a 20-way head (the official runs are 20-way); on 5-way episodes they
 are adapted and scored on its first 5 outputs (``fm.evaluate`` does this). Prototypical
-Networks use the same conv4 without a head. ``--budget`` is the meta-training time of each
+Networks and R2D2 (a closed-form ridge-regression head) use the same conv4 without a head. ``--budget`` is the meta-training time of each
 recipe in seconds; evaluation comes on top. Results go to ``--out`` (JSON) and a plot.
 """
 
@@ -38,7 +38,8 @@ try:
 except ImportError:  # the progress bar is optional
     tqdm = None
 
-RECIPES = ("maml", "fomaml", "metasgd", "anil", "reptile", "mamlpp", "imaml", "protonet")
+RECIPES = ("maml", "fomaml", "metasgd", "anil", "reptile", "mamlpp", "imaml", "protonet", "r2d2")
+EMBEDDINGS = ("protonet", "r2d2")  # no inner loop, no classifier layer
 MHD_STATED = 0.388  # the dataset's own demo, demo_classification.py
 
 
@@ -79,7 +80,7 @@ class Recipe:
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         self.name, self.args = name, args
-        head = None if name == "protonet" else args.ways
+        head = None if name in EMBEDDINGS else args.ways
         self.net = fm.models.conv4_omniglot(head, hidden=args.hidden)
         self.fmodel = fm.functional_model(self.net)
         params = self.fmodel.params
@@ -91,6 +92,10 @@ class Recipe:
         elif name == "mamlpp":
             self.rates = fm.hyper.per_layer(params, args.inner_lr, steps=args.steps)
         extra = list(self.rates.parameters()) if self.rates is not None else []
+        # R2D2's ridge-regression head, with its learnable regulariser, scale and bias
+        self.ridge = fm.heads.RidgeHead(lam=1.0, scale=5.0) if name == "r2d2" else None
+        if self.ridge is not None:
+            extra = list(self.ridge.parameters())
         if name == "reptile":  # theta += eps (phi - theta)
             self.outer = torch.optim.SGD(self.net.parameters(), lr=args.reptile_eps)
         else:
@@ -117,6 +122,8 @@ class Recipe:
         args = (fmodel, self.fmodel.params, F.cross_entropy, batch.support, batch.query)
         if self.name == "protonet":
             return fm.recipes.protonet(*args).loss
+        if self.name == "r2d2":
+            return fm.recipes.r2d2(*args, head=self.ridge).loss
         own: dict = {"steps": self.steps}
         own["lr"] = a.inner_lr if self.rates is None else self.rates
         if self.name == "anil":
@@ -138,13 +145,13 @@ class Recipe:
 
     def evaluate(self, episodes: fm.data.Episodes | fm.data.EpisodeBatch, n: int) -> fm.Evaluation:
         fmodel = self.fmodel
-        if self.name == "protonet":
+        if self.name in EMBEDDINGS:
             return fm.evaluate(
                 fmodel,
                 fmodel.params,
                 F.cross_entropy,
                 episodes,
-                method="prototypes",
+                method="prototypes" if self.ridge is None else self.ridge,
                 num_episodes=n,
                 seed=self.args.seed,
             )
@@ -304,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         five = recipe.evaluate(held5, args.eval_episodes)
         twenty = recipe.evaluate(held20, args.eval_episodes)
         log["eval_seconds"] = time.perf_counter() - start
-        log["inner_steps"] = 0 if name == "protonet" else recipe.steps
+        log["inner_steps"] = 0 if name in EMBEDDINGS else recipe.steps
         log["official_runs"] = {"error": official.error, "ci95": official.ci95}
         log["5way_1shot"] = {"accuracy": five.accuracy, "ci95": five.ci95}
         log["20way_1shot"] = {"accuracy": twenty.accuracy, "ci95": twenty.ci95}

@@ -146,7 +146,7 @@ def evaluate(
     opt: GradientTransformation | None = None,
     *,
     steps: int = 0,
-    method: str = "adapt",
+    method: str | Callable[[Tensor, Tensor, Tensor, int], Tensor] = "adapt",
     num_episodes: int = 600,
     batch_tasks: int = 32,
     seed: int = 0,
@@ -165,7 +165,9 @@ def evaluate(
     inner-loop options: ``trainable=`` for ANIL, ...), then the query set's predictions are
     the adapted model's argmax. ``method="prototypes"`` (Prototypical Networks): the model is
     an embedding and a query's class is its nearest support prototype; ``opt`` and ``steps``
-    are not used. A model whose output has more columns than an episode has ways (a head
+    are not used. ``method`` may also be a head called as ``method(z_support, y_support,
+    z_query, ways) -> logits`` on the embeddings (a :class:`funcmeta.heads.RidgeHead` for
+    R2D2), with the model as the embedding, as for prototypes. A model whose output has more columns than an episode has ways (a head
     trained 20-way, scored on 5-way episodes) is adapted and scored on its first ``ways``
     columns. Episodes go ``batch_tasks`` at a time through the task-batched calls;
     ``batch_tasks=1`` runs them one by one through :func:`funcmeta.adapt` (models that
@@ -173,8 +175,9 @@ def evaluate(
     steps first order (as they are under ``no_grad`` anyway).
     """
     check_model(fmodel)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    head = method if callable(method) else None
+    if head is None and method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS} or a head, got {method!r}")
     for name, n, low in (("num_episodes", num_episodes, 1), ("batch_tasks", batch_tasks, 1)):
         if not isinstance(n, int) or isinstance(n, bool) or n < low:
             raise ValueError(f"{name} must be an int >= {low}, got {n!r}")
@@ -184,14 +187,15 @@ def evaluate(
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
     elif opt is not None or steps or options:
-        raise TypeError("method='prototypes' adapts nothing: it takes no opt, steps or options")
+        what = "a head" if head is not None else "method='prototypes'"
+        raise TypeError(f"{what} adapts nothing: it takes no opt, steps or options")
     scores = []
     with torch.no_grad():
         for batch in _chunks(episodes, num_episodes, batch_tasks, seed):
             ways = batch.classes.shape[1]
-            if method == "prototypes":
+            if method != "adapt":
                 z_s, z_q = embed_episodes(fmodel, params, batch.x_support, batch.x_query, buffers)
-                logits = prototype_logits(z_s, batch.y_support, z_q, ways)
+                logits = (head or prototype_logits)(z_s, batch.y_support, z_q, ways)
             else:
                 logits = _adapted_logits(
                     fmodel,

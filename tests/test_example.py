@@ -96,7 +96,7 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
     )
     assert summary["mhd_error"] == pytest.approx(0.3875)  # 155 of 400 wrong: the demo's 38.8%
     assert sorted(summary["recipes"]) == sorted(
-        ["maml", "fomaml", "metasgd", "anil", "reptile", "mamlpp", "imaml", "protonet"]
+        ["maml", "fomaml", "metasgd", "anil", "reptile", "mamlpp", "imaml", "protonet", "r2d2"]
     )
     for name, r in summary["recipes"].items():
         assert r["iterations"] == 3, name
@@ -113,6 +113,7 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
         "mamlpp": 1,
         "imaml": 5,
         "protonet": 0,
+        "r2d2": 0,
     }
     assert (tmp_path / "o.json").exists()
     assert "official runs error" in capsys.readouterr().out

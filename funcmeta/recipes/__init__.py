@@ -18,6 +18,7 @@ hyperparameters), ready for a ``torch.optim`` outer optimizer.
 | :func:`reptile` | average displacement (Nichol et al., 2018) |
 | :func:`mamlpp` | MAML++: LSLR, multi-step loss, derivative-order annealing, per-step BN statistics (Antoniou et al., 2019) |
 | :func:`imaml` | implicit gradients by conjugate gradient (Rajeswaran et al., 2019) |
+| :func:`r2d2` | a closed-form ridge-regression head on a learned embedding (Bertinetto et al., 2019) |
 | :func:`protonet` | Prototypical Networks: nearest class mean in an embedding (Snell et al., 2017) |
 
 Example:
@@ -38,6 +39,7 @@ from funcmeta.recipes.maml import fomaml, maml
 from funcmeta.recipes.mamlpp import mamlpp, mamlpp_step_weights
 from funcmeta.recipes.metasgd import metasgd, metasgd_rates
 from funcmeta.recipes.protonet import protonet, prototype_logits
+from funcmeta.recipes.r2d2 import r2d2
 from funcmeta.recipes.reptile import reptile
 
 __all__ = [
@@ -53,5 +55,6 @@ __all__ = [
     "metasgd_rates",
     "prototype_logits",
     "protonet",
+    "r2d2",
     "reptile",
 ]
