@@ -20,7 +20,7 @@ from funcmeta import kernels, tree
 from funcmeta._remat import graph_input
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
-from funcmeta.optim.base import GradientTransformation
+from funcmeta.optim.base import GradientTransformation, task_axis
 from funcmeta.optim.base import step as optim_step
 from funcmeta.optim.clip import clip_grads_by_global_norm
 from funcmeta.options import AdaptOptions
@@ -178,7 +178,10 @@ class _Inner:
                 grad_tree, self.options.clip_grad_norm, task_axis=self.tasks is not None
             )
         adapted = tree.unflatten(self.spec, leaves)
-        with contextlib.nullcontext() if graph else torch.no_grad():
+        with (
+            contextlib.nullcontext() if graph else torch.no_grad(),
+            task_axis(self.tasks is not None),
+        ):
             adapted, state = optim_step(self.opt, grad_tree, state, adapted)
         return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
 

@@ -29,8 +29,10 @@ from funcmeta.optim.base import (
     UpdateFn,
     apply_updates,
     chain,
+    has_task_axis,
     safe_sqrt,
     step,
+    task_axis,
     with_descend,
 )
 from funcmeta.optim.clip import (
@@ -78,6 +80,7 @@ __all__ = [
     "clip_grads_by_global_norm",
     "from_torch",
     "global_norm",
+    "has_task_axis",
     "rmsprop",
     "safe_sqrt",
     "scale_by_adagrad",
@@ -86,6 +89,7 @@ __all__ = [
     "scale_by_rms",
     "sgd",
     "step",
+    "task_axis",
     "trace",
     "with_descend",
 ]

@@ -17,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import optree
@@ -32,7 +34,9 @@ __all__ = [
     "UpdateFn",
     "apply_updates",
     "chain",
+    "has_task_axis",
     "step",
+    "task_axis",
     "with_descend",
 ]
 
@@ -186,3 +190,24 @@ def safe_sqrt(x: Tensor) -> Tensor:
     """
     positive = x > 0
     return torch.where(positive, torch.where(positive, x, 1.0).sqrt(), 0.0)
+
+
+_TASK_AXIS: contextvars.ContextVar[bool] = contextvars.ContextVar("task_axis", default=False)
+
+
+@contextlib.contextmanager
+def task_axis(on: bool = True) -> Iterator[None]:
+    """Within it, the updates a transformation receives carry a leading task axis (the
+    inner loop of :func:`funcmeta.adapt_tasks` runs its optimizer steps in one). A
+    transformation that reduces over a whole tree, such as :func:`clip_by_global_norm`,
+    then reduces per task, as the per-task loop would."""
+    token = _TASK_AXIS.set(on)
+    try:
+        yield
+    finally:
+        _TASK_AXIS.reset(token)
+
+
+def has_task_axis() -> bool:
+    """Whether the updates carry a leading task axis (see :func:`task_axis`)."""
+    return _TASK_AXIS.get()

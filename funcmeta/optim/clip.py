@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
-from funcmeta.optim.base import GradientTransformation, safe_sqrt
+from funcmeta.optim.base import GradientTransformation, has_task_axis, safe_sqrt
 from funcmeta.optim.hparams import check_max_norm
 from funcmeta.tree import Tree
 
@@ -59,13 +59,18 @@ class ClipState(NamedTuple):
 
 
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
-    """Clip the updates to a global 2-norm of at most ``max_norm`` (number or 0-d tensor)."""
+    """Clip the updates to a global 2-norm of at most ``max_norm`` (number or 0-d tensor).
+
+    In the inner loop of :func:`funcmeta.adapt_tasks` (updates with a task axis, see
+    :func:`funcmeta.optim.task_axis`) each task is clipped by its own norm, as in the per-task
+    loop.
+    """
     check_max_norm(max_norm)
 
     def init(params: Tree) -> ClipState:
         return ClipState()
 
     def update(updates: Tree, state: ClipState, params: Tree | None = None) -> tuple[Tree, Any]:
-        return clip_grads_by_global_norm(updates, max_norm), state
+        return clip_grads_by_global_norm(updates, max_norm, task_axis=has_task_axis()), state
 
     return GradientTransformation(init, update)
