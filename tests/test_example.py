@@ -117,3 +117,17 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
     }
     assert (tmp_path / "o.json").exists()
     assert "official runs error" in capsys.readouterr().out
+
+
+def test_hyperparameter_example_learns_per_feature_penalties(capsys):
+    result = load("hyperparameters").main(["--iterations", "100"])
+    assert result["learned_test_mse"] < 0.7 * result["single_test_mse"]
+    assert result["other_lam"] > 100 * result["informative_lam"]  # it finds the signal
+    assert result["last_residual"] < 1e-8
+    assert "learned by implicit gradients (cg)" in capsys.readouterr().out
+
+
+def test_learned_optimizer_example_runs(capsys):
+    result = load("learned_optimizer").main(["--iterations", "3", "--eval-tasks", "20"])
+    assert result["sgd_lr"] > 0 and result["learned"] == result["learned"]  # finite
+    assert "learned optimizer" in capsys.readouterr().out

@@ -168,7 +168,8 @@ def hand_learned_update(lopt, g, p, history, t):
     for layer in layers[:-1]:
         h = torch.relu(h @ layer.weight.T + layer.bias)
     d, m = (h @ layers[-1].weight.T + layers[-1].bias).unbind(-1)
-    return -(lopt.lr * g + lopt.scale * d * torch.exp(m))
+    b = math.log(20.0)  # the default max_gain
+    return -(lopt.lr * g + lopt.scale * torch.tanh(d) * torch.exp(b * torch.tanh(m / b)))
 
 
 def test_an_untrained_learned_optimizer_is_sgd():

@@ -143,7 +143,23 @@ class Solver:
 
 
 @dataclass(frozen=True)
-class CG(Solver):
+class _Krylov(Solver):
+    """The settings of the conjugate-gradient solvers: at most ``steps`` iterations, stopping
+    at a residual below ``tol`` relative to the right-hand side; ``damping``."""
+
+    steps: int = 100
+    tol: float = 1e-10
+    damping: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_steps(self.steps)
+        _check_damping(self.damping)
+        if not self.tol >= 0:
+            raise ValueError(f"tol must be >= 0, got {self.tol}")
+
+
+@dataclass(frozen=True)
+class CG(_Krylov):
     """Conjugate gradient for ``(A + damping I) x = b`` with ``A`` symmetric positive definite
     (a Hessian at a minimum).
 
@@ -160,16 +176,6 @@ class CG(Solver):
         >>> [round(v, 12) for v in sol.x.tolist()]          # (H + 2 I)^-1 1
         [0.25, 0.1]
     """
-
-    steps: int = 100
-    tol: float = 1e-10
-    damping: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_steps(self.steps)
-        _check_damping(self.damping)
-        if not self.tol >= 0:
-            raise ValueError(f"tol must be >= 0, got {self.tol}")
 
     def __call__(
         self, matvec: MatVec, b: Tree, rmatvec: MatVec | None = None, batch_dims: int = 0
@@ -215,7 +221,7 @@ class CG(Solver):
 
 
 @dataclass(frozen=True)
-class NormalCG(Solver):
+class NormalCG(_Krylov):
     """Conjugate gradient on the normal equations ``(A^T A + damping I) x = A^T b``: any
     non-singular ``A``, symmetric or not (a Jacobian of a general optimality condition).
     Needs ``rmatvec`` (``A^T``). Squares the condition number: prefer :class:`CG` when ``A``
@@ -229,16 +235,6 @@ class NormalCG(Solver):
         >>> [round(v, 10) for v in sol.x.tolist()]
         [1.0, 2.0]
     """
-
-    steps: int = 100
-    tol: float = 1e-10
-    damping: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check_steps(self.steps)
-        _check_damping(self.damping)
-        if not self.tol >= 0:
-            raise ValueError(f"tol must be >= 0, got {self.tol}")
 
     def __call__(
         self, matvec: MatVec, b: Tree, rmatvec: MatVec | None = None, batch_dims: int = 0

@@ -13,11 +13,14 @@ batch exactly), are:
 
 The MLP outputs a direction ``d`` and a log-magnitude ``m`` per coordinate, and the update is
 
-    update = -(lr * g + scale * d * exp(m)),
+    update = -(lr * g + scale * tanh(d) * exp(b * tanh(m / b))),    b = log(max_gain),
 
-with a learnable base rate ``lr``. The last layer starts at zero, so an untrained optimizer is
-exactly SGD with ``lr``; meta-training (second order, through :func:`funcmeta.adapt`) learns
-the rest.
+with a learnable base rate ``lr``. The learned part of a step is bounded by
+``scale * max_gain`` per coordinate, so no setting of the network can make it diverge on its
+own: unbounded, meta-training drifted into steps that diverged on the largest tasks and gave
+non-finite meta-gradients from then on. The last layer starts at zero, so an untrained
+optimizer is exactly SGD with ``lr``; meta-training (second order, through
+:func:`funcmeta.adapt`) learns the rest.
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -74,7 +77,8 @@ class LearnedOptimizer(nn.Module):
         beta2: the second moment's decay.
         time_scales: the step features' scales.
         lr: the initial base learning rate (a learnable Parameter).
-        scale: the fixed scale of the MLP's output.
+        scale: the learned part of a step at ``m = 0``: ``scale * tanh(d)``.
+        max_gain: the most ``exp(m)`` can multiply it by (a soft bound).
         eps: added to the root of the second moment. It bounds how sharply the normalised
             features respond to a small gradient (``1 / eps``), which keeps the second-order
             meta-gradient through several steps finite; far smaller values overflow.
@@ -93,6 +97,7 @@ class LearnedOptimizer(nn.Module):
         time_scales: Sequence[float] = (1.0, 3.0, 10.0),
         lr: float = 0.01,
         scale: float = 0.01,
+        max_gain: float = 20.0,
         eps: float = 1e-3,
     ) -> None:
         super().__init__()
@@ -104,9 +109,13 @@ class LearnedOptimizer(nn.Module):
         self.time_scales = tuple(float(s) for s in time_scales)
         if not all(s > 0 for s in self.time_scales):
             raise ValueError(f"time_scales must be positive, got {self.time_scales}")
-        if not (scale > 0 and eps > 0 and math.isfinite(lr)):
-            raise ValueError(f"scale and eps must be positive and lr finite: {scale}, {eps}, {lr}")
+        if not (scale > 0 and eps > 0 and max_gain > 1 and math.isfinite(lr)):
+            raise ValueError(
+                "scale and eps must be positive, max_gain above 1 and lr finite: "
+                f"scale={scale}, eps={eps}, max_gain={max_gain}, lr={lr}"
+            )
         self.scale, self.eps = float(scale), float(eps)
+        self.log_gain = math.log(max_gain)
         features = 1 + len(self.decays) + 1 + 1 + len(self.time_scales)
         widths = [features] + [hidden] * layers
         self.net = nn.Sequential()
@@ -139,7 +148,8 @@ class LearnedOptimizer(nn.Module):
         return torch.stack(cols, -1)
 
     def step(self, features: Tensor, g: Tensor) -> Tensor:
-        """The update from the features: ``-(lr * g + scale * d * exp(m))``."""
+        """The update from the features:
+        ``-(lr * g + scale * tanh(d) * exp(b * tanh(m / b)))`` with ``b = log(max_gain)``."""
         out = features
         for layer in self.net:
             if isinstance(layer, nn.Linear):
@@ -147,7 +157,9 @@ class LearnedOptimizer(nn.Module):
             else:
                 out = layer(out)
         d, m = out.unbind(-1)
-        return -(self.lr.to(g.dtype) * g + self.scale * d * torch.exp(m))
+        b = self.log_gain
+        learned = self.scale * torch.tanh(d) * torch.exp(b * torch.tanh(m / b))
+        return -(self.lr.to(g.dtype) * g + learned)
 
     def transform(self) -> GradientTransformation:
         """The learned optimizer as a ``GradientTransformation`` (state: the step count, the

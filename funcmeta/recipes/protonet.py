@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -95,11 +95,29 @@ def protonet(
     inner steps, so the recipe takes no ``steps`` and no inner-loop options; ``result.logits``
     holds the query logits, ``result.adapted`` is ``None``.
     """
+    return classify_embeddings(
+        prototype_logits, fmodel, params, loss_fn, support, query, ways, buffers
+    )
+
+
+def classify_embeddings(
+    head: Callable[[Tensor, Tensor, Tensor, int], Tensor],
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    support: tuple[Any, Any],
+    query: tuple[Any, Any],
+    ways: int | None,
+    buffers: Mapping[str, Tensor] | None,
+) -> RecipeResult:
+    """The recipes without an inner loop: embed the episodes, classify the queries with
+    ``head(z_support, y_support, z_query, ways) -> logits``, and average ``loss_fn`` over
+    the tasks."""
     check_model(fmodel)
     y_s, y_q = _labels(support[1], "support"), _labels(query[1], "query")
     z_s, z_q = embed_episodes(fmodel, params, support[0], query[0], buffers)
     if ways is None:
         ways = int(y_s.max()) + 1
-    logits = prototype_logits(z_s, y_s, z_q, ways)
+    logits = head(z_s, y_s, z_q, ways)
     loss = torch.stack([loss_fn(lg, y) for lg, y in zip(logits, y_q, strict=True)]).mean()
     return RecipeResult(loss, loss.detach(), None, logits=logits)

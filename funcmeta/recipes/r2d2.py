@@ -27,15 +27,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.heads import RidgeHead
-from funcmeta.inputs import check_model
 from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.protonet import _labels, embed_episodes
+from funcmeta.recipes.protonet import classify_embeddings
 
 __all__ = ["r2d2"]
 
@@ -63,13 +61,6 @@ def r2d2(
     ``steps`` and no inner-loop options; ``result.logits`` holds the query logits and
     ``result.adapted`` is ``None``.
     """
-    check_model(fmodel)
     if not isinstance(head, RidgeHead):
         raise TypeError(f"head must be a funcmeta.heads.RidgeHead, got {type(head).__name__}")
-    y_s, y_q = _labels(support[1], "support"), _labels(query[1], "query")
-    z_s, z_q = embed_episodes(fmodel, params, support[0], query[0], buffers)
-    if ways is None:
-        ways = int(y_s.max()) + 1
-    logits = head(z_s, y_s, z_q, ways)
-    loss = torch.stack([loss_fn(lg, y) for lg, y in zip(logits, y_q, strict=True)]).mean()
-    return RecipeResult(loss, loss.detach(), None, logits=logits)
+    return classify_embeddings(head, fmodel, params, loss_fn, support, query, ways, buffers)
