@@ -46,6 +46,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 	$(PYTHON) benchmarks/ddp_check.py
 	$(PYTHON) benchmarks/peers.py
+	$(PYTHON) benchmarks/learned_optimizer.py
 
 # Every recipe on Omniglot's official one-shot benchmark (about 50 minutes on 2 CPU cores); the
 # official files are downloaded into data/omniglot and verified, or read there if present.
