@@ -129,13 +129,13 @@ def _check_graph(outs: list[Tensor], xs: list[Tensor], params: list[Tensor]) -> 
     mine = {id(t) for t in xs + params}
     solution = {id(t) for t in xs}
     reached = False
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # holds the nodes: a freed wrapper's id can be reused
     stack = [t.grad_fn for t in outs if t.grad_fn is not None]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)
         reached = reached or (variable is not None and id(variable) in solution)
         if variable is not None and id(variable) not in mine:
