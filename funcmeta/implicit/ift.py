@@ -97,12 +97,14 @@ class Report:
 
 @dataclass
 class _Problem:
-    condition: Condition
+    """A root and its condition, evaluated once at the call with its graph kept: ``f`` is
+    ``condition(xs, params)`` on graph leaves ``xs`` (the solution) and ``diff`` (the
+    parameters that receive gradients)."""
+
     x_spec: Any
-    x: list[Tensor]
-    theta_spec: Any
-    theta: list[Any]
-    diff: list[int]  # indices of the theta leaves that receive gradients
+    xs: list[Tensor]
+    diff: list[Tensor]
+    f: list[Tensor]
     solver: Solver
     batch_dims: int
     max_residual: float | None
@@ -153,7 +155,7 @@ class _Root(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, problem: _Problem, *diff_theta: Tensor) -> tuple[Tensor, ...]:
         ctx.problem = problem
-        return tuple(x.clone() for x in problem.x)
+        return tuple(x.detach().clone() for x in problem.xs)
 
     @staticmethod
     def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -163,20 +165,10 @@ class _Root(torch.autograd.Function):
                 "create_graph=True (a second-order meta-gradient) is not supported"
             )
         pb: _Problem = ctx.problem
-        xs = [x.detach().requires_grad_() for x in pb.x]
-        thetas = list(pb.theta)
-        for i in pb.diff:
-            thetas[i] = thetas[i].detach().requires_grad_()
-        diff = [thetas[i] for i in pb.diff]
+        xs = pb.xs
         v = [torch.zeros_like(x) if c is None else c for c, x in zip(cotangents, xs, strict=True)]
-        with torch.enable_grad():
-            cond = pb.condition(
-                tree.unflatten(pb.x_spec, xs), tree.unflatten(pb.theta_spec, thetas)
-            )
-            f = _leaves_of(cond, pb.x_spec, "the condition", xs)
-            _check_graph([t for t in f if t.requires_grad], xs, diff)
-        f_diff = [t for t in f if t.requires_grad]
-        f_idx = [i for i, t in enumerate(f) if t.requires_grad]
+        f_idx = [i for i, t in enumerate(pb.f) if t.requires_grad]
+        f_diff = [pb.f[i] for i in f_idx]
 
         def vjp(wrt: list[Tensor], u: list[Tensor], create: bool = False) -> list[Tensor]:
             got = torch.autograd.grad(
@@ -196,7 +188,7 @@ class _Root(torch.autograd.Function):
 
         def rmatvec(w: Tree) -> Tree:  # (dF/dx) w, by differentiating the VJP in its cotangent
             if not jvp_graph:
-                z = [torch.zeros_like(t).requires_grad_() for t in f]
+                z = [torch.zeros_like(t).requires_grad_() for t in pb.f]
                 with torch.enable_grad():
                     jvp_graph.extend([z, vjp(xs, z, create=True)])
             z, g = jvp_graph
@@ -208,8 +200,7 @@ class _Root(torch.autograd.Function):
 
         sol = pb.solver(matvec, tree.unflatten(pb.x_spec, v), rmatvec, pb.batch_dims)
         _record(pb, sol)
-        u = tree.leaves(sol.x)
-        grads = vjp(diff, u) if diff else []
+        grads = vjp(pb.diff, tree.leaves(sol.x))
         return (None, *(-g for g in grads))
 
 
@@ -273,8 +264,11 @@ def root(
             :class:`ConvergenceWarning`, or ``"ignore"`` when the residual is above it.
         report: a :class:`Report` to fill in.
 
-    The gradient is first order: a backward with ``create_graph=True`` through it raises
-    rather than give a second derivative of zero.
+    The condition is evaluated once, at the call: its structure, its dependence on the
+    solution and the tensors it reads are checked there, and its graph is kept for the
+    backward solve (the memory of one evaluation, until the output's graph is freed). The
+    gradient is first order: a backward with ``create_graph=True`` through it raises rather
+    than give a second derivative of zero.
     Call it outside ``torch.func`` transforms; for many tasks, give them a leading axis and
     ``batch_dims=1``.
     """
@@ -303,37 +297,30 @@ def root(
             "batch_dims=1 needs every leaf of the solution to share its leading (task) axis; "
             f"got shapes {[tuple(t.shape) for t in x]}"
         )
-    x = [t.detach() for t in x]
     theta, theta_spec = tree.flatten(params)
-    # evaluated with grad enabled, since a condition may take gradients (of an inner loss)
+    idx = [i for i, t in enumerate(theta) if isinstance(t, Tensor) and t.requires_grad]
+    differentiable = bool(idx) and torch.is_grad_enabled()
+    # The condition is evaluated once, on graph leaves, with grad enabled (it may take
+    # gradients of an inner loss); the backward differentiates this same graph.
     with torch.enable_grad():
-        probe = [t.requires_grad_() for t in (v.detach() for v in x)]
-        detached = [t.detach() if isinstance(t, Tensor) else t for t in theta]
+        xs = [t.detach().requires_grad_() for t in x]
+        thetas = [t.detach() if isinstance(t, Tensor) else t for t in theta]
+        for i in idx if differentiable else []:
+            thetas[i].requires_grad_()
         f = _leaves_of(
-            condition(tree.unflatten(x_spec, probe), tree.unflatten(theta_spec, detached)),
+            condition(tree.unflatten(x_spec, xs), tree.unflatten(theta_spec, thetas)),
             x_spec,
             "the condition",
             x,
         )
-    f = [t.detach() for t in f]
-    norm = _dot(f, f, batch_dims).sqrt()
+    diff = [thetas[i] for i in idx] if differentiable else []
+    if differentiable:
+        _check_graph([t for t in f if t.requires_grad], xs, diff)
+    norm = _dot([t.detach() for t in f], [t.detach() for t in f], batch_dims).sqrt()
     if report is not None:
         report.condition = norm
-    diff = [i for i, t in enumerate(theta) if isinstance(t, Tensor) and t.requires_grad]
-    if not diff or not torch.is_grad_enabled():
-        return tree.unflatten(x_spec, x)
-    problem = _Problem(
-        condition,
-        x_spec,
-        x,
-        theta_spec,
-        theta,
-        diff,
-        solver,
-        batch_dims,
-        max_residual,
-        on_unsolved,
-        report,
-    )
-    out = _Root.apply(problem, *(theta[i] for i in diff))
+    if not differentiable:
+        return tree.unflatten(x_spec, [t.detach() for t in x])
+    problem = _Problem(x_spec, xs, diff, f, solver, batch_dims, max_residual, on_unsolved, report)
+    out = _Root.apply(problem, *(theta[i] for i in idx))
     return tree.unflatten(x_spec, out)

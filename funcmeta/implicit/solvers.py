@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -131,15 +132,16 @@ class _System:
         return self.dot(a, a).sqrt()
 
 
-class Solver:
-    """The interface of the solvers here: ``solver(matvec, b, rmatvec=None, batch_dims=0)``."""
+class Solver(abc.ABC):
+    """The interface of the solvers here: ``solver(matvec, b, rmatvec=None, batch_dims=0)``.
+    An abstract base: :func:`funcmeta.implicit.root` accepts its subclasses."""
 
     damping: float
 
+    @abc.abstractmethod
     def __call__(
         self, matvec: MatVec, b: Tree, rmatvec: MatVec | None = None, batch_dims: int = 0
-    ) -> Solution:  # pragma: no cover - the interface
-        raise NotImplementedError
+    ) -> Solution: ...
 
 
 @dataclass(frozen=True)
