@@ -43,7 +43,7 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta._functorch import peek_interpreter_stack
-from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot
+from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
 from funcmeta.tree import Tree
 
 __all__ = ["ConvergenceError", "Report", "root"]
@@ -110,19 +110,6 @@ class _Problem:
     max_residual: float | None
     on_unsolved: OnUnsolved
     report: Report | None
-
-
-def _leaves_of(out: Any, spec: Any, what: str, like: list[Tensor]) -> list[Tensor]:
-    leaves, got = tree.flatten(out)
-    if got != spec:
-        raise ValueError(f"{what} returned a tree of structure {got}, not the solution's {spec}")
-    for v, x in zip(leaves, like, strict=True):
-        if not isinstance(v, Tensor) or v.shape != x.shape:
-            shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-            raise ValueError(
-                f"{what} returned a leaf of shape {shape} where the solution has {tuple(x.shape)}"
-            )
-    return leaves
 
 
 def _check_graph(outs: list[Tensor], xs: list[Tensor], params: list[Tensor]) -> None:
@@ -307,11 +294,11 @@ def root(
         thetas = [t.detach() if isinstance(t, Tensor) else t for t in theta]
         for i in idx if differentiable else []:
             thetas[i].requires_grad_()
-        f = _leaves_of(
+        f = leaves_like(
             condition(tree.unflatten(x_spec, xs), tree.unflatten(theta_spec, thetas)),
             x_spec,
-            "the condition",
             x,
+            "the condition",
         )
     diff = [thetas[i] for i in idx] if differentiable else []
     if differentiable:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -81,6 +81,22 @@ def _expand(s: Tensor, like: Tensor) -> Tensor:
     return s.reshape(tuple(s.shape) + (1,) * (like.dim() - s.dim()))
 
 
+def leaves_like(out: Tree, spec: Any, like: list[Tensor], what: str) -> list[Tensor]:
+    """The leaves of ``out``, which must have structure ``spec`` and the shapes of ``like``
+    (what an operator or a condition returns for a tree of the solution's shape)."""
+    leaves, got = tree.flatten(out)
+    if got != spec:
+        raise ValueError(f"{what} returned a tree of structure {got}, not {spec}")
+    for v, x in zip(leaves, like, strict=True):
+        if not isinstance(v, Tensor) or v.shape != x.shape:
+            shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            raise ValueError(
+                f"{what} returned a leaf of shape {shape} where one of shape "
+                f"{tuple(x.shape)} belongs"
+            )
+    return leaves
+
+
 def _check_damping(damping: float) -> None:
     if not damping >= 0:
         raise ValueError(f"damping must be >= 0, got {damping}")
@@ -109,18 +125,7 @@ class _System:
 
     def apply(self, v: list[Tensor], fn: MatVec | None = None) -> list[Tensor]:
         out = (fn or self.matvec)(tree.unflatten(self.spec, v))
-        leaves, spec = tree.flatten(out)
-        if spec != self.spec:
-            raise ValueError(
-                f"the operator returned a tree of structure {spec}, not that of its input "
-                f"{self.spec}"
-            )
-        for got, want in zip(leaves, v, strict=True):
-            if got.shape != want.shape:
-                raise ValueError(
-                    f"the operator returned a leaf of shape {tuple(got.shape)} for one of "
-                    f"shape {tuple(want.shape)}"
-                )
+        leaves = leaves_like(out, self.spec, v, "the operator")
         if fn is None and self.damping:
             leaves = [a + self.damping * u for a, u in zip(leaves, v, strict=True)]
         return leaves
