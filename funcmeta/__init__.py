@@ -31,6 +31,7 @@ from funcmeta import (
     optim,
     options,
     recipes,
+    replay,
     snapshot,
     tasks,
     tree,
@@ -41,6 +42,7 @@ from funcmeta.inner import AdaptResult, NonFiniteError, adapt
 from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
 from funcmeta.options import AdaptOptions
+from funcmeta.replay import recomputing
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
 from funcmeta.tune import tune_task_chunk
 
@@ -73,6 +75,8 @@ __all__ = [
     "options",
     "optim",
     "recipes",
+    "recomputing",
+    "replay",
     "snapshot",
     "task_losses",
     "tasks",

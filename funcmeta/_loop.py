@@ -167,11 +167,6 @@ class _Inner:
             grads = [g * inv for g in grads]
         if not second:
             loss = loss.detach()
-        check = self.options.nonfinite
-        if check is not None and not _all_finite(loss, grads):
-            if check == "raise":
-                raise NonFiniteError(_nonfinite_message(k, loss, grads, self.names, self.tasks))
-            return leaves, state, buffers, loss, True
         grad_tree = tree.unflatten(self.spec, grads)
         if self.options.clip_grad_norm is not None:
             grad_tree = clip_grads_by_global_norm(
@@ -182,8 +177,18 @@ class _Inner:
             contextlib.nullcontext() if graph else torch.no_grad(),
             task_axis(self.tasks is not None),
         ):
-            adapted, state = optim_step(self.opt, grad_tree, state, adapted)
-        return self.spec.flatten_up_to(adapted), state, new_buffers, loss, False
+            adapted, new_state = optim_step(self.opt, grad_tree, state, adapted)
+        new_leaves = self.spec.flatten_up_to(adapted)
+        check = self.options.nonfinite
+        # what the step produced is checked too: an overflowing update (a huge rate, fp16)
+        # makes finite gradients into non-finite parameters; one host sync for all of it
+        if check is not None and not _all_finite(loss, grads, new_leaves):
+            if check == "raise":
+                raise NonFiniteError(
+                    _nonfinite_message(k, loss, grads, new_leaves, self.names, self.tasks)
+                )
+            return leaves, state, buffers, loss, True
+        return new_leaves, new_state, new_buffers, loss, False
 
 
 def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
@@ -223,16 +228,21 @@ def _run(
             if k == truncate and not first_order:
                 kernel_choice.enter_context(kernels.twice_differentiable())
             graph = k >= truncate
-            leaves, state, buffers, loss, was_skipped = _one_step(
-                inner,
-                k,
-                graph,
-                graph and not first_order,
-                outer,
-                leaves,
-                state,
-                buffers,
-            )
+            try:
+                leaves, state, buffers, loss, was_skipped = _one_step(
+                    inner,
+                    k,
+                    graph,
+                    graph and not first_order,
+                    outer,
+                    leaves,
+                    state,
+                    buffers,
+                )
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not _out_of_memory(error):
+                    raise
+                raise _memory_error(error, k, steps, inner.options) from error
             losses.append(loss)
             if was_skipped:
                 skipped.append(k)
@@ -242,6 +252,35 @@ def _run(
     final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
     stacked = torch.stack(losses) if losses else torch.empty(0)
     return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    """Whether ``error`` is an allocator failure (CUDA's ``OutOfMemoryError``, or the CPU
+    allocator's "can't allocate memory")."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if oom is not None and isinstance(error, oom):
+        return True
+    message = str(error)
+    return "out of memory" in message.lower() or "can't allocate memory" in message
+
+
+def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions) -> Exception:
+    """``error`` again, its message naming the step and the options that bound the memory."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    held = "" if options.first_order else " (each second-order step keeps its graph)"
+    message = (
+        f"out of memory at inner step {k} of {steps}{held}: {first}\n"
+        "The inner loop's memory grows with the number of steps. To bound it: "
+        "checkpoint_steps=True keeps only each step's parameters and recomputes the steps in "
+        "the outer backward (same meta-gradients), and first_order=True or truncate= keeps no "
+        "graph of the steps; per-layer checkpointing (functional_model(..., "
+        "checkpoint_layers=...)) lowers what each step keeps. Fewer steps or tasks per call "
+        "(task_chunk=) also help."
+    )
+    try:
+        return type(error)(message)
+    except Exception:  # pragma: no cover - an error type with another constructor
+        return RuntimeError(message)
 
 
 def _one_step(
@@ -350,26 +389,47 @@ def _fill_unused(
     return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wrt, strict=True)]
 
 
-def _all_finite(loss: Tensor, grads: list[Tensor]) -> bool:
-    checks = [torch.isfinite(loss).all()] + [torch.isfinite(g).all() for g in grads]
+def _all_finite(loss: Tensor, grads: list[Tensor], params: list[Tensor]) -> bool:
+    checks = [torch.isfinite(loss).all()] + [torch.isfinite(t).all() for t in (*grads, *params)]
     return bool(torch.stack(checks).all())
 
 
+def _finite_tasks(tensors: list[Tensor], start: Tensor) -> Tensor:
+    finite = start
+    for t in tensors:
+        finite = finite & torch.isfinite(t).flatten(1).all(1)
+    return finite
+
+
 def _nonfinite_message(
-    k: int, loss: Tensor, grads: list[Tensor], names: list[str], tasks: int | None
+    k: int,
+    loss: Tensor,
+    grads: list[Tensor],
+    params: list[Tensor],
+    names: list[str],
+    tasks: int | None,
 ) -> str:
-    bad = [n for n, g in zip(names, grads, strict=True) if not bool(torch.isfinite(g).all())]
+    bad_grads = [n for n, g in zip(names, grads, strict=True) if not bool(torch.isfinite(g).all())]
+    if bool(torch.isfinite(loss).all()) and not bad_grads:
+        bad = [n for n, p in zip(names, params, strict=True) if not bool(torch.isfinite(p).all())]
+        where = ""
+        if tasks is not None:
+            finite = _finite_tasks(params, torch.ones(tasks, dtype=torch.bool, device=loss.device))
+            where = f" in tasks {(~finite).nonzero().flatten().tolist()}"
+        return (
+            f"inner step {k}: the loss and gradients were finite, but the update made the "
+            f"parameters {bad} non-finite{where} (the step overflowed): lower the learning "
+            "rate, clip the gradients (clip_grad_norm=), or adapt in a wider dtype"
+        )
     what = "loss" if not bool(torch.isfinite(loss).all()) else "gradient"
     where = ""
     if tasks is not None:
-        finite = torch.isfinite(loss)
-        for g in grads:
-            finite = finite & torch.isfinite(g).flatten(1).all(1)
+        finite = _finite_tasks(grads, torch.isfinite(loss))
         where = f" in tasks {(~finite).nonzero().flatten().tolist()}"
         value = loss.detach().float().tolist()
     else:
         value = loss.detach().float().item()
     return (
         f"inner step {k}: non-finite {what}{where} (loss={value}); parameters with "
-        f"non-finite gradients: {bad}"
+        f"non-finite gradients: {bad_grads}"
     )

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import kernels
+from funcmeta.replay import recomputation
 
 try:  # torch's pytree registry on optree: registered types (HuggingFace ModelOutput)
     import torch.utils._cxx_pytree as torch_pytree
@@ -127,7 +128,16 @@ class _Run:
     """One call of :func:`remat`: the function, the structure of its arguments and outputs,
     and the state its recomputations replay. Lives as long as the graph that holds it."""
 
-    __slots__ = ("args_spec", "fn", "leaves", "out_leaves", "out_spec", "replay", "slots")
+    __slots__ = (
+        "args_spec",
+        "constant",
+        "fn",
+        "leaves",
+        "out_leaves",
+        "out_spec",
+        "replay",
+        "slots",
+    )
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.fn = fn
@@ -137,6 +147,7 @@ class _Run:
         self.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
+        self.constant: list[bool] = []
         self.replay: _Replay | None = None
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
@@ -160,7 +171,11 @@ class _Run:
             out = self.call(inputs)
         leaves, self.out_spec = torch_pytree.tree_flatten(out)
         self.out_leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
-        return [x.detach() for x in leaves if isinstance(x, Tensor)]
+        outs = [x for x in leaves if isinstance(x, Tensor)]
+        # an output with no gradient history (a constant such as T5's zero position bias)
+        # stays a constant: no gradient flows into it, and none is asked of it
+        self.constant = [not x.requires_grad for x in outs]
+        return [x.detach() for x in outs]
 
     def output(self, tensors: tuple[Tensor, ...]) -> Any:
         leaves = list(self.out_leaves)
@@ -171,7 +186,7 @@ class _Run:
     def again(self, tensors: tuple[Tensor, ...]) -> list[Tensor]:
         """A recomputation's tensor outputs, under the state of the first run."""
         assert self.replay is not None
-        with self.replay():
+        with self.replay(), recomputation():
             out = self.call(tensors)
         return [x for x in torch_pytree.tree_leaves(out) if isinstance(x, Tensor)]
 
@@ -219,7 +234,9 @@ class _Remat(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
         outs = run.first(tensors)
-        fixed = [o for o in outs if not _differentiable(o)]
+        fixed = [
+            o for o, c in zip(outs, run.constant, strict=True) if c or not _differentiable(o)
+        ]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
         return tuple(outs)
@@ -229,7 +246,7 @@ class _Remat(torch.autograd.Function):
         run: _Run = ctx.run
         tensors = ctx.saved_tensors
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
-        picked = [i for i, g in enumerate(grads) if g is not None]
+        picked = [i for i, g in enumerate(grads) if g is not None and not run.constant[i]]
         result: list[Tensor | None] = [None] * (1 + len(tensors))
         if not wanted or not picked:
             return tuple(result)

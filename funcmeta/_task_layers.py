@@ -15,6 +15,11 @@ next without a copy.
   channels, with per-task (or shared) affine parameters and per-task running statistics,
   updated in place as the layer would.
 - :class:`TaskPool`: max, average and adaptive average pooling on the same layout.
+- :class:`TaskEmbedding`: ``nn.Embedding`` with a ``padding_idx``. vmap's rule for the
+  embedding backward sends gradient into the padding row when the weight is batched; the
+  stand-in looks the rows up without ``padding_idx`` and passes the padding positions' values
+  on as constants, so the padding row gets no gradient, in first and second order, as in a
+  per-task loop.
 
 Each computes exactly what the layer computes per task (the same kernels on the same numbers
 per channel). A layer with hooks, and a call these do not cover (unbatched input, a
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -40,7 +46,7 @@ from funcmeta._functorch import (
 )
 from funcmeta._shadow import Standin, has_hooks, within
 
-__all__ = ["TaskBatchNorm", "TaskConv", "TaskPool", "task_standins"]
+__all__ = ["TaskBatchNorm", "TaskConv", "TaskEmbedding", "TaskPool", "task_standins"]
 
 _CONV = {nn.Conv1d: (1, F.conv1d), nn.Conv2d: (2, F.conv2d), nn.Conv3d: (3, F.conv3d)}
 _NORM = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
@@ -173,10 +179,25 @@ class TaskPool(Standin):
         return _ungrouped(m.forward(xg), tasks, level)
 
 
+class TaskEmbedding(Standin):
+    """Stands in for ``nn.Embedding`` with a ``padding_idx`` under task batching: the lookup
+    without ``padding_idx``, the padding positions' values detached, so that no gradient
+    reaches the padding row (vmap's embedding backward rule would send it there)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        pad = m.padding_idx
+        if has_hooks(m) or pad is None or not (is_batched(x) or is_batched(m.weight)):
+            return m(x)
+        out = F.embedding(x, m.weight, None, None, 2.0, m.scale_grad_by_freq, m.sparse)
+        return torch.where((x == pad).unsqueeze(-1), out.detach(), out)
+
+
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
     """The stand-ins of the task-batched runner, by submodule name: :class:`TaskLoop` for
     recurrent layers (outermost), and outside them the fast paths of ``nn.Linear``
-    (:class:`funcmeta._functorch.TaskLinear`), convolutions, BatchNorm and pooling. Exact
+    (:class:`funcmeta._functorch.TaskLinear`), convolutions, BatchNorm and pooling, and the
+    exact path of embeddings with a padding index. Exact
     types only: a subclass (a parametrized layer included) may compute something else."""
     if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
         return {}
@@ -194,4 +215,6 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
             out[name] = TaskBatchNorm
         elif kind in _POOL:
             out[name] = TaskPool
+        elif kind is nn.Embedding and m.padding_idx is not None:
+            out[name] = TaskEmbedding
     return out

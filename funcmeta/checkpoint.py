@@ -138,9 +138,10 @@ class _Checkpointed(Standin):
     """Runs its layer as a checkpointed pure function (see the module docstring). ``inner``
     runs like the layer: the layer itself, or a shadow of it with stand-ins inside."""
 
-    def __init__(self, original: nn.Module, inner: nn.Module) -> None:
+    def __init__(self, original: nn.Module, inner: nn.Module, name: str = "") -> None:
         super().__init__(original)
         self.__dict__["_fm_inner"] = inner
+        self.__dict__["_fm_name"] = name
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.__dict__["_fm_original"]
@@ -148,6 +149,7 @@ class _Checkpointed(Standin):
         pnames, ptensors = named_tensors(original.named_parameters())
         bnames, btensors = named_tensors(original.named_buffers())
         n_p, n_b = len(pnames), len(bnames)
+        _refuse_cache(self.__dict__["_fm_name"], args, kwargs)
         calls = [0]
 
         def layer_fn(inputs: tuple[Any, ...], kw: dict[str, Any], live: list[Tensor]) -> Any:
@@ -179,6 +181,30 @@ class _Checkpointed(Standin):
         return remat(lambda inp, kw: layer_fn(inp, kw, btensors), inputs, kwargs)
 
 
+def _is_kv_cache(value: Any) -> bool:
+    """Whether ``value`` is a HuggingFace key/value cache (a ``transformers`` ``Cache``)."""
+    return any(
+        c.__name__ == "Cache" and c.__module__.startswith("transformers")
+        for c in type(value).__mro__
+    )
+
+
+def _refuse_cache(layer: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise if a checkpointed layer is given a key/value cache: its first run appends to the
+    cache, and every recomputation would append again and attend to the stale entries
+    (silently wrong gradients)."""
+    given = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    for where, value in given:
+        if _is_kv_cache(value):
+            raise ValueError(
+                f"checkpointed layer {layer!r} was given a key/value cache ({where}="
+                f"{type(value).__name__}): each recomputation of the layer would append to "
+                "it again. Turn the cache off: build the model with config.use_cache=False, "
+                "or call it with use_cache=False (HuggingFace does the same for gradient "
+                "checkpointing)"
+            )
+
+
 def checkpointed_runner(
     module: nn.Module,
     names: list[str],
@@ -197,7 +223,7 @@ def checkpointed_runner(
         inside = {relative(name, n): make for name, make in standins.items() if within(name, n)}
         inner, inner_copies = shadow(layer, inside)
         copies += inner_copies
-        replace[n] = functools.partial(_Checkpointed, inner=inner)
+        replace[n] = functools.partial(_Checkpointed, inner=inner, name=n)
     for name, make in standins.items():
         if not any(within(name, n) for n in names):
             replace[name] = make

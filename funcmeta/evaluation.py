@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
+from funcmeta._loop import NonFiniteError
 from funcmeta.data.episodes import EpisodeBatch, Episodes
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import adapt
@@ -145,7 +147,7 @@ def evaluate(
     episodes: Episodes | EpisodeBatch,
     opt: GradientTransformation | None = None,
     *,
-    steps: int = 0,
+    steps: int | None = None,
     method: str | Callable[[Tensor, Tensor, Tensor, int], Tensor] = "adapt",
     num_episodes: int = 600,
     batch_tasks: int = 32,
@@ -160,7 +162,8 @@ def evaluate(
     seed, the same episodes), or an :class:`funcmeta.data.EpisodeBatch` of fixed episodes
     (such as :func:`funcmeta.data.load_omniglot_runs`), all of which are scored.
 
-    ``method="adapt"`` (MAML and its family): ``steps`` steps of ``opt`` on each episode's
+    ``method="adapt"`` (MAML and its family): ``steps`` steps (required, as everywhere; 0
+    scores the unadapted model) of ``opt`` on each episode's
     support set from ``params``, as in :func:`funcmeta.adapt_tasks` (``options`` are its
     inner-loop options: ``trainable=`` for ANIL, ...), then the query set's predictions are
     the adapted model's argmax. ``method="prototypes"`` (Prototypical Networks): the model is
@@ -172,7 +175,8 @@ def evaluate(
     columns. Episodes go ``batch_tasks`` at a time through the task-batched calls;
     ``batch_tasks=1`` runs them one by one through :func:`funcmeta.adapt` (models that
     cannot be batched). No graph is kept: everything runs under ``torch.no_grad``, the inner
-    steps first order (as they are under ``no_grad`` anyway).
+    steps first order (as they are under ``no_grad`` anyway). Non-finite query logits raise
+    :class:`funcmeta.NonFiniteError`: an argmax of NaN would score as chance.
     """
     check_model(fmodel)
     head = method if callable(method) else None
@@ -184,9 +188,13 @@ def evaluate(
     if method == "adapt":
         if opt is None:
             raise TypeError("method='adapt' needs the inner optimizer opt")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-    elif opt is not None or steps or options:
+        if steps is None:
+            raise TypeError(
+                "method='adapt' needs steps=, the number of inner steps on each support set "
+                "(steps=0 scores the unadapted model)"
+            )
+        check_int(steps, "steps")
+    elif opt is not None or steps is not None or options:
         what = "a head" if head is not None else "method='prototypes'"
         raise TypeError(f"{what} adapts nothing: it takes no opt, steps or options")
     scores = []
@@ -208,6 +216,14 @@ def evaluate(
                     batch_tasks > 1,
                     options,
                 )[..., :ways]
+            if not bool(torch.isfinite(logits).all()):
+                bad = (~torch.isfinite(logits)).flatten(1).any(1).nonzero().flatten()
+                raise NonFiniteError(
+                    f"the query logits of {len(bad)} of {len(logits)} episodes in this batch "
+                    f"are NaN or infinite (episodes {bad.tolist()[:10]} of the batch): an "
+                    "argmax of them is no score. Check the model and params (and the inner "
+                    "steps' learning rate)"
+                )
             scores.append((logits.argmax(-1) == batch.y_query).double().mean(-1))
     per_episode = torch.cat(scores)
     mean, half = mean_ci(per_episode)

@@ -30,6 +30,7 @@ from funcmeta._functorch import any_batched, call_outside_vmap, recurrent_layers
 from funcmeta._shadow import sync_training
 from funcmeta._task_layers import task_standins
 from funcmeta.checkpoint import CheckpointSpec, checkpointed_runner, select
+from funcmeta.replay import recomputation
 
 __all__ = ["FunctionalModel", "check_keys", "functional_model"]
 
@@ -57,6 +58,7 @@ class FunctionalModel:
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
+        _check_layers(module)
         self.module = module
         self.task_chunk = task_chunk
         self.checkpointed = select(module, checkpoint_layers)
@@ -216,7 +218,7 @@ class FunctionalModel:
         devices = sorted(
             {t.device.index or 0 for t in self._params.values() if t.device.type == "cuda"}
         )
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
                 self._run(*task_run, *inputs)
             except RuntimeError as error:
@@ -297,6 +299,30 @@ def _vmap_limit(error: RuntimeError) -> bool:
     """Whether ``error`` is vmap saying it cannot batch something."""
     message = str(error).lower()
     return any(text in message for text in _VMAP_LIMITS)
+
+
+def _check_layers(module: nn.Module) -> None:
+    """Refuse layers whose forward or gradient cannot be a pure, differentiable function of
+    the parameters passed in: embeddings with ``max_norm`` (the forward renormalises the
+    weight in place, which would overwrite the initial parameters) or ``sparse=True`` (sparse
+    gradients, which the optimizers' tree maps cannot take)."""
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.Embedding | nn.EmbeddingBag):
+            continue
+        what = f"{type(m).__name__} {name or '(the root module)'!r}"
+        if m.max_norm is not None:
+            raise ValueError(
+                f"{what} has max_norm={m.max_norm}: its forward renormalises the weight in "
+                "place, which would overwrite the parameters passed in (the initial, "
+                "meta-learned ones included). Build it with max_norm=None and normalise in "
+                "the model instead (for example a parametrization that divides each row by "
+                "max(1, norm / max_norm))"
+            )
+        if m.sparse:
+            raise ValueError(
+                f"{what} has sparse=True: its gradient is a sparse tensor, which the "
+                "differentiable optimizers cannot take. Build it with sparse=False"
+            )
 
 
 def check_keys(given: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:

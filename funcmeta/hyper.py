@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcmeta import tree
+from funcmeta._check import check_int, check_real
 from funcmeta.tree import Tree
 
 __all__ = [
@@ -53,6 +54,7 @@ Kind = Literal["scalar", "per_layer", "per_tensor", "per_element"]
 
 
 def _inverse(value: float, parameterization: Parameterization) -> float:
+    check_real(value, "init")
     if parameterization == "raw":
         return float(value)
     if value <= 0:
@@ -143,9 +145,7 @@ class HyperTree(nn.Module):
 def _lead(steps: int | None) -> tuple[int, ...]:
     if steps is None:
         return ()
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive int or None, got {steps!r}")
-    return (steps,)
+    return (check_int(steps, "steps (None, or the number of per-step values)", low=1),)
 
 
 def _template(params: Tree) -> tuple[list[str], list[Tensor], optree.PyTreeSpec]:

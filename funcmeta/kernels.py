@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from funcmeta.replay import recomputation
+
 __all__ = [
     "KernelState",
     "capture",
@@ -193,4 +195,22 @@ def recompute_with(
 ) -> Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward runs as it is,
     the recomputation under ``state`` (the choice captured when the forward ran)."""
-    return lambda: (contextlib.nullcontext(), restore(state))
+    return lambda: (contextlib.nullcontext(), _Recompute(state))
+
+
+class _Recompute(restore):
+    """:class:`restore`, and the block marked for :func:`funcmeta.recomputing`. Reusable."""
+
+    def __init__(self, state: KernelState) -> None:
+        super().__init__(state)
+        self._marks: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        mark = recomputation()
+        mark.__enter__()
+        self._marks.append(mark)
+
+    def __exit__(self, *exc: object) -> None:
+        self._marks.pop().__exit__(None, None, None)
+        super().__exit__(*exc)

@@ -102,7 +102,7 @@ class AdaptOptions:
                 f"on_nonfinite must be None, 'raise' or 'skip', got {self.on_nonfinite!r}"
             )
         if self.clip_grad_norm is not None:
-            check_max_norm(self.clip_grad_norm)
+            check_max_norm(self.clip_grad_norm, "clip_grad_norm")
 
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> AdaptOptions:

@@ -38,11 +38,16 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import glob
+import hashlib
 import os
 import pickle
 import random
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,10 +58,11 @@ from torch import Tensor, nn
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
 
-FORMAT = 2
-"""The snapshot format this version writes. It reads this one and format 1 (NumPy's random
-state as an array, which a safe load refuses: such a file loads only if NumPy was not in
-use)."""
+FORMAT = 3
+"""The snapshot format this version writes: format 2 with a SHA-256 checksum of every tensor's
+bytes and of everything else in the file, verified on load. It reads formats 2 (no checksums)
+and 1 (NumPy's random state as an array, which a safe load refuses: such a file loads only if
+NumPy was not in use)."""
 
 
 class SnapshotError(ValueError):
@@ -102,27 +108,109 @@ def _restore_random(states: Mapping[str, Any]) -> None:
 
 
 _PLAIN = (str, int, float, bool, type(None))
+_CONVERT = {
+    int: "int(x)",
+    float: "float(x)",
+    str: "str(x)",
+    bool: "bool(x)",
+    list: "list(x)",
+    tuple: "tuple(x)",
+    dict: "dict(x)",
+}
 
 
-def _check_extra(value: Any, where: str) -> None:
+def _check_extra(value: Any, where: str, path: frozenset[int] = frozenset()) -> None:
     """``extra`` holds tensors, numbers, strings, None, and lists, tuples and dicts (with
-    string keys) of them: what loads without running code."""
-    if isinstance(value, (Tensor, *_PLAIN)):
+    string keys) of them, of exactly those types: what :func:`load` reads without running code.
+    Subclasses (``np.float64``, an ``IntEnum``, a namedtuple, a ``defaultdict``, a tensor
+    subclass) would be refused at load, so they are refused here, with the conversion that
+    makes them plain."""
+    kind = type(value)
+    if kind in _PLAIN or kind is Tensor or kind is nn.Parameter:
         return
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            _check_extra(item, f"{where}[{i}]")
+    if kind in (list, tuple, dict):
+        if id(value) in path:
+            raise ValueError(f"{where} contains itself; extra must be a tree, not a cycle")
+        inner = path | {id(value)}
+        if kind is dict:
+            for key, item in value.items():
+                if type(key) is not str:
+                    raise TypeError(f"{where} has the key {key!r}; extra takes string keys only")
+                _check_extra(item, f"{where}[{key!r}]", inner)
+        else:
+            for i, item in enumerate(value):
+                _check_extra(item, f"{where}[{i}]", inner)
         return
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise TypeError(f"{where} has the key {key!r}; extra takes string keys only")
-            _check_extra(item, f"{where}[{key!r}]")
-        return
+    if isinstance(value, Tensor):
+        convert = "x.as_subclass(torch.Tensor)"
+    else:
+        convert = next((c for base, c in _CONVERT.items() if isinstance(value, base)), None)
+    hint = f"; convert it ({convert}) before saving" if convert else ""
     raise TypeError(
-        f"{where} is a {type(value).__name__}; extra holds tensors, numbers, strings, None, "
-        "and lists, tuples and dicts of them (what loads without running code)"
+        f"{where} is a {_type_name(kind)}; extra holds tensors, numbers, "
+        "strings, None, and lists, tuples and dicts of them, of exactly those types (what "
+        f"loads without running code){hint}"
     )
+
+
+def _type_name(kind: type) -> str:
+    module = kind.__module__
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def _digest_tensor(t: Tensor) -> str:
+    data = t.detach().cpu().contiguous().clone()
+    h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+    h.update(bytes(data.untyped_storage()))
+    return h.hexdigest()
+
+
+def _checksums(payload: Mapping[str, Any]) -> dict[str, str]:
+    """SHA-256 of each tensor's bytes (dtype and shape included), by its path in the
+    payload, and under ``""`` of everything else (the structure, numbers and strings)."""
+    sums: dict[str, str] = {}
+
+    def walk(value: Any, where: str) -> Any:
+        if isinstance(value, Tensor):
+            sums[where] = _digest_tensor(value)
+            return "<tensor>"
+        if isinstance(value, Mapping):
+            return [(repr(k), walk(v, f"{where}[{k!r}]")) for k, v in value.items()]
+        if isinstance(value, list | tuple):
+            return [type(value).__name__, *(walk(v, f"{where}[{i}]") for i, v in enumerate(value))]
+        return repr(value)
+
+    rest = walk({k: v for k, v in payload.items() if k != "checksums"}, "")
+    sums[""] = hashlib.sha256(repr(rest).encode()).hexdigest()
+    return sums
+
+
+def _temp_files(target: Path) -> list[Path]:
+    """Temporary files that interrupted saves of ``target`` left behind: those of processes
+    that are gone (the pid is in the name), and unnamed ones older than an hour."""
+    stale = []
+    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        middle = tmp.name[len(target.name) + 2 : -len(".tmp")]
+        pid = middle.split(".", 1)[0]
+        try:
+            if pid.isdigit() and middle.count(".") == 1:
+                if int(pid) != os.getpid() and not _alive(int(pid)):
+                    stale.append(tmp)
+            elif time.time() - tmp.stat().st_mtime > 3600:
+                stale.append(tmp)
+        except OSError:
+            continue
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def save(
@@ -145,7 +233,7 @@ def save(
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     extra = dict(extra or {})
     _check_extra(extra, "extra")
-    payload = {
+    payload: dict[str, Any] = {
         "format": FORMAT,
         "step": step,
         "modules": {k: m.state_dict() for k, m in (modules or {}).items()},
@@ -154,9 +242,17 @@ def save(
         "random": _random_states(),
         "extra": extra,
     }
+    payload["checksums"] = _checksums(payload)
     target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a directory; pass the path of the snapshot file")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    for stale in _temp_files(target):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
@@ -177,6 +273,8 @@ def save(
 
 def _read(path: Path, map_location: Any) -> dict[str, Any]:
     """The payload of a snapshot file, read without running code, its format checked."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; pass the path of the snapshot file")
     if not path.is_file():
         raise FileNotFoundError(f"no snapshot at {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes zip archives; a cut one has no index
@@ -207,8 +305,23 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
     if found < 1:
         raise SnapshotError(f"{path} has no valid snapshot format number ({found})")
     missing = {"step", "modules", "optimizers", "generators", "random", "extra"} - payload.keys()
+    if found >= 3:
+        missing |= {"checksums"} - payload.keys()
     if missing:
         raise SnapshotError(f"{path} is not a complete funcmeta snapshot: no {sorted(missing)}")
+    if found >= 3:
+        saved = payload["checksums"]
+        now = _checksums(payload)
+        if not isinstance(saved, dict) or saved != now:
+            keys = saved.keys() | now.keys() if isinstance(saved, dict) else now.keys()
+            bad = sorted(
+                k for k in keys if not isinstance(saved, dict) or saved.get(k) != now.get(k)
+            )
+            names = ", ".join("the numbers and structure" if k == "" else k for k in bad[:5])
+            raise SnapshotError(
+                f"{path} is corrupt: its data does not match the checksums written with it "
+                f"({names}{', ...' if len(bad) > 5 else ''}); nothing was restored"
+            )
     return payload
 
 
@@ -242,11 +355,89 @@ def load(
             raise ValueError(
                 f"{kind} do not match the saved state: not given {missing}, not saved {unexpected}"
             )
-    for name, module in given["modules"].items():
-        module.load_state_dict(payload["modules"][name])
-    for name, optimizer in given["optimizers"].items():
-        optimizer.load_state_dict(payload["optimizers"][name])
-    for name, generator in given["generators"].items():
-        generator.set_state(payload["generators"][name])
-    _restore_random(payload["random"])
+    _check_shapes(path, given["modules"], payload["modules"])
+    restore = [
+        *(
+            _Restorer(f"modules[{n!r}]", m, payload["modules"][n])
+            for n, m in given["modules"].items()
+        ),
+        *(
+            _Restorer(f"optimizers[{n!r}]", o, payload["optimizers"][n])
+            for n, o in given["optimizers"].items()
+        ),
+        *(
+            _Restorer(f"generators[{n!r}]", g, payload["generators"][n])
+            for n, g in given["generators"].items()
+        ),
+    ]
+    before_random = _random_states()
+    done: list[_Restorer] = []
+    try:
+        for r in restore:
+            r.apply()
+            done.append(r)
+        _restore_random(payload["random"])
+    except Exception as e:
+        for r in reversed(done):
+            r.undo()
+        _restore_random(before_random)
+        failed = restore[len(done)].name if len(done) < len(restore) else "the random states"
+        raise SnapshotError(
+            f"{path}: restoring {failed} failed ({type(e).__name__}: {e}); nothing was "
+            "restored (what had been was put back)"
+        ) from e
     return Snapshot(payload["step"], payload["extra"])
+
+
+def _check_shapes(path: Path, modules: Mapping[str, nn.Module], saved: Mapping[str, Any]) -> None:
+    """Every saved module state has the module's entries and shapes, checked before anything
+    is restored."""
+    for name, module in modules.items():
+        want = module.state_dict()
+        state = saved[name]
+        if not isinstance(state, Mapping):
+            raise SnapshotError(f"{path}: modules[{name!r}] is not a state dict")
+        missing = sorted(want.keys() - state.keys())
+        unexpected = sorted(state.keys() - want.keys())
+        if missing or unexpected:
+            raise SnapshotError(
+                f"{path}: modules[{name!r}] does not match the module: missing {missing}, "
+                f"unexpected {unexpected}; nothing was restored"
+            )
+        for key, value in want.items():
+            got = state[key]
+            if isinstance(value, Tensor) and (
+                not isinstance(got, Tensor) or got.shape != value.shape
+            ):
+                shape = tuple(got.shape) if isinstance(got, Tensor) else type(got).__name__
+                raise SnapshotError(
+                    f"{path}: modules[{name!r}][{key!r}] has shape {shape}; the module has "
+                    f"{tuple(value.shape)}; nothing was restored"
+                )
+
+
+class _Restorer:
+    """Restores one object from its saved state, keeping a copy of its state before, to put
+    back if a later restore fails."""
+
+    def __init__(self, name: str, obj: Any, state: Any) -> None:
+        self.name, self.obj, self.state = name, obj, state
+        self.before: Any = None
+
+    def apply(self) -> None:
+        obj = self.obj
+        if isinstance(obj, torch.Generator):
+            self.before = obj.get_state()
+            obj.set_state(self.state)
+        elif isinstance(obj, nn.Module):
+            self.before = {k: v.clone() for k, v in obj.state_dict().items()}
+            obj.load_state_dict(self.state)
+        else:
+            self.before = copy.deepcopy(obj.state_dict())
+            obj.load_state_dict(self.state)
+
+    def undo(self) -> None:
+        if isinstance(self.obj, torch.Generator):
+            self.obj.set_state(self.before)
+        else:
+            self.obj.load_state_dict(self.before)

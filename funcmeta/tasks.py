@@ -144,7 +144,8 @@ def _flat_vmap(
     vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
     of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
     time without vmap for 1) and the outputs are concatenated."""
-    flat, spec = optree.tree_flatten(trees, none_is_leaf=False)
+    # None is a leaf of both (an absent input, ``targets=None``): it passes through unbatched
+    flat, spec = optree.tree_flatten(trees, none_is_leaf=True)
     flat_dims = optree.tree_flatten(dims, none_is_leaf=True)[0]
     if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
         raise AssertionError("in_dims do not line up with the arguments")

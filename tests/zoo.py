@@ -29,6 +29,9 @@ class Entry:
     batch: Callable[[int, torch.Generator], tuple[Any, Any]]
     loss: Callable[[Any, Any], Tensor]
     checkpoint: Any
+    # relative tolerance of the float64 comparisons: 1e-8, or looser for a model that rounds
+    # to float32 inside (T5's RMS norm computes its variance in float32 whatever the input)
+    rtol: float = 1e-8
 
 
 def _normal(g: torch.Generator, *shape: int) -> Tensor:
@@ -200,6 +203,52 @@ def _gpt2() -> nn.Module:
     return GPT2Model(config)
 
 
+def _t5() -> nn.Module:
+    pytest.importorskip("transformers")
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=13,
+        d_model=D,
+        d_kv=4,
+        d_ff=16,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        use_cache=False,  # see _gpt2
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def _t5_batch(n: int, g: torch.Generator) -> tuple[Any, Any]:
+    """An encoder-decoder batch with both masks and ``labels=``: the model computes its own
+    loss (the targets are the labels again, for the tests' per-task slicing)."""
+    ids = torch.randint(1, 13, (n, L), generator=g)
+    mask = torch.ones(n, L, dtype=torch.long)
+    mask[:, -1:] = 0
+    decoder_ids = torch.randint(1, 13, (n, L - 1), generator=g)
+    decoder_mask = torch.ones(n, L - 1, dtype=torch.long)
+    decoder_mask[:, -1:] = 0
+    labels = torch.randint(1, 13, (n, L - 1), generator=g)
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "decoder_input_ids": decoder_ids,
+        "decoder_attention_mask": decoder_mask,
+        "labels": labels,
+    }
+    return inputs, labels
+
+
+def _own_loss(out: Any, _labels: Tensor) -> Tensor:
+    return out.loss
+
+
 def _entry(name: str) -> Entry:
     if name == "encoder-train":
         return _encoder(True)
@@ -257,6 +306,10 @@ def _entry(name: str) -> Entry:
         return Entry(_bert(), _hf_batch(13), _hf_loss, "sequential")
     if name == "hf-gpt2":
         return Entry(_gpt2(), _hf_batch(13), _hf_loss, "sequential")
+    if name == "hf-t5":
+        # per-layer checkpointing of each block: the decoder's first block returns a position
+        # bias with no gradient history (a constant)
+        return Entry(_t5(), _t5_batch, _own_loss, "sequential", rtol=1e-5)
     raise KeyError(name)
 
 
@@ -278,6 +331,7 @@ NAMES = [
     "hooks",
     "hf-bert",
     "hf-gpt2",
+    "hf-t5",
 ]
 
 

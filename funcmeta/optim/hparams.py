@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from numbers import Real
 from typing import Any
@@ -64,27 +65,34 @@ def check_number(
     high: float | None = None,
     include_high: bool = False,
 ) -> None:
-    """Range check for a hyperparameter given as a Python number; tensors are not inspected."""
+    """Range check for a hyperparameter given as a Python number (NaN and infinities are
+    refused); tensors are not inspected (that would cost a device sync per call)."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a number, a tensor, a tree of tensors or a schedule")
     if not is_number(value):
         return
+    if not math.isfinite(value):
+        raise ValueError(f"invalid {name}: {value} (must be a finite number)")
     if value < low or (high is not None and (value > high if include_high else value >= high)):
         limit = "" if high is None else f" and {'<=' if include_high else '<'} {high}"
         raise ValueError(f"invalid {name}: {value} (must be >= {low}{limit})")
 
 
-def check_max_norm(max_norm: Any) -> None:
-    """A clipping norm: a number (>= 0) or a 0-d tensor."""
+def check_max_norm(max_norm: Any, name: str = "max_norm") -> None:
+    """A clipping norm: a finite number (>= 0) or a 0-d tensor."""
     if isinstance(max_norm, Tensor):
         if max_norm.dim() != 0:
             raise ValueError(
-                f"max_norm must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
+                f"{name} must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
             )
     elif is_number(max_norm):
-        check_number(max_norm, "max_norm")
+        if not math.isfinite(max_norm):
+            raise ValueError(
+                f"invalid {name}: {max_norm} (must be a finite number; None means no clipping)"
+            )
+        check_number(max_norm, name)
     else:
-        raise TypeError(f"max_norm must be a number or a 0-d tensor, got {type(max_norm).__name__}")
+        raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(max_norm).__name__}")
 
 
 def per_leaf(

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import kernels
+from funcmeta._check import check_int, check_real
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.implicit.solvers import CG, ConvergenceWarning
@@ -102,17 +103,12 @@ def imaml(
     check_model(fmodel)
     if "trainable" in options:
         raise TypeError("imaml adapts every parameter: its implicit gradient has no trainable=")
-    if lam <= 0:
-        raise ValueError(f"lam must be positive, got {lam}")
-    if cg_steps < 1:
-        raise ValueError(f"cg_steps must be at least 1, got {cg_steps}")
-    if damping < 0 or lam_damping < 0:
-        raise ValueError(
-            f"damping and lam_damping must be >= 0, got damping={damping}, "
-            f"lam_damping={lam_damping}"
-        )
-    if not max_residual > 0:
-        raise ValueError(f"max_residual must be positive, got {max_residual}")
+    check_real(lam, "lam (the proximal strength)", low=0.0, low_open=True)
+    check_int(cg_steps, "cg_steps", low=1)
+    check_real(cg_tol, "cg_tol", low=0.0)
+    check_real(damping, "damping", low=0.0)
+    check_real(lam_damping, "lam_damping", low=0.0)
+    check_real(max_residual, "max_residual", low=0.0, low_open=True)
     theta = {k: v.detach() for k, v in params.items()}
     inner = chain(add_proximal(lam, theta), resolve_opt(opt, lr))
     with torch.no_grad():
