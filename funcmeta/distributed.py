@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -37,6 +38,8 @@ import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from funcmeta._check import check_real
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -168,10 +171,10 @@ def average_gradients(
     ``timeout`` seconds (:class:`PeerError` if a peer is gone or stalled).
     """
     named = _named(tensors)
+    check_real(count, "count (the number of tasks this rank's loss is the mean over)", low=0.0)
+    check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
     if world(group)[1] == 1:
         return
-    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     device = named[0][1].device if named else torch.device("cpu")
     if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
         device = torch.device("cuda", torch.cuda.current_device())
@@ -211,10 +214,32 @@ def _check_signature(
     if all(bool((d == digests[0]).all()) for d in digests):
         return
     # every rank saw the same digests and gets here: gather the signatures to name the difference
-    signatures: list[Any] = [None] * size
-    dist.all_gather_object(signatures, signature, group=group)
+    signatures = _gather_signatures(signature, device, group, timeout)
     raise MismatchError(
         "the ranks disagree on the tensors they average (fm.distributed.average_gradients "
         f"needs the same names, shapes and dtypes in the same order on every rank): "
         f"{_first_difference(signatures)}"
     )
+
+
+def _gather_signatures(
+    signature: list[Any], device: torch.device, group: Any, timeout: float
+) -> list[Any]:
+    """Every rank's signature, gathered as JSON bytes in two tensor collectives that each
+    wait at most ``timeout`` (``all_gather_object`` has no timeout, and unpickles what the
+    peers send)."""
+    size = world(group)[1]
+    data = torch.tensor(list(json.dumps(signature).encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(size)]
+    what = "naming the difference in what the ranks average"
+    _wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
+    return [
+        [(e[0], tuple(e[1]), e[2]) for e in json.loads(bytes(g[: int(n)].tolist()).decode())]
+        for g, n in zip(gathered, lengths, strict=True)
+    ]

@@ -38,16 +38,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import glob
 import hashlib
 import os
 import pickle
 import random
 import sys
-import tempfile
-import time
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,6 +51,8 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+
+from funcmeta._tempfiles import make_temp, remove_stale
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
 
@@ -185,34 +183,6 @@ def _checksums(payload: Mapping[str, Any]) -> dict[str, str]:
     return sums
 
 
-def _temp_files(target: Path) -> list[Path]:
-    """Temporary files that interrupted saves of ``target`` left behind: those of processes
-    that are gone (the pid is in the name), and unnamed ones older than an hour."""
-    stale = []
-    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
-        middle = tmp.name[len(target.name) + 2 : -len(".tmp")]
-        pid = middle.split(".", 1)[0]
-        try:
-            if pid.isdigit() and middle.count(".") == 1:
-                if int(pid) != os.getpid() and not _alive(int(pid)):
-                    stale.append(tmp)
-            elif time.time() - tmp.stat().st_mtime > 3600:
-                stale.append(tmp)
-        except OSError:
-            continue
-    return stale
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def save(
     path: str | os.PathLike[str],
     *,
@@ -247,12 +217,8 @@ def save(
     if target.is_dir():
         raise IsADirectoryError(f"{target} is a directory; pass the path of the snapshot file")
     target.parent.mkdir(parents=True, exist_ok=True)
-    for stale in _temp_files(target):
-        with contextlib.suppress(OSError):
-            stale.unlink()
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent
-    )
+    remove_stale(target, ".tmp")  # of saves of this path that were interrupted
+    fd, tmp = make_temp(target, ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)

@@ -27,7 +27,7 @@ LIMIT = 30.0  # seconds within which every rank must have raised
 def _setup(case: str, rank: int) -> dict[str, torch.Tensor]:
     """What rank ``rank`` averages in ``case``, its gradients set."""
     torch.manual_seed(0)
-    if case == "models":
+    if case in ("models", "stalled-naming"):
         net = nn.Linear(3, 2 if rank == 0 else 3)
     elif case == "dtypes":
         net = nn.Linear(3, 2).to(torch.float32 if rank == 0 else torch.float64)
@@ -50,6 +50,15 @@ def _worker(rank: int, case: str, rendezvous: str, out: str) -> None:
     if case == "stalled" and rank == 1:
         time.sleep(15)  # alive, but reaches the collective after the 8 s timeout
         os._exit(0)
+    if case == "stalled-naming" and rank == 1:
+        # it compares digests with rank 0, then stalls before the gather that names the
+        # difference
+        def stall(*args: object) -> None:
+            time.sleep(15)
+            os._exit(0)
+
+        fm.distributed._gather_signatures = stall
+        torch.distributed.all_gather_object = stall
     start = time.monotonic()
     result: dict[str, object] = {}
     try:
@@ -114,13 +123,15 @@ def test_mismatched_ranks_raise_the_same_named_error(case, difference, tmp_path)
     assert len(messages) == 1  # the same words on every rank
 
 
-@pytest.mark.parametrize("case", ["dead", "stalled"])
+@pytest.mark.parametrize("case", ["dead", "stalled", "stalled-naming"])
 def test_a_lost_peer_makes_the_survivor_raise_within_the_timeout(case, tmp_path):
     survivor, lost = _run(case, tmp_path)
     assert lost is None  # it never averaged
     assert survivor["error"] == "PeerError", survivor
     assert "a peer process is gone or stalled" in survivor["message"]
     assert survivor["seconds"] < LIMIT
+    if case == "stalled-naming":  # within the 8 s timeout, not when the peer gives up
+        assert survivor["seconds"] < 12, survivor
 
 
 def test_matching_ranks_average(tmp_path):

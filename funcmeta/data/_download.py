@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import time
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
-from funcmeta.data._files import KNOWN_SHA256, sha256
+from funcmeta._check import check_real
+from funcmeta._tempfiles import make_temp, remove_stale
+from funcmeta.data._files import KNOWN_SHA256, KNOWN_SIZE, sha256
 
 __all__ = ["OMNIGLOT_FILES", "OMNIGLOT_URL", "download_omniglot"]
 
@@ -32,14 +34,33 @@ repository. Each has a known sha256."""
 DEFAULT_FILES = tuple(OMNIGLOT_FILES)
 
 
-def _fetch(url: str, target: Path, expected: str, timeout: float) -> None:
+def _fetch(url: str, target: Path, expected: str, size: int, timeout: float, deadline: float) -> None:
     """Stream ``url`` into a temporary file beside ``target``; rename it into place only
-    once its sha256 is ``expected``."""
+    once its sha256 is ``expected``. More than ``size`` bytes, or a transfer still running
+    ``deadline`` seconds after it began, is cut off and nothing is kept."""
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+    remove_stale(target, ".part")  # of downloads of this file that were interrupted
+    fd, tmp = make_temp(target, ".part")
+    end = time.monotonic() + deadline
+    received = 0
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-            for block in iter(lambda: response.read(1 << 20), b""):
+            # read1: what has arrived (up to 1 MiB), so that a slow sender cannot hold one
+            # read open past the deadline
+            read = getattr(response, "read1", response.read)
+            for block in iter(lambda: read(1 << 20), b""):
+                received += len(block)
+                if received > size:
+                    raise ValueError(
+                        f"downloading {url}: the server sent more than the official "
+                        f"{target.name}'s {size} bytes; cut off, nothing was kept"
+                    )
+                if time.monotonic() > end:
+                    raise TimeoutError(
+                        f"downloading {url}: not finished after {deadline:g} s ({received} of "
+                        f"{size} bytes); cut off, nothing was kept (raise deadline= for a "
+                        "slow connection)"
+                    )
                 digest.update(block)
                 out.write(block)
         found = digest.hexdigest()
@@ -60,6 +81,7 @@ def download_omniglot(
     *,
     url: str = OMNIGLOT_URL,
     timeout: float = 60.0,
+    deadline: float = 600.0,
 ) -> dict[str, Path]:
     """Fetch official Omniglot ``files`` (names in :data:`OMNIGLOT_FILES`) into ``root``
     and return their paths by name.
@@ -69,13 +91,17 @@ def download_omniglot(
     before it takes its name; a mismatch raises ``ValueError`` and leaves nothing behind.
     ``url`` is the base address (the dataset's public repository by default; a mirror with
     the same layout works). Network failures raise ``OSError`` (``urllib.error.URLError``)
-    naming the address.
+    naming the address. ``timeout`` bounds each network operation (seconds), ``deadline``
+    each file's whole transfer (``TimeoutError``); a server that sends more bytes than the
+    official file has is cut off (``ValueError``). Nothing of a failed download is kept.
 
     Example (the files of this release of the dataset; needs the network):
         >>> import funcmeta as fm
         >>> paths = fm.data.download_omniglot("~/.cache/funcmeta/omniglot")  # doctest: +SKIP
         >>> images, labels, names = fm.data.load_omniglot(paths["images_background_small1.zip"])  # doctest: +SKIP
     """
+    check_real(timeout, "timeout (seconds per network operation)", low=0.0, low_open=True)
+    check_real(deadline, "deadline (seconds per file)", low=0.0, low_open=True)
     names = list(files)
     unknown = [n for n in names if n not in OMNIGLOT_FILES]
     if unknown:
@@ -93,7 +119,7 @@ def download_omniglot(
         if not (target.is_file() and sha256(target) == expected):
             address = base + OMNIGLOT_FILES[name]
             try:
-                _fetch(address, target, expected, timeout)
+                _fetch(address, target, expected, KNOWN_SIZE[name], timeout, deadline)
             except OSError as e:
                 raise OSError(f"could not download {address}: {e}") from e
         paths[name] = target

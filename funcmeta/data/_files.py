@@ -7,7 +7,7 @@ import hashlib
 import zipfile
 from pathlib import Path, PurePosixPath
 
-__all__ = ["KNOWN_SHA256", "check_sha256", "safe_members", "sha256"]
+__all__ = ["KNOWN_SHA256", "KNOWN_SIZE", "check_sha256", "safe_members", "sha256"]
 
 KNOWN_SHA256 = {
     # the Omniglot dataset's public repository (github.com/brendenlake/omniglot), python/
@@ -16,6 +16,13 @@ KNOWN_SHA256 = {
     "all_runs.zip": "437c1eeab0af8484112e1b4cc0f3d541ec727f7c47b9b202da738af9dfd6c325",
 }
 """sha256 of the official files funcmeta knows by name."""
+
+KNOWN_SIZE = {
+    "images_background_small1.zip": 1319022,
+    "images_background_small2.zip": 1580917,
+    "all_runs.zip": 352787,
+}
+"""Size in bytes of the official files: a download that sends more is cut off."""
 
 
 def sha256(path: Path) -> str:

@@ -37,6 +37,7 @@ from typing import IO
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta.data._files import check_sha256, safe_members
 from funcmeta.data.episodes import EpisodeBatch
@@ -107,6 +108,8 @@ def _decode(where: str, opener: Opener, size: int) -> Tensor:
     try:
         with opener() as f, Image.open(f) as img:
             gray = img.convert("L").resize((size, size), Image.LANCZOS)
+    except Image.DecompressionBombError as e:
+        raise ValueError(f"{where} is refused: a decompression bomb ({e})") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise ValueError(f"{where} is not a readable image: {e}") from None
     pixels = torch.frombuffer(bytearray(gray.tobytes()), dtype=torch.uint8)
@@ -148,6 +151,7 @@ def load_omniglot(
         import PIL  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("load_omniglot reads PNG files with Pillow: pip install pillow") from e
+    check_int(size, "size (the side of the images, in pixels)", low=1)
     source = Path(root).expanduser()
     if not source.is_file() and split not in SPLITS:
         raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
@@ -224,7 +228,12 @@ def load_omniglot_runs(
         >>> runs.x_support.shape, runs.y_query.shape  # doctest: +SKIP
         (torch.Size([20, 20, 1, 28, 28]), torch.Size([20, 20]))
     """
+    check_int(size, "size (the side of the images, in pixels)", low=1)
     source = Path(root).expanduser()
+    if download and not source.exists():
+        if source.name == "all_runs.zip":
+            source = source.parent
+        source.mkdir(parents=True, exist_ok=True)
     if source.is_dir() and not any(source.glob("run*")) and not (source / "all_runs").is_dir():
         fetched = _fetched(source, "all_runs.zip", download, "the one-shot runs", url)
         if fetched is None:
@@ -243,7 +252,12 @@ def load_omniglot_runs(
         runs = []
         for labels_name in label_files:
             with files[labels_name]() as f:
-                lines = [ln.split() for ln in f.read().decode().splitlines() if ln.strip()]
+                raw = f.read()
+            try:
+                text = raw.decode()
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}{labels_name} is not UTF-8 text ({e})") from None
+            lines = [ln.split() for ln in text.splitlines() if ln.strip()]
             if any(len(ln) != 2 for ln in lines):
                 raise ValueError(
                     f"{where}{labels_name}: expected lines '<test image> <training image>'"
