@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -19,7 +20,14 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from funcmeta import kernels, tree
 from funcmeta._remat import graph_input
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import CallInputs, check_batch, check_call, split_batch, task_count
+from funcmeta.inputs import (
+    CallInputs,
+    check_batch,
+    check_call,
+    check_dtypes,
+    split_batch,
+    task_count,
+)
 from funcmeta.optim.base import GradientTransformation, task_axis
 from funcmeta.optim.base import step as optim_step
 from funcmeta.optim.clip import clip_grads_by_global_norm
@@ -68,11 +76,46 @@ def forward_loss(
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
     out, new_buffers = fmodel.apply_checked(params, buffers, args, kwargs)
-    loss = loss_fn(out, targets)
+    try:
+        loss = loss_fn(out, targets)
+    except (IndexError, RuntimeError, ValueError, TypeError) as error:
+        raise _loss_error(error, out, targets) from error
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
     return loss, new_buffers
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
+    """``error`` again, its message saying what ``loss_fn`` was given (per task under task
+    batching) and, for class-index targets, the range they must lie in."""
+    hint = ""
+    if (
+        isinstance(targets, Tensor)
+        and not targets.is_floating_point()
+        and isinstance(out, Tensor)
+        and out.dim() > 0
+    ):
+        hint = (
+            f" Class-index targets must lie in [0, {out.shape[-1]}) for an output with "
+            f"{out.shape[-1]} columns: an episode with more ways than the model's head, or "
+            "labels not numbered 0..ways-1 within each task, fails here."
+        )
+    message = (
+        f"loss_fn failed on the model's output ({_describe(out)}) and the targets "
+        f"({_describe(targets)}), shapes per task under task batching: "
+        f"{type(error).__name__}: {str(error).rstrip('.')}.{hint}"
+    )
+    try:
+        return type(error)(message)
+    except Exception:  # pragma: no cover - an error type with another constructor
+        return RuntimeError(message)
 
 
 def validate(
@@ -84,6 +127,7 @@ def validate(
     options: AdaptOptions,
     *,
     tasks: bool = False,
+    buffers: Any = None,
 ) -> tuple[tuple[CallInputs, Any], int | None]:
     """Check a call of :func:`funcmeta.adapt` (with ``tasks``, of
     :func:`funcmeta.adapt_tasks`) before any computation. Returns the batch split into call
@@ -92,6 +136,7 @@ def validate(
     if not tasks:  # task batching checks them against its task axis
         fmodel.check_params(params)
     options.check_steps(steps)
+    check_dtypes(params, fmodel.buffers if buffers is None else buffers)
     split = split_batch(batch)
     count = task_count(split) if tasks else None
     check_batch(split, params)
@@ -157,6 +202,13 @@ class _Inner:
             full = current if self.fixed is None else tree.combine(current, self.fixed)
             loss, new_buffers = self.forward(full, buffers)
             objective = loss if self.tasks is None else loss.sum()
+            if not objective.requires_grad:
+                raise ValueError(
+                    "the inner loss does not depend on the adapted parameters (it has no "
+                    "gradient history): loss_fn must compute the loss from the model's output "
+                    "(a loss of the targets alone, or one computed under torch.no_grad() or "
+                    "from .detach()ed outputs, cannot be adapted on)"
+                )
             scale = self.options.loss_scale
             if scale is not None:
                 objective = objective * scale
@@ -337,11 +389,33 @@ def run(
     names, leaves, spec = _adapted_leaves(adapted, frozen)
     if state is None:
         state = opt.init(adapted)
+    else:
+        _check_state(state, opt.init(adapted))
     forward = make_forward(adapted)
     inner = _Inner(
         forward=forward, opt=opt, spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
     )
     return _run(inner, leaves, state, buffers, steps)
+
+
+def _check_state(state: Any, fresh: Any) -> None:
+    """Raise ``ValueError`` unless ``state`` has the structure of ``opt.init`` of the adapted
+    parameters (the state of another optimizer, or for other parameters, would fail deep in
+    the update or, worse, be read as something else)."""
+    given = optree.tree_structure(state, none_is_leaf=True)
+    expected = optree.tree_structure(fresh, none_is_leaf=True)
+    if given != expected:
+        raise ValueError(
+            "state does not match the optimizer: pass the state that this optimizer returned "
+            "for these parameters (result.state of an adapt call with the same opt= and "
+            f"trainable=), or None to start afresh. Expected {_short(expected)}, got "
+            f"{_short(given)}"
+        )
+
+
+def _short(spec: Any) -> str:
+    text = str(spec)
+    return text if len(text) <= 300 else text[:300] + " ..."
 
 
 def _split_adapted(

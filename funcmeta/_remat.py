@@ -234,9 +234,7 @@ class _Remat(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
         outs = run.first(tensors)
-        fixed = [
-            o for o, c in zip(outs, run.constant, strict=True) if c or not _differentiable(o)
-        ]
+        fixed = [o for o, c in zip(outs, run.constant, strict=True) if c or not _differentiable(o)]
         if fixed:
             ctx.mark_non_differentiable(*fixed)
         return tuple(outs)

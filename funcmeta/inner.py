@@ -75,7 +75,7 @@ def adapt(
     graph is kept, and the steps run first order (the same values) on the kernels in force.
     """
     opts = AdaptOptions.of(options)
-    split, _ = validate(fmodel, params, opt, batch, steps, opts)
+    split, _ = validate(fmodel, params, opt, batch, steps, opts, buffers=buffers)
     return run(
         params,
         opt,

@@ -148,9 +148,13 @@ def task_count(batch: Any) -> int:
     return first
 
 
-def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
+_NO_OPT = object()
+
+
+def check_call(fmodel: Any, params: Any, opt: Any = _NO_OPT) -> None:
     """Raise a ``TypeError``/``ValueError`` naming the problem when ``fmodel``, ``params`` or
-    ``opt`` cannot be what :func:`funcmeta.adapt` and the task functions take."""
+    ``opt`` cannot be what :func:`funcmeta.adapt` and the task functions take (``opt``, when
+    passed, is required)."""
     check_model(fmodel)
     if not isinstance(params, Mapping):
         raise TypeError(
@@ -163,7 +167,12 @@ def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
             f"parameters {on_meta} are on the meta device and hold no data; materialise the "
             "module first (module.to_empty(device=...) and initialise it, or load a state dict)"
         )
-    if opt is not None and not isinstance(opt, GradientTransformation):
+    if opt is None:
+        raise TypeError(
+            "opt is required: the inner optimizer, a funcmeta GradientTransformation "
+            "(fm.optim.sgd(lr=0.1), fm.optim.adam(lr=1e-3), ...)"
+        )
+    if opt is not _NO_OPT and not isinstance(opt, GradientTransformation):
         if isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
                 f"opt is a torch.optim.{type(opt).__name__}, which updates .grad in place and "
@@ -174,6 +183,25 @@ def check_call(fmodel: Any, params: Any, opt: Any = None) -> None:
         raise TypeError(
             "opt must be a funcmeta GradientTransformation (fm.optim.sgd(lr=0.1), ...), got "
             f"{type(opt).__name__}"
+        )
+
+
+def check_dtypes(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> None:
+    """Raise ``TypeError`` when every floating-point parameter has one dtype and every
+    floating-point buffer another (parameters cast without the module, as in
+    ``{k: v.double() for k, v in fmodel.params.items()}``): the forward would mix them."""
+    if not isinstance(params, Mapping) or not isinstance(buffers, Mapping):
+        return  # named by the checks of the dicts themselves
+    pdt = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
+    bdt = {v.dtype for v in buffers.values() if isinstance(v, Tensor) and v.is_floating_point()}
+    if len(pdt) == 1 and len(bdt) == 1 and pdt != bdt:
+        (p,), (b,) = pdt, bdt
+        names = [k for k, v in buffers.items() if isinstance(v, Tensor) and v.dtype == b]
+        raise TypeError(
+            f"the parameters are {p} but the buffers {names[:4]}{' ...' if len(names) > 4 else ''} "
+            f"are {b}: cast the module itself (module.to({p})) before fm.functional_model, or "
+            f"pass buffers= of the same dtype ({{k: v.to({p}) for k, v in "
+            "fmodel.buffers.items()})"
         )
 
 

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,6 +47,7 @@ from funcmeta.inputs import (
     CallInputs,
     check_batch,
     check_call,
+    check_dtypes,
     split_batch,
     split_inputs,
     task_count,
@@ -104,6 +106,7 @@ def _checked_tasks(
     :func:`_task_trees`'s ``(param_dims, per_task_buffers)``."""
     tasks = task_count(split)
     check_batch(split, params)
+    check_dtypes(params, fmodel.buffers if buffers is None else buffers)
     return _task_trees(fmodel, params, buffers, tasks)
 
 
@@ -218,6 +221,21 @@ def _task_forward(
     return _flat_vmap(one_task, trees, in_dims, fmodel.task_chunk)
 
 
+def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
+    """Warn when every target holds one value per task (a scalar target after the task
+    axis): most likely one task's batch without a task axis, read as ``tasks`` tasks of one
+    example each."""
+    targets = [x for x in optree.tree_leaves(split[1]) if isinstance(x, Tensor)]
+    if tasks > 1 and targets and all(x.dim() == 1 for x in targets):
+        warnings.warn(
+            f"adapt_tasks reads the leading axis of every batch tensor as the task axis: these "
+            f"targets of shape {tuple(targets[0].shape)} make {tasks} tasks of one example "
+            "each. If this is one task's batch, call fm.adapt, or give it a task axis "
+            "(x.unsqueeze(0), y.unsqueeze(0))",
+            stacklevel=3,
+        )
+
+
 @takes_options
 def adapt_tasks(
     fmodel: FunctionalModel,
@@ -246,12 +264,13 @@ def adapt_tasks(
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
     opts = AdaptOptions.of(options)
-    split, tasks = validate(fmodel, params, opt, batch, steps, opts, tasks=True)
+    split, tasks = validate(fmodel, params, opt, batch, steps, opts, tasks=True, buffers=buffers)
     if opts.on_nonfinite == "skip":
         raise ValueError(
             "on_nonfinite='skip' is not available with task batching: the tasks share the "
             "optimizer's step count; use 'raise', or adapt the tasks one by one"
         )
+    _warn_one_example_tasks(split, tasks)
     dims, buffers = _task_trees(fmodel, params, buffers, tasks)
 
     def prepare(adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:

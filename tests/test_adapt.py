@@ -392,7 +392,7 @@ def test_gradcheck_end_to_end_including_learning_rates():
         (dict(steps=2, truncate=3), ValueError, "truncate"),
         (dict(steps=1, loss_scale=0.0), ValueError, "loss_scale"),
         (dict(steps=1, on_nonfinite="ignore"), ValueError, "on_nonfinite"),
-        (dict(steps=1, clip_grad_norm=torch.ones(2)), ValueError, "max_norm"),
+        (dict(steps=1, clip_grad_norm=torch.ones(2)), ValueError, "clip_grad_norm"),
         (dict(steps=1, trainable=lambda path, x: False), ValueError, "selected none"),
         (dict(steps=1, trainable="head"), ValueError, "match no parameter"),
     ],

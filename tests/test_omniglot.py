@@ -10,6 +10,7 @@ import hashlib
 import http.server
 import shutil
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -195,3 +196,103 @@ def test_runs_reader_errors(tmp_path):
         fm.data.load_omniglot_runs(pack("all_runs.zip", [("x", b"y")]))
     with pytest.raises(FileNotFoundError, match="no one-shot runs"):
         fm.data.load_omniglot_runs(tmp_path / "nowhere")
+
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """``/slow/...``: the official length announced, one byte a second; ``/endless/...``: a
+    body without end."""
+
+    def do_GET(self):
+        self.send_response(200)
+        if self.path.startswith("/slow/"):
+            self.send_header("Content-Length", str(fm.data._files.KNOWN_SIZE["all_runs.zip"]))
+            self.end_headers()
+            try:
+                for _ in range(60):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(1.0)
+            except OSError:
+                return
+        else:
+            self.end_headers()
+            block = b"\0" * (1 << 16)
+            try:
+                for _ in range(1 << 15):  # 2 GiB at most, then the handler stops by itself
+                    self.wfile.write(block)
+            except OSError:
+                return
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hostile():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_slow_sender_is_cut_off_at_the_deadline(tmp_path, hostile):
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"not finished after 2 s .*raise deadline="):
+        fm.data.download_omniglot(
+            tmp_path, ["all_runs.zip"], url=hostile + "/slow/", timeout=3, deadline=2
+        )
+    assert time.monotonic() - start < 6  # the deadline, plus at most one read's timeout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_endless_body_is_cut_off_at_the_official_size(tmp_path, hostile):
+    with pytest.raises(ValueError, match=r"more than the official all_runs\.zip's 352787 bytes"):
+        fm.data.download_omniglot(tmp_path, ["all_runs.zip"], url=hostile + "/endless/")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_partial_files_of_interrupted_downloads_are_removed(tmp_path, server):
+    url, files, _ = server
+    files["all_runs.zip"] = shared("all_runs.zip").read_bytes()
+    dead = tmp_path / ".all_runs.zip.999999999.abcd.part"  # a process id that is not running
+    dead.write_bytes(b"x" * 1000)
+    fm.data.download_omniglot(tmp_path, ["all_runs.zip"], url=url)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all_runs.zip"]
+
+
+def test_runs_download_into_a_folder_that_does_not_exist(tmp_path, server):
+    url, files, _ = server
+    files["all_runs.zip"] = shared("all_runs.zip").read_bytes()
+    for root in (tmp_path / "new" / "runs", tmp_path / "other" / "all_runs.zip"):
+        runs = fm.data.load_omniglot_runs(root, download=True, url=url)
+        assert runs.x_support.shape == (20, 20, 1, 28, 28)
+    assert (tmp_path / "new" / "runs" / "all_runs.zip").is_file()
+    assert (tmp_path / "other" / "all_runs.zip").is_file()
+
+
+def test_hostile_run_files_are_named(tmp_path, monkeypatch):
+    from PIL import Image
+
+    with zipfile.ZipFile(shared("all_runs.zip")) as z:
+        names = [n for n in z.namelist() if n.startswith("run01/") and not n.endswith("/")]
+        members = [(n, z.read(n)) for n in names]
+    labels = "run01/class_labels.txt"
+    latin1 = [(n, b"\xff\xfe" + d if n == labels else d) for n, d in members]
+    with pytest.raises(ValueError, match=r"run01/class_labels\.txt is not UTF-8 text"):
+        fm.data.load_omniglot_runs(write_zip(tmp_path / "latin1.zip", latin1))
+    # a decompression bomb (here: any image larger than the limit, lowered for the test)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(
+        ValueError, match=r"run01/training/class\d\d\.png is refused: a decompression bomb"
+    ):
+        fm.data.load_omniglot_runs(write_zip(tmp_path / "bomb.zip", members))
+    monkeypatch.undo()
+    with pytest.raises(
+        ValueError, match=r"size \(the side of the images, in pixels\) must be an int >= 1, got 0"
+    ):
+        fm.data.load_omniglot_runs(write_zip(tmp_path / "ok.zip", members), size=0)

@@ -32,7 +32,9 @@ def _meta(fmodel, support, query, *, tasks, steps=2, lr=0.5, first_order=False):
         loss = F.mse_loss(fmodel.apply(r.params, r.buffers, query[0])[0], query[1])
     params = list(fmodel.params.values())
     grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return r.params, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    return r.params, [
+        torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
+    ]
 
 
 def _hand_loop(net, support, query, steps=2, lr=0.5):
@@ -67,9 +69,7 @@ def _token_tasks(vocab, pad, seed=0):
 @pytest.mark.parametrize("freq", [False, True])
 def test_embedding_padding_row_stays_fixed_under_task_batching(chunk, freq):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Embedding(7, 3, padding_idx=2, scale_grad_by_freq=freq), nn.Tanh()).to(
-        D
-    )
+    net = nn.Sequential(nn.Embedding(7, 3, padding_idx=2, scale_grad_by_freq=freq), nn.Tanh()).to(D)
     support, query = _token_tasks(7, 2)
     fmodel = fm.functional_model(net, task_chunk=chunk)
     adapted, grads = _meta(fmodel, support, query, tasks=True)
@@ -220,7 +220,9 @@ def test_checkpointed_layer_returning_a_constant(first_order):
     for layers in (None, ["block"]):
         fmodel = fm.functional_model(net, checkpoint_layers=layers)
         opt = fm.optim.sgd(lr=0.2)
-        r = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, first_order=first_order)
+        r = fm.adapt(
+            fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, first_order=first_order
+        )
         loss = F.mse_loss(fmodel(r.params, x), y)
         grads.append(torch.autograd.grad(loss, list(fmodel.params.values())))
     for a, b in zip(*grads, strict=True):

@@ -127,7 +127,10 @@ def test_files_that_are_not_snapshots_are_named(tmp_path):
         fm.snapshot.load(weights)
     future = tmp_path / "future.pt"
     torch.save({"format": fm.snapshot.FORMAT + 1, "step": 0}, future)
-    with pytest.raises(fm.snapshot.SnapshotError, match=rf"future\.pt has snapshot format {fm.snapshot.FORMAT + 1}, newer"):
+    with pytest.raises(
+        fm.snapshot.SnapshotError,
+        match=rf"future\.pt has snapshot format {fm.snapshot.FORMAT + 1}, newer",
+    ):
         fm.snapshot.load(future)
     with pytest.raises(FileNotFoundError, match=r"no snapshot at .*missing\.pt"):
         fm.snapshot.load(tmp_path / "missing.pt")

@@ -34,7 +34,9 @@ repository. Each has a known sha256."""
 DEFAULT_FILES = tuple(OMNIGLOT_FILES)
 
 
-def _fetch(url: str, target: Path, expected: str, size: int, timeout: float, deadline: float) -> None:
+def _fetch(
+    url: str, target: Path, expected: str, size: int, timeout: float, deadline: float
+) -> None:
     """Stream ``url`` into a temporary file beside ``target``; rename it into place only
     once its sha256 is ``expected``. More than ``size`` bytes, or a transfer still running
     ``deadline`` seconds after it began, is cut off and nothing is kept."""
@@ -57,7 +59,7 @@ def _fetch(url: str, target: Path, expected: str, size: int, timeout: float, dea
                     )
                 if time.monotonic() > end:
                     raise TimeoutError(
-                        f"downloading {url}: not finished after {deadline:g} s ({received} of "
+                        f"not finished after {deadline:g} s ({received} of "
                         f"{size} bytes); cut off, nothing was kept (raise deadline= for a "
                         "slow connection)"
                     )
@@ -120,6 +122,8 @@ def download_omniglot(
             address = base + OMNIGLOT_FILES[name]
             try:
                 _fetch(address, target, expected, KNOWN_SIZE[name], timeout, deadline)
+            except TimeoutError as e:  # the deadline, or a network operation's timeout
+                raise TimeoutError(f"could not download {address}: {e}") from e
             except OSError as e:
                 raise OSError(f"could not download {address}: {e}") from e
         paths[name] = target

@@ -67,8 +67,10 @@ def check_number(
 ) -> None:
     """Range check for a hyperparameter given as a Python number (NaN and infinities are
     refused); tensors are not inspected (that would cost a device sync per call)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, a tensor, a tree of tensors or a schedule")
+    if isinstance(value, bool) or value is None or isinstance(value, str | bytes):
+        raise TypeError(
+            f"{name} must be a number, a tensor, a tree of tensors or a schedule, got {value!r}"
+        )
     if not is_number(value):
         return
     if not math.isfinite(value):

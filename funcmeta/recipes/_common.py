@@ -10,11 +10,12 @@ from torch import Tensor
 
 from funcmeta._loop import AdaptResult, LossFn
 from funcmeta.functional import FunctionalModel
+from funcmeta.inputs import check_model, split_batch, task_count
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.optim.sgd import sgd
 from funcmeta.tasks import task_losses
 
-__all__ = ["DEFAULT_LR", "RecipeResult", "query_loss", "resolve_opt"]
+__all__ = ["DEFAULT_LR", "RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
 
 DEFAULT_LR = 0.01
 """The inner learning rate of plain SGD when a recipe is given neither ``lr`` nor ``opt``."""
@@ -49,6 +50,21 @@ class RecipeResult(NamedTuple):
     residual: Tensor | None = None
     curvature_stop: Tensor | None = None
     logits: Tensor | None = None
+
+
+def check_recipe(fmodel: Any, support: Any, query: Any) -> None:
+    """Check a recipe's model and that its support and query sets hold the same tasks (the
+    same size of leading task axis), before any computation."""
+    check_model(fmodel)
+    if query is None:
+        return
+    tasks = task_count(split_batch(support))
+    queries = task_count(split_batch(query))
+    if tasks != queries:
+        raise ValueError(
+            f"support has {tasks} tasks but query has {queries}: the query set of task t is "
+            "query[...][t], so both need the same leading task axis"
+        )
 
 
 def resolve_opt(opt: GradientTransformation | None, lr: Any) -> GradientTransformation:

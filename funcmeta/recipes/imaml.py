@@ -39,11 +39,10 @@ from funcmeta._check import check_int, check_real
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.implicit.solvers import CG, ConvergenceWarning
-from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation, chain
 from funcmeta.optim.primitives import add_proximal
 from funcmeta.options import takes_options
-from funcmeta.recipes._common import RecipeResult, resolve_opt
+from funcmeta.recipes._common import RecipeResult, check_recipe, resolve_opt
 from funcmeta.tasks import adapt_tasks, task_losses
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
@@ -100,7 +99,7 @@ def imaml(
     solution with ``H`` taken as 0. ``result.curvature_stop`` flags those tasks. A larger
     ``lam``, or more inner steps, avoids them.
     """
-    check_model(fmodel)
+    check_recipe(fmodel, support, query)
     if "trainable" in options:
         raise TypeError("imaml adapts every parameter: its implicit gradient has no trainable=")
     check_real(lam, "lam (the proximal strength)", low=0.0, low_open=True)

@@ -18,10 +18,9 @@ from torch import Tensor
 
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import takes_options
-from funcmeta.recipes._common import RecipeResult, query_loss, resolve_opt
+from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
 from funcmeta.tasks import adapt_tasks
 
 __all__ = ["fomaml", "maml"]
@@ -49,7 +48,7 @@ def maml(
     :class:`funcmeta.AdaptOptions` (``first_order``, ``trainable``, ``checkpoint_steps``, ...).
     Call ``.backward()`` on ``result.loss``: the meta-gradients land in the module's ``.grad``.
     """
-    check_model(fmodel)
+    check_recipe(fmodel, support, query)
     adapted = adapt_tasks(
         fmodel, params, loss_fn, support, resolve_opt(opt, lr), steps=steps, **options
     )

@@ -26,10 +26,9 @@ from torch import Tensor
 
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_model
 from funcmeta.optim.sgd import sgd
 from funcmeta.options import takes_options
-from funcmeta.recipes._common import RecipeResult, query_loss
+from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss
 from funcmeta.tasks import adapt_tasks
 from funcmeta.tree import Tree
 
@@ -78,7 +77,7 @@ def mamlpp(
     inner-loop options of :class:`funcmeta.AdaptOptions`; ``result.query_loss`` is the last
     step's query loss.
     """
-    check_model(fmodel)
+    check_recipe(fmodel, support, query)
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ValueError(f"MAML++ needs steps >= 1, got {steps!r}")
     if not callable(lr):

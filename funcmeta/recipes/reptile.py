@@ -25,10 +25,9 @@ from torch import Tensor
 
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import takes_options
-from funcmeta.recipes._common import RecipeResult, query_loss, resolve_opt
+from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
 from funcmeta.tasks import adapt_tasks
 
 __all__ = ["reptile"]
@@ -55,7 +54,7 @@ def reptile(
     alone; a ``query`` set, if given, is only evaluated (``result.query_loss``). ``options``
     are the inner-loop options of :class:`funcmeta.AdaptOptions`.
     """
-    check_model(fmodel)
+    check_recipe(fmodel, support, query)
     with torch.no_grad():
         adapted = adapt_tasks(
             fmodel, params, loss_fn, support, resolve_opt(opt, lr), steps=steps, **options
