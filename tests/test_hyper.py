@@ -79,7 +79,9 @@ def test_per_step_values_and_errors(params):
         lrs(3)
     with pytest.raises(ValueError, match="pass the step"):
         lrs()
-    with pytest.raises(ValueError, match="steps must be"):
+    with pytest.raises(
+        ValueError, match=r"steps \(None, or the number of per-step values\) must be an int >= 1"
+    ):
         fm.hyper.scalar(0.1, steps=0)
     element = fm.hyper.per_element(params, 0.1, steps=2)
     assert element(1)["0.weight"].shape == params["0.weight"].shape

@@ -304,11 +304,11 @@ def test_imaml_errors():
         fm.recipes.imaml(
             fmodel, fmodel.params, F.mse_loss, support, query, steps=20, lam=1.0, cg_steps=0
         )
-    with pytest.raises(ValueError, match="damping and lam_damping must be >= 0"):
+    with pytest.raises(ValueError, match=r"damping must be >= 0.0, got -1"):
         fm.recipes.imaml(
             fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lam=1.0, damping=-1
         )
-    with pytest.raises(ValueError, match="max_residual must be positive"):
+    with pytest.raises(ValueError, match=r"max_residual must be > 0.0"):
         fm.recipes.imaml(
             fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lam=1.0, max_residual=0
         )
