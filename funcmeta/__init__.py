@@ -18,7 +18,7 @@ Example:
 """
 
 from funcmeta import (
-    checkpoint,
+    batching,
     data,
     distributed,
     heads,
@@ -31,11 +31,13 @@ from funcmeta import (
     optim,
     options,
     recipes,
+    remat,
     replay,
     snapshot,
     tasks,
     tree,
 )
+from funcmeta.batching.tune import tune_task_chunk
 from funcmeta.evaluation import Evaluation, evaluate
 from funcmeta.functional import FunctionalModel, functional_model
 from funcmeta.inner import AdaptResult, NonFiniteError, adapt
@@ -44,7 +46,6 @@ from funcmeta.optim.base import apply_updates
 from funcmeta.options import AdaptOptions
 from funcmeta.replay import recomputing
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
-from funcmeta.tune import tune_task_chunk
 
 __version__ = "0.1.0"
 
@@ -60,7 +61,7 @@ __all__ = [
     "adapt_tasks",
     "apply_tasks",
     "apply_updates",
-    "checkpoint",
+    "batching",
     "data",
     "distributed",
     "evaluate",
@@ -76,6 +77,7 @@ __all__ = [
     "optim",
     "recipes",
     "recomputing",
+    "remat",
     "replay",
     "snapshot",
     "task_losses",
@@ -83,3 +85,12 @@ __all__ = [
     "tree",
     "tune_task_chunk",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The deprecated module aliases, imported (and warning) only when used."""
+    if name in ("checkpoint", "tune"):
+        import importlib
+
+        return importlib.import_module(f"funcmeta.{name}")
+    raise AttributeError(f"module 'funcmeta' has no attribute {name!r}")

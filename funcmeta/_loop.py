@@ -18,7 +18,6 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta import kernels, tree
-from funcmeta._remat import graph_input
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import (
     CallInputs,
@@ -32,6 +31,7 @@ from funcmeta.optim.base import GradientTransformation, task_axis
 from funcmeta.optim.base import step as optim_step
 from funcmeta.optim.clip import clip_grads_by_global_norm
 from funcmeta.options import AdaptOptions
+from funcmeta.remat.engine import graph_input
 from funcmeta.tree import Filter, Tree
 
 __all__ = ["AdaptResult", "Forward", "LossFn", "NonFiniteError", "forward_loss", "run", "validate"]

@@ -26,10 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta import kernels
-from funcmeta._functorch import any_batched, call_outside_vmap, recurrent_layers
-from funcmeta._shadow import sync_training
-from funcmeta._task_layers import task_standins
-from funcmeta.checkpoint import CheckpointSpec, checkpointed_runner, select
+from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
+from funcmeta.batching.layers import recurrent_layers, task_standins
+from funcmeta.batching.vmap import any_batched, call_outside_vmap
+from funcmeta.remat.layers import CheckpointSpec, checkpointed_runner, select
+from funcmeta.remat.shadow import sync_training
 from funcmeta.replay import recomputation
 
 __all__ = ["FunctionalModel", "check_keys", "functional_model"]
@@ -72,17 +73,17 @@ class FunctionalModel:
         )
         self._swap = _Swap(module, self._runner)
         self._task_swap = _Swap(module, self._task_runner)
-        self._params = dict(module.named_parameters())
-        self._buffers = dict(module.named_buffers())
-        self._param_shapes = {k: v.shape for k, v in self._params.items()}
-        self._buffer_shapes = {k: v.shape for k, v in self._buffers.items()}
+        self._own_params = dict(module.named_parameters())
+        self._own_buffers = dict(module.named_buffers())
+        self._param_shapes = {k: v.shape for k, v in self._own_params.items()}
+        self._buffer_shapes = {k: v.shape for k, v in self._own_buffers.items()}
         self._task_loop: bool | None = None
         # layers with torch's inference fast path, which task batching must keep off
         self._fast_path_layers = any(isinstance(m, _FAST_PATH_LAYERS) for m in module.modules())
 
     @property
     def params(self) -> dict[str, Tensor]:
-        return dict(self._params)
+        return dict(self._own_params)
 
     @property
     def task_chunk(self) -> int | None:
@@ -108,13 +109,13 @@ class FunctionalModel:
 
     @property
     def buffers(self) -> dict[str, Tensor]:
-        return dict(self._buffers)
+        return dict(self._own_buffers)
 
     @property
     def frozen(self) -> list[str]:
         """Names of the module's parameters with ``requires_grad=False``, read at each access.
         :func:`funcmeta.adapt` holds them fixed, and they get no meta-gradient."""
-        return [k for k, p in self._params.items() if not p.requires_grad]
+        return [k for k, p in self._own_params.items() if not p.requires_grad]
 
     @property
     def task_loop(self) -> bool | None:
@@ -126,7 +127,7 @@ class FunctionalModel:
 
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         """The module's output with ``params`` and the module's buffers (left unmutated)."""
-        return self.apply(params, self._buffers, *args, **kwargs)[0]
+        return self.apply(params, self._own_buffers, *args, **kwargs)[0]
 
     def apply(
         self,
@@ -200,7 +201,7 @@ class FunctionalModel:
             try:
                 return self._run(*task_run, params, buffers, args, kwargs)
             except RuntimeError as error:
-                if not _vmap_limit(error):
+                if not is_vmap_refusal(error):
                     raise
                 self._task_loop = True
 
@@ -216,13 +217,13 @@ class FunctionalModel:
 
     def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> bool:
         devices = sorted(
-            {t.device.index or 0 for t in self._params.values() if t.device.type == "cuda"}
+            {t.device.index or 0 for t in self._own_params.values() if t.device.type == "cuda"}
         )
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
                 self._run(*task_run, *inputs)
             except RuntimeError as error:
-                if _vmap_limit(error):
+                if is_vmap_refusal(error):
                     return False
                 raise
         return True
@@ -230,8 +231,8 @@ class FunctionalModel:
     def __repr__(self) -> str:
         checkpointed = f", checkpointed={self.checkpointed}" if self.checkpointed else ""
         return (
-            f"FunctionalModel({type(self.module).__name__}, params={len(self._params)}, "
-            f"buffers={len(self._buffers)}{checkpointed})"
+            f"FunctionalModel({type(self.module).__name__}, params={len(self._own_params)}, "
+            f"buffers={len(self._own_buffers)}{checkpointed})"
         )
 
 
@@ -239,14 +240,14 @@ class _Swap:
     """Puts given tensors in place of a module's parameters and buffers for one call.
 
     What ``torch.func.functional_call`` does, with the module's layout worked out once: for
-    each name, every ``_parameters``/``_buffers`` dict that holds the tensor (tied weights and
+    each name, every parameter or buffer dict that holds the tensor (tied weights and
     modules registered twice included). On exit the original tensors go back. A buffer the
     forward replaced (``self.stat = ...``) is written back to the ``buffers`` dict given.
     """
 
     def __init__(self, module: nn.Module, runner: nn.Module) -> None:
-        self.params = self._places(module, runner, "_parameters")
-        self.buffers = self._places(module, runner, "_buffers")
+        self.params = self._places(module, runner, "params")
+        self.buffers = self._places(module, runner, "buffers")
 
     @staticmethod
     def _places(
@@ -254,7 +255,7 @@ class _Swap:
     ) -> list[tuple[str, list[tuple[dict, str]]]]:
         named = (
             module.named_parameters(remove_duplicate=False)
-            if kind == "_parameters"
+            if kind == "params"
             else module.named_buffers(remove_duplicate=False)
         )
         first: dict[int, str] = {}
@@ -262,7 +263,7 @@ class _Swap:
         for name, tensor in named:
             key = first.setdefault(id(tensor), name)
             path, _, attr = name.rpartition(".")
-            owner = getattr(runner.get_submodule(path), kind)
+            owner = _DICTS[kind](runner.get_submodule(path))
             slots = places.setdefault(key, [])
             if not any(d is owner and a == attr for d, a in slots):
                 slots.append((owner, attr))
@@ -288,17 +289,9 @@ class _Swap:
                 owner[attr] = value
 
 
-# what vmap says when it cannot batch something (compared in lower case)
-_VMAP_LIMITS = ("vmap:", "vmap support", "batching rule", "data-dependent control flow")
-
+_DICTS = {"params": parameter_dict, "buffers": buffer_dict}
 
 _FAST_PATH_LAYERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
-
-
-def _vmap_limit(error: RuntimeError) -> bool:
-    """Whether ``error`` is vmap saying it cannot batch something."""
-    message = str(error).lower()
-    return any(text in message for text in _VMAP_LIMITS)
 
 
 def _check_layers(module: nn.Module) -> None:
@@ -361,7 +354,7 @@ def functional_model(
     """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
     ``checkpoint_layers`` chooses layers to run under per-layer activation checkpointing
-    (see :mod:`funcmeta.checkpoint`): ``None``; a policy name (``"sequential"``: the
+    (see :mod:`funcmeta.remat`): ``None``; a policy name (``"sequential"``: the
     children of every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of
     submodule names; or a predicate ``(name, module) -> bool``. A checkpointed layer keeps its
     inputs instead of its activations, in first and in second order (the graph of a

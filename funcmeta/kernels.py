@@ -40,8 +40,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
+from funcmeta._torch_private import (
+    get_fast_path,
+    sdp_backends,
+    sdp_getters,
+    sdp_priority,
+    sdp_setters,
+    set_fast_path,
+    set_sdp_priority,
+)
 from funcmeta.replay import recomputation
 
 __all__ = [
@@ -54,25 +61,12 @@ __all__ = [
     "twice_differentiable",
 ]
 
-# The attention backends whose enabled flags torch keeps as global state (torch >= 2.5 has at
-# least the first four; newer releases add more). Read and written through torch._C, as
-# torch.nn.attention.sdpa_kernel does.
-_BACKENDS = tuple(
-    name
-    for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable")
-    if hasattr(torch._C, f"_get_{name}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{name}")
-)
-_GETTERS = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in _BACKENDS)
-_SETTERS = tuple(getattr(torch._C, f"_set_sdp_use_{name}") for name in _BACKENDS)
-_get_priority = getattr(torch._C, "_get_sdp_priority_order", None)
-_set_priority = getattr(torch._C, "_set_sdp_priority_order", None)
-_mha = torch.backends.mha
-# the flag itself (torch.backends.mha.get_fastpath_enabled also asks TorchScript each time)
-_fast_path_enabled = (
-    (lambda: _mha._is_fastpath_enabled)
-    if hasattr(_mha, "_is_fastpath_enabled")
-    else _mha.get_fastpath_enabled
-)
+_BACKENDS = sdp_backends
+_GETTERS = sdp_getters
+_SETTERS = sdp_setters
+_get_priority = sdp_priority
+_set_priority = set_sdp_priority
+_fast_path_enabled = get_fast_path
 
 
 class _Local(threading.local):
@@ -110,7 +104,7 @@ def _apply(state: KernelState, current: KernelState) -> None:
     if state.priority != current.priority and state.priority is not None and _set_priority:
         _set_priority(list(state.priority))
     if state.fast_path != current.fast_path:
-        _mha.set_fastpath_enabled(state.fast_path)
+        set_fast_path(state.fast_path)
     _LOCAL.twice = state.twice
 
 
@@ -160,7 +154,7 @@ class _Override:
         if attention is not None and attention != _MATH_ONLY:
             _set_attention(_MATH_ONLY)
         if fast_path:
-            _mha.set_fastpath_enabled(False)
+            set_fast_path(False)
         if self.twice:
             _LOCAL.twice = True
 
@@ -169,7 +163,7 @@ class _Override:
         if attention is not None and attention != tuple([get() for get in _GETTERS]):
             _set_attention(attention)
         if fast_path != _fast_path_enabled():
-            _mha.set_fastpath_enabled(fast_path)
+            set_fast_path(fast_path)
         _LOCAL.twice = twice
 
 

@@ -40,8 +40,8 @@ import optree
 import torch
 from torch import Tensor
 
-from funcmeta._functorch import concat_outputs, fast_vmap, map_tensors
 from funcmeta._loop import AdaptResult, LossFn, forward_loss, run, validate
+from funcmeta.batching.vmap import concat_outputs, fast_vmap, map_tensors
 from funcmeta.functional import FunctionalModel, check_keys
 from funcmeta.inputs import (
     CallInputs,

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcmeta as fm
-import funcmeta._task_layers as task_layers
+import funcmeta.batching.layers as task_layers
+import funcmeta.batching.tune as tune_module
 import funcmeta.functional as functional
 
 DTYPE = torch.float64
@@ -290,13 +291,13 @@ def test_tune_task_chunk_times_every_candidate_and_keeps_the_fastest(monkeypatch
     net, support, _ = make("conv1d")
     fmodel = fm.functional_model(net)
     seen = []
-    adapt_tasks = fm.tune.adapt_tasks
+    adapt_tasks = tune_module.adapt_tasks
 
     def spy(fmodel, *args, **kwargs):
         seen.append(fmodel.task_chunk)
         return adapt_tasks(fmodel, *args, **kwargs)
 
-    monkeypatch.setattr(fm.tune, "adapt_tasks", spy)
+    monkeypatch.setattr(tune_module, "adapt_tasks", spy)
     opt = fm.optim.sgd(lr=0.1)
     times = fm.tune_task_chunk(
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2
@@ -344,13 +345,13 @@ def test_tune_task_chunk_takes_the_meta_loss_on_the_query(monkeypatch):
     net, support, query = make("conv1d")
     fmodel = fm.functional_model(net)
     scored = []
-    task_losses = fm.tune.task_losses
+    task_losses = tune_module.task_losses
 
     def spy(fmodel, params, loss_fn, batch, **kwargs):
         scored.append(batch[0])
         return task_losses(fmodel, params, loss_fn, batch, **kwargs)
 
-    monkeypatch.setattr(fm.tune, "task_losses", spy)
+    monkeypatch.setattr(tune_module, "task_losses", spy)
     opt = fm.optim.sgd(lr=0.1)
     fm.tune_task_chunk(
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, query=query, repeats=1

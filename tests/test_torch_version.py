@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-import funcmeta._functorch as functorch_glue
+import funcmeta.batching.vmap as functorch_glue
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
-from funcmeta._functorch import peek_interpreter_stack
+from funcmeta._torch_private import peek_interpreter_stack
 from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
 from funcmeta.tree import Tree
 

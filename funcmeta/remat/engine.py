@@ -33,12 +33,8 @@ import torch
 from torch import Tensor
 
 from funcmeta import kernels
+from funcmeta._torch_private import torch_pytree
 from funcmeta.replay import recomputation
-
-try:  # torch's pytree registry on optree: registered types (HuggingFace ModelOutput)
-    import torch.utils._cxx_pytree as torch_pytree
-except ImportError:  # pragma: no cover - depends on the torch and optree releases
-    import torch.utils._pytree as torch_pytree  # type: ignore[no-redef]
 
 __all__ = ["graph_input", "remat"]
 

@@ -1,25 +1,19 @@
-"""Leaving a ``vmap`` level: checkpointed layers and layers without batching rules.
+"""The vmap glue of task batching: T tasks as one computation, and leaving a ``vmap`` level.
 
-``torch.utils.checkpoint`` cannot run inside ``torch.func.vmap`` (its recomputation happens
-in backward, outside the vmap, on tensors of a finished vmap level). ``vmap`` *inside* a
-checkpoint works. So when a checkpointed layer is called under task batching,
-:func:`call_outside_vmap` unwraps the batched arguments of the innermost vmap level into
-ordinary tensors with a task axis, steps out of that level, runs ``checkpoint(vmap(fn))`` on
-them and wraps the outputs back into the level. Autograd sees ordinary tensors throughout,
-so second-order gradients flow as without vmap. The same function with ``per_task=True``
-runs ``fn`` once per task instead of vmapping it: for layers that have no vmap batching rule
-(``aten::lstm``, ``aten::gru``), see :class:`TaskLoop`.
+:func:`fast_vmap` is ``torch.func.vmap`` without its per-call argument processing (a visible
+share of a small model's step). ``torch.utils.checkpoint`` cannot run inside ``vmap`` (its
+recomputation happens in backward, outside the vmap, on tensors of a finished vmap level);
+``vmap`` *inside* a checkpoint works. So when a checkpointed layer is called under task
+batching, :func:`call_outside_vmap` unwraps the batched arguments of the innermost vmap level
+into ordinary tensors with a task axis, steps out of that level, runs ``checkpoint(vmap(fn))``
+on them and wraps the outputs back into the level. Autograd sees ordinary tensors throughout,
+so second-order gradients flow as without vmap. With ``per_task=True`` it runs ``fn`` once per
+task instead of vmapping it: for layers without a vmap batching rule
+(:class:`funcmeta.batching.layers.TaskLoop`).
 
-:class:`TaskLinear` is the task-batched fast path for ``nn.Linear``. Under ``vmap``, a linear
-layer whose weights are batched costs about ten times an unbatched one (torch 2.13, CPU): the
-generic batching rule. When the input, weight and bias are batched at the same level,
-``TaskLinear`` does the whole batch as one ``torch.baddbmm`` on the unwrapped tensors. A layer
-with hooks runs as it is (the hooks see what they would see in a per-task loop). The fast
-paths of convolutions, BatchNorm and pooling are in :mod:`funcmeta._task_layers`.
-
-Both use functorch's batching primitives from ``torch._C._functorch`` (present from torch
-2.0 to at least 2.15). If a torch release lacks them, :func:`call_outside_vmap` raises an
-error that says so, and :class:`TaskLinear` falls back to ``F.linear``.
+The primitives come from functorch (``torch._C._functorch``), through
+:mod:`funcmeta._torch_private`. If a torch release lacks them, :func:`call_outside_vmap`
+raises an error that says so, and :func:`fast_vmap` falls back to ``torch.func.vmap``.
 """
 
 from __future__ import annotations
@@ -30,21 +24,27 @@ from typing import Any
 
 import optree
 import torch
-import torch.nn.functional as F
+from torch import Tensor
 
-try:  # torch's pytree registry on optree: registered types (HuggingFace ModelOutput), fast
-    import torch.utils._cxx_pytree as torch_pytree
-except ImportError:  # pragma: no cover - depends on the torch and optree releases
-    import torch.utils._pytree as torch_pytree  # type: ignore[no-redef]
-from torch import Tensor, nn
-
-from funcmeta._shadow import Standin, has_hooks, within
-from funcmeta.kernels import in_twice_differentiable
+from funcmeta._torch_private import (
+    FUNCTORCH,
+    add_batch_dim,
+    is_batchedtensor,
+    maybe_get_level,
+    missing,
+    peek_interpreter_stack,
+    pop_dynamic_layer_stack,
+    prepare_vmap,
+    push_dynamic_layer_stack,
+    remove_batch_dim,
+    torch_pytree,
+    unwrap_batched,
+    vmap_decrement_nesting,
+    vmap_increment_nesting,
+)
 
 __all__ = [
     "PRIMITIVES",
-    "TaskLinear",
-    "TaskLoop",
     "any_batched",
     "call_outside_vmap",
     "concat_outputs",
@@ -53,69 +53,28 @@ __all__ = [
     "is_batched",
     "map_tensors",
     "missing_primitives",
-    "named_tensors",
     "physical",
-    "recurrent_layers",
 ]
 
-PRIMITIVES = (
-    "_add_batch_dim",
-    "_remove_batch_dim",
-    "_unwrap_batched",
-    "_vmap_decrement_nesting",
-    "_vmap_increment_nesting",
-    "is_batchedtensor",
-    "maybe_get_level",
-    "peek_interpreter_stack",
-    "pop_dynamic_layer_stack",
-    "push_dynamic_layer_stack",
-)
-"""The names this module takes from ``torch._C._functorch`` (checked by the test suite on
-every torch it runs on: see :func:`missing_primitives`)."""
+PRIMITIVES = FUNCTORCH
+"""The names this module takes from ``torch._C._functorch``, through
+:mod:`funcmeta._torch_private` (checked by the test suite on every torch it runs on: see
+:func:`missing_primitives`)."""
 
 
 def missing_primitives() -> list[str]:
     """The names of :data:`PRIMITIVES` that this torch's ``torch._C._functorch`` lacks."""
-    import torch._C._functorch as functorch_c
-
-    return [name for name in PRIMITIVES if not hasattr(functorch_c, name)]
+    return [name for name in FUNCTORCH if f"torch._C._functorch.{name}" in missing()]
 
 
-try:
-    from torch._C._functorch import (
-        _add_batch_dim,
-        _remove_batch_dim,
-        _unwrap_batched,
-        _vmap_decrement_nesting,
-        _vmap_increment_nesting,
-        is_batchedtensor,
-        maybe_get_level,
-    )
-except ImportError:  # pragma: no cover - depends on the torch release
-    _add_batch_dim = _remove_batch_dim = _unwrap_batched = None
-    _vmap_decrement_nesting = _vmap_increment_nesting = None
-    is_batchedtensor = maybe_get_level = None
-
-try:
-    from torch._C._functorch import (
-        peek_interpreter_stack,
-        pop_dynamic_layer_stack,
-        push_dynamic_layer_stack,
-    )
-except ImportError:  # pragma: no cover - depends on the torch release
-    peek_interpreter_stack = pop_dynamic_layer_stack = push_dynamic_layer_stack = None
+_add_batch_dim = add_batch_dim
+_remove_batch_dim = remove_batch_dim
+_unwrap_batched = unwrap_batched
+_vmap_increment_nesting = vmap_increment_nesting
+_vmap_decrement_nesting = vmap_decrement_nesting
 
 #: Whether :func:`fast_vmap` uses the primitives (tests switch it off to check the fallback).
 USE_PRIMITIVES = _vmap_increment_nesting is not None
-_PREPARED = False
-
-
-def _prepare() -> None:
-    """Let ``torch.func.vmap`` register its batching decompositions (``nll_loss`` and others
-    would otherwise take the slow per-example fallback): it does so on its first call."""
-    global _PREPARED
-    torch.func.vmap(torch.neg)(torch.zeros(1))
-    _PREPARED = True
 
 
 def map_tensors(fn: Callable[[Tensor], Any], out: Any) -> Any:
@@ -143,8 +102,7 @@ def fast_vmap(
     """
     if not USE_PRIMITIVES:
         return torch.func.vmap(fn, in_dims=in_dims, randomness=randomness)(*flat_args)
-    if not _PREPARED:
-        _prepare()
+    prepare_vmap()
     level = _vmap_increment_nesting(batch_size, randomness)
     try:
         batched = [
@@ -294,86 +252,3 @@ def physical(x: Tensor, level: int, dim: int = 0) -> Tensor:
     ``dim`` (a view)."""
     tensor, bdim = _unwrap_batched(x, level)
     return tensor if bdim == dim else tensor.movedim(bdim, dim)
-
-
-class TaskLinear(Standin):
-    """Stands in for an ``nn.Linear`` under task batching: one ``baddbmm`` for all tasks when
-    the input, weight and bias are batched at the same vmap level, ``F.linear`` otherwise.
-    A layer with hooks (its own or global ones) runs as it is, hooks included."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        original = self.original
-        if has_hooks(original):
-            return original(x)
-        w, b = original.weight, original.bias
-        if not (is_batched(x) and is_batched(w)):
-            return F.linear(x, w, b)
-        level = maybe_get_level(w)
-        if maybe_get_level(x) != level or (
-            b is not None and not (is_batched(b) and maybe_get_level(b) == level)
-        ):
-            return F.linear(x, w, b)
-        xp, wp = physical(x, level), physical(w, level)
-        flat = xp.dim() != 3  # (T, N, in) goes in as it is; other shapes via (T, -1, in)
-        x3 = xp.reshape(xp.shape[0], -1, xp.shape[-1]) if flat else xp
-        if b is None:
-            out = torch.bmm(x3, wp.transpose(1, 2))
-        else:
-            out = torch.baddbmm(physical(b, level).unsqueeze(1), x3, wp.transpose(1, 2))
-        if flat:
-            out = out.reshape(*xp.shape[:-1], out.shape[-1])
-        return _add_batch_dim(out, 0, level)
-
-
-@contextlib.contextmanager
-def _rnn_kernels() -> Iterator[None]:
-    """cuDNN off inside a twice-differentiable block: its RNN kernels have no double
-    backward. Other blocks keep the user's setting."""
-    if not in_twice_differentiable() or not torch.backends.cudnn.enabled:
-        yield
-        return
-    torch.backends.cudnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.enabled = True
-
-
-class TaskLoop(Standin):
-    """Stands in for a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), which has no vmap
-    batching rule: under task batching it runs once per task outside the vmap level, with
-    that task's parameters, buffers and inputs, and its outputs are stacked. Unbatched calls
-    run the layer as it is. Inside :func:`funcmeta.kernels.twice_differentiable` it runs
-    without cuDNN, whose RNN kernels have no double backward."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        original = self.original
-        pnames, ptensors = named_tensors(original.named_parameters())
-        bnames, btensors = named_tensors(original.named_buffers())
-        tensors = ptensors + btensors
-        with _rnn_kernels():
-            if not any_batched(tensors, args, kwargs):
-                return original(*args, **kwargs)
-
-            def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-                params = dict(zip(pnames, ts[: len(pnames)], strict=True))
-                buffers = dict(zip(bnames, ts[len(pnames) :], strict=True))
-                return torch.func.functional_call(original, (params, buffers), a, kw)
-
-            return call_outside_vmap(
-                lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
-            )
-
-
-def named_tensors(items: Any) -> tuple[list[str], list[Tensor]]:
-    pairs = list(items)
-    return [n for n, _ in pairs], [t for _, t in pairs]
-
-
-def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
-    """The recurrent layers of ``module`` (outermost), each to be run by :class:`TaskLoop`."""
-    out: dict[str, type[Standin]] = {}
-    for name, m in module.named_modules():
-        if isinstance(m, nn.RNNBase) and not any(within(name, n) for n in out):
-            out[name] = TaskLoop
-    return out

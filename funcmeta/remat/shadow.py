@@ -10,12 +10,57 @@ with the original, so a name reaches the same tensors in both trees.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
+from torch.func import functional_call
 
-__all__ = ["Standin", "ancestors", "has_hooks", "relative", "shadow", "sync_training", "within"]
+from funcmeta._torch_private import has_hooks, module_dict, set_module_dict, share_dicts
+
+__all__ = [
+    "LayerTensors",
+    "Standin",
+    "ancestors",
+    "has_hooks",
+    "relative",
+    "shadow",
+    "sync_training",
+    "within",
+]
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """The names of a layer's parameters and buffers, to call it as a pure function of their
+    tensors (a checkpointed layer, a layer run once per task)."""
+
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> tuple[LayerTensors, list[Tensor], list[Tensor]]:
+        """``(names, parameter tensors, buffer tensors)`` of ``module`` as it holds them now."""
+        params = list(module.named_parameters())
+        buffers = list(module.named_buffers())
+        names = cls(tuple(n for n, _ in params), tuple(n for n, _ in buffers))
+        return names, [t for _, t in params], [t for _, t in buffers]
+
+    def call(
+        self,
+        module: nn.Module,
+        params: Sequence[Tensor],
+        buffers: Sequence[Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``module(*args, **kwargs)`` with these tensors in place of its own."""
+        tensors = (
+            dict(zip(self.params, params, strict=True)),
+            dict(zip(self.buffers, buffers, strict=True)),
+        )
+        return functional_call(module, tensors, args, kwargs)
 
 
 def ancestors(name: str) -> list[str]:
@@ -34,21 +79,6 @@ def relative(name: str, layer: str) -> str:
     return name if layer == "" else name[len(layer) + 1 :]
 
 
-def has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs forward or backward hooks, its own or global ones."""
-    hooks = nn.modules.module
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or hooks._global_forward_hooks
-        or hooks._global_forward_pre_hooks
-        or hooks._global_backward_hooks
-        or hooks._global_backward_pre_hooks
-    )
-
-
 class Standin(nn.Module):
     """Stands in for ``original`` in a shadow tree and shares its parameter, buffer and child
     dicts, so names resolve to the same tensors. Calling it runs its ``forward`` directly,
@@ -58,9 +88,7 @@ class Standin(nn.Module):
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
-        self.__dict__["_parameters"] = original._parameters
-        self.__dict__["_buffers"] = original._buffers
-        self.__dict__["_modules"] = original._modules
+        share_dicts(self, original)
         self.__dict__["_fm_original"] = original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -98,10 +126,13 @@ def shadow(
             return m
         twin = copy.copy(m)
         prefix = f"{name}." if name else ""
-        twin.__dict__["_modules"] = {
-            child_name: (None if child is None else build(child, prefix + child_name))
-            for child_name, child in m._modules.items()
-        }
+        set_module_dict(
+            twin,
+            {
+                child_name: (None if child is None else build(child, prefix + child_name))
+                for child_name, child in module_dict(m).items()
+            },
+        )
         copies.append((twin, m))
         return twin
 

@@ -1,13 +1,19 @@
-"""Task-batched fast paths for the layers of conv nets: convolution, BatchNorm and pooling.
+"""Stand-ins for layers under task batching: fast paths that compute a layer for all tasks at
+once, exactly, and the per-task loop for layers that ``vmap`` cannot batch.
 
-Under ``vmap`` over tasks, a convolution whose weights differ per task and a BatchNorm with
-per-task affine parameters go through functorch's generic batching rules: the convolution
-input is copied into a task-grouped layout at every layer, and BatchNorm is split into a
-normalisation plus element-wise products and sums over the whole activation, in forward,
-backward and double backward. These stand-ins compute each layer for all tasks with one native
-call on the unwrapped tensors, in one layout shared by all of them: ``(N, T * C, ...)``, the
-tasks side by side along the channels, so that the output of one layer is the input of the
-next without a copy.
+- :class:`TaskLinear`: ``nn.Linear`` with per-task weights as one ``torch.baddbmm`` (under
+  ``vmap``'s generic rule a batched-weight linear layer costs about ten times an unbatched
+  one, torch 2.13, CPU).
+- :class:`TaskLoop`: recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: ``aten::lstm`` and
+  ``aten::gru`` have no batching rule) once per task, outside the vmap level.
+
+The conv-net layers. Under ``vmap`` over tasks, a convolution whose weights differ per task and
+a BatchNorm with per-task affine parameters go through functorch's generic batching rules:
+the convolution input is copied into a task-grouped layout at every layer, and BatchNorm is
+split into a normalisation plus element-wise products and sums over the whole activation.
+These stand-ins compute each layer with one native call on the unwrapped tensors, in one
+layout shared by all of them, ``(N, T * C, ...)``, so that the output of one layer is the
+input of the next without a copy:
 
 - :class:`TaskConv`: ``nn.Conv1d/2d/3d`` with per-task weights as one convolution with
   ``T * groups`` groups.
@@ -29,24 +35,36 @@ single-sample input, weights batched at another vmap level, BatchNorm with ``mom
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcmeta._functorch import (
-    TaskLinear,
+from funcmeta._torch_private import conv_forward, conv_padding, cudnn_disabled, has_hooks
+from funcmeta.batching.vmap import (
     _add_batch_dim,
     _unwrap_batched,
+    any_batched,
+    call_outside_vmap,
     is_batched,
     maybe_get_level,
     physical,
-    recurrent_layers,
 )
-from funcmeta._shadow import Standin, has_hooks, within
+from funcmeta.kernels import in_twice_differentiable
+from funcmeta.remat.shadow import LayerTensors, Standin, within
 
-__all__ = ["TaskBatchNorm", "TaskConv", "TaskEmbedding", "TaskPool", "task_standins"]
+__all__ = [
+    "TaskBatchNorm",
+    "TaskConv",
+    "TaskEmbedding",
+    "TaskLinear",
+    "TaskLoop",
+    "TaskPool",
+    "recurrent_layers",
+    "task_standins",
+]
 
 _CONV = {nn.Conv1d: (1, F.conv1d), nn.Conv2d: (2, F.conv2d), nn.Conv3d: (3, F.conv3d)}
 _NORM = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
@@ -61,6 +79,73 @@ _POOL = {
     nn.AdaptiveAvgPool2d: 2,
     nn.AdaptiveAvgPool3d: 3,
 }
+
+
+class TaskLinear(Standin):
+    """Stands in for an ``nn.Linear`` under task batching: one ``baddbmm`` for all tasks when
+    the input, weight and bias are batched at the same vmap level, ``F.linear`` otherwise.
+    A layer with hooks (its own or global ones) runs as it is, hooks included."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        original = self.original
+        if has_hooks(original):
+            return original(x)
+        w, b = original.weight, original.bias
+        if not (is_batched(x) and is_batched(w)):
+            return F.linear(x, w, b)
+        level = maybe_get_level(w)
+        if maybe_get_level(x) != level or (
+            b is not None and not (is_batched(b) and maybe_get_level(b) == level)
+        ):
+            return F.linear(x, w, b)
+        xp, wp = physical(x, level), physical(w, level)
+        flat = xp.dim() != 3  # (T, N, in) goes in as it is; other shapes via (T, -1, in)
+        x3 = xp.reshape(xp.shape[0], -1, xp.shape[-1]) if flat else xp
+        if b is None:
+            out = torch.bmm(x3, wp.transpose(1, 2))
+        else:
+            out = torch.baddbmm(physical(b, level).unsqueeze(1), x3, wp.transpose(1, 2))
+        if flat:
+            out = out.reshape(*xp.shape[:-1], out.shape[-1])
+        return _add_batch_dim(out, 0, level)
+
+
+def _rnn_kernels() -> contextlib.AbstractContextManager:
+    """cuDNN off inside a twice-differentiable block: its RNN kernels have no double
+    backward. Other blocks keep the user's setting."""
+    return cudnn_disabled() if in_twice_differentiable() else contextlib.nullcontext()
+
+
+class TaskLoop(Standin):
+    """Stands in for a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), which has no vmap
+    batching rule: under task batching it runs once per task outside the vmap level, with
+    that task's parameters, buffers and inputs, and its outputs are stacked. Unbatched calls
+    run the layer as it is. Inside :func:`funcmeta.kernels.twice_differentiable` it runs
+    without cuDNN, whose RNN kernels have no double backward."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.original
+        layer, params, buffers = LayerTensors.of(original)
+        tensors = params + buffers
+        with _rnn_kernels():
+            if not any_batched(tensors, args, kwargs):
+                return original(*args, **kwargs)
+
+            def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+                return layer.call(original, ts[: len(params)], ts[len(params) :], a, kw)
+
+            return call_outside_vmap(
+                lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
+            )
+
+
+def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
+    """The recurrent layers of ``module`` (outermost), each to be run by :class:`TaskLoop`."""
+    out: dict[str, type[Standin]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, nn.RNNBase) and not any(within(name, n) for n in out):
+            out[name] = TaskLoop
+    return out
 
 
 def _grouped(x: Tensor, level: int) -> Tensor:
@@ -102,17 +187,17 @@ class TaskConv(Standin):
         dims, conv = _CONV[type(m)]
         w, b = m.weight, m.bias
         if not (is_batched(x) and is_batched(w) and x.dim() == dims + 2):
-            return m._conv_forward(x, w, b)
+            return conv_forward(m, x, w, b)
         level = maybe_get_level(w)
         if maybe_get_level(x) != level or not _same_level(level, b):
-            return m._conv_forward(x, w, b)
+            return conv_forward(m, x, w, b)
         xg = _grouped(x, level)
         wp = physical(w, level, 0)
         tasks = wp.shape[0]
         wg = wp.reshape(tasks * wp.shape[1], *wp.shape[2:])
         bg = _per_task(b, level, tasks)
         if m.padding_mode != "zeros":
-            xg = F.pad(xg, m._reversed_padding_repeated_twice, mode=m.padding_mode)
+            xg = F.pad(xg, conv_padding(m), mode=m.padding_mode)
             padding: Any = 0
         else:
             padding = m.padding
@@ -196,7 +281,7 @@ class TaskEmbedding(Standin):
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
     """The stand-ins of the task-batched runner, by submodule name: :class:`TaskLoop` for
     recurrent layers (outermost), and outside them the fast paths of ``nn.Linear``
-    (:class:`funcmeta._functorch.TaskLinear`), convolutions, BatchNorm and pooling, and the
+    (:class:`TaskLinear`), convolutions, BatchNorm and pooling, and the
     exact path of embeddings with a padding index. Exact
     types only: a subclass (a parametrized layer included) may compute something else."""
     if _unwrap_batched is None:  # pragma: no cover - depends on the torch release

@@ -1,0 +1,275 @@
+"""The fence around torch's private internals: every access funcmeta makes to a name torch
+does not promise to keep is here, wrapped once, and nowhere else.
+
+Each access is registered in :data:`ACCESSES` with a probe that says whether this torch
+release has it; ``tests/test_torch_version.py`` runs every probe on every torch the suite runs
+on and fails with the torch version and the missing name. What each is for:
+
+- **functorch's batching primitives** (``torch._C._functorch``): stepping in and out of a
+  ``vmap`` level, wrapping and unwrapping batched tensors. Task batching's fast layers and
+  checkpointed layers under ``vmap`` need them (:mod:`funcmeta.batching`).
+- **torch's pytree registry** (``torch.utils._cxx_pytree`` or ``torch.utils._pytree``):
+  flattening outputs of registered types (HuggingFace ``ModelOutput``).
+- **attention kernel flags** (``torch._C._get/_set_*_sdp_*``) and the multi-head attention
+  fast-path flag (``torch.backends.mha._is_fastpath_enabled``): choosing twice-differentiable
+  kernels and putting the user's choice back (:mod:`funcmeta.kernels`).
+- **``nn.Module`` internals**: its ``_parameters``, ``_buffers`` and ``_modules`` dicts
+  (shadow module trees share them; :class:`funcmeta.FunctionalModel` swaps tensors in
+  them), its hook dictionaries (does a call run hooks?), and a convolution's
+  ``_conv_forward`` and ``_reversed_padding_repeated_twice``.
+- **vmap's refusals**: which ``RuntimeError`` texts mean "vmap cannot batch this" (torch has
+  no exception type for it), checked against a real refusal by the test suite.
+
+Example:
+    >>> from funcmeta._torch_private import missing
+    >>> missing()
+    []
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ACCESSES",
+    "FUNCTORCH",
+    "add_batch_dim",
+    "buffer_dict",
+    "conv_forward",
+    "conv_padding",
+    "cudnn_disabled",
+    "get_fast_path",
+    "has_hooks",
+    "is_batchedtensor",
+    "is_vmap_refusal",
+    "maybe_get_level",
+    "missing",
+    "module_dict",
+    "parameter_dict",
+    "peek_interpreter_stack",
+    "pop_dynamic_layer_stack",
+    "prepare_vmap",
+    "push_dynamic_layer_stack",
+    "remove_batch_dim",
+    "sdp_backends",
+    "sdp_getters",
+    "sdp_priority",
+    "sdp_setters",
+    "set_fast_path",
+    "set_module_dict",
+    "set_sdp_priority",
+    "share_dicts",
+    "torch_pytree",
+    "unwrap_batched",
+    "vmap_decrement_nesting",
+    "vmap_increment_nesting",
+]
+
+# ------------------------------------------------------------------ functorch primitives
+
+FUNCTORCH = (
+    "_add_batch_dim",
+    "_remove_batch_dim",
+    "_unwrap_batched",
+    "_vmap_decrement_nesting",
+    "_vmap_increment_nesting",
+    "is_batchedtensor",
+    "maybe_get_level",
+    "peek_interpreter_stack",
+    "pop_dynamic_layer_stack",
+    "push_dynamic_layer_stack",
+)
+"""The names taken from ``torch._C._functorch`` (present from torch 2.0 to at least 2.15)."""
+
+try:
+    import torch._C._functorch as _functorch_c
+except ImportError:  # pragma: no cover - depends on the torch release
+    _functorch_c = None
+
+
+def _functorch(name: str) -> Any:
+    return getattr(_functorch_c, name, None)
+
+
+add_batch_dim = _functorch("_add_batch_dim")
+remove_batch_dim = _functorch("_remove_batch_dim")
+unwrap_batched = _functorch("_unwrap_batched")
+vmap_increment_nesting = _functorch("_vmap_increment_nesting")
+vmap_decrement_nesting = _functorch("_vmap_decrement_nesting")
+is_batchedtensor = _functorch("is_batchedtensor")
+maybe_get_level = _functorch("maybe_get_level")
+peek_interpreter_stack = _functorch("peek_interpreter_stack")
+pop_dynamic_layer_stack = _functorch("pop_dynamic_layer_stack")
+push_dynamic_layer_stack = _functorch("push_dynamic_layer_stack")
+
+_PREPARED = [False]
+
+
+def prepare_vmap() -> None:
+    """Let ``torch.func.vmap`` register its batching decompositions (``nll_loss`` and others
+    would otherwise take the slow per-example fallback): it does so on its first call, which
+    the primitives above bypass. Once per process."""
+    if not _PREPARED[0]:
+        torch.func.vmap(torch.neg)(torch.zeros(1))
+        _PREPARED[0] = True
+
+
+# ------------------------------------------------------------------ pytree registry
+
+try:  # torch's registry on optree: registered types (HuggingFace ModelOutput), fast
+    import torch.utils._cxx_pytree as torch_pytree
+except ImportError:  # pragma: no cover - depends on the torch and optree releases
+    import torch.utils._pytree as torch_pytree  # type: ignore[no-redef]
+
+# ------------------------------------------------------------------ attention kernel flags
+
+sdp_backends: tuple[str, ...] = tuple(
+    name
+    for name in ("flash", "mem_efficient", "math", "cudnn", "overrideable")
+    if hasattr(torch._C, f"_get_{name}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{name}")
+)
+"""The attention backends whose enabled flags torch keeps as global state (torch >= 2.5 has
+at least the first four), read and written as ``torch.nn.attention.sdpa_kernel`` does."""
+sdp_getters: tuple[Callable[[], bool], ...] = tuple(
+    getattr(torch._C, f"_get_{name}_sdp_enabled") for name in sdp_backends
+)
+sdp_setters: tuple[Callable[[bool], None], ...] = tuple(
+    getattr(torch._C, f"_set_sdp_use_{name}") for name in sdp_backends
+)
+sdp_priority: Callable[[], Any] | None = getattr(torch._C, "_get_sdp_priority_order", None)
+set_sdp_priority: Callable[[Any], None] | None = getattr(torch._C, "_set_sdp_priority_order", None)
+
+_mha = torch.backends.mha
+# the flag itself (torch.backends.mha.get_fastpath_enabled also asks TorchScript each time)
+get_fast_path: Callable[[], bool] = (
+    (lambda: _mha._is_fastpath_enabled)
+    if hasattr(_mha, "_is_fastpath_enabled")
+    else _mha.get_fastpath_enabled
+)
+set_fast_path: Callable[[bool], None] = _mha.set_fastpath_enabled
+
+
+@contextlib.contextmanager
+def cudnn_disabled() -> Iterator[None]:
+    """cuDNN off for the block (a process-wide flag), put back afterwards."""
+    if not torch.backends.cudnn.enabled:
+        yield
+        return
+    torch.backends.cudnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = True
+
+
+# ------------------------------------------------------------------ nn.Module internals
+
+
+def parameter_dict(module: nn.Module) -> dict[str, Any]:
+    """The module's own ``_parameters`` dict (the object, not a copy)."""
+    return module._parameters
+
+
+def buffer_dict(module: nn.Module) -> dict[str, Any]:
+    """The module's own ``_buffers`` dict (the object, not a copy)."""
+    return module._buffers
+
+
+def module_dict(module: nn.Module) -> dict[str, Any]:
+    """The module's own ``_modules`` dict (the object, not a copy)."""
+    return module._modules
+
+
+def share_dicts(standin: nn.Module, original: nn.Module) -> None:
+    """Give ``standin`` the very parameter, buffer and child dicts of ``original``, so that a
+    name reaches the same tensors in both (a stand-in in a shadow tree)."""
+    standin.__dict__["_parameters"] = original._parameters
+    standin.__dict__["_buffers"] = original._buffers
+    standin.__dict__["_modules"] = original._modules
+
+
+def set_module_dict(module: nn.Module, children: dict[str, Any]) -> None:
+    """Give ``module`` (a shallow copy) a child dict of its own."""
+    module.__dict__["_modules"] = children
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward or backward hooks, its own or global ones."""
+    hooks = nn.modules.module
+    return any(getattr(module, name) for name in _HOOKS) or any(
+        getattr(hooks, name) for name in _GLOBAL_HOOKS
+    )
+
+
+def conv_forward(module: nn.Module, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """A convolution's forward with the given weight and bias (its padding mode included)."""
+    return module._conv_forward(x, weight, bias)
+
+
+def conv_padding(module: nn.Module) -> Any:
+    """The ``F.pad`` padding of a convolution with a non-zero padding mode."""
+    return module._reversed_padding_repeated_twice
+
+
+# ------------------------------------------------------------------ vmap's refusals
+
+_VMAP_REFUSALS = ("vmap:", "vmap support", "batching rule", "data-dependent control flow")
+
+
+def is_vmap_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is ``vmap`` saying it cannot batch something (data-dependent control
+    flow, an operator without a batching rule). torch has no exception type for it; the
+    texts are checked against real refusals on every torch the suite runs on."""
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and any(t in message for t in _VMAP_REFUSALS)
+
+
+# ------------------------------------------------------------------ the registry
+
+
+def _has_module_internals() -> bool:
+    m = nn.Conv1d(1, 1, 1, padding=1, padding_mode="reflect")
+    dicts = (m._parameters, m._buffers, m._modules)
+    return (
+        all(isinstance(d, dict) for d in dicts)
+        and all(hasattr(m, name) for name in _HOOKS)
+        and all(hasattr(nn.modules.module, name) for name in _GLOBAL_HOOKS)
+        and callable(getattr(m, "_conv_forward", None))
+        and hasattr(m, "_reversed_padding_repeated_twice")
+    )
+
+
+ACCESSES: dict[str, Callable[[], bool]] = {
+    **{f"torch._C._functorch.{n}": (lambda n=n: _functorch(n) is not None) for n in FUNCTORCH},
+    "torch.utils._cxx_pytree or torch.utils._pytree": lambda: hasattr(torch_pytree, "tree_flatten"),
+    "torch._C._get/_set_{flash,mem_efficient,math,cudnn}_sdp_*": lambda: (
+        {
+            "flash",
+            "mem_efficient",
+            "math",
+            "cudnn",
+        }
+        <= set(sdp_backends)
+    ),
+    "torch.backends.mha fast-path flag": lambda: (
+        callable(get_fast_path) and isinstance(get_fast_path(), bool)
+    ),
+    "nn.Module _parameters/_buffers/_modules, hook dicts, Conv _conv_forward": (
+        _has_module_internals
+    ),
+}
+"""Every private access, by name, with a probe: ``True`` when this torch has it."""
+
+
+def missing() -> list[str]:
+    """The names of :data:`ACCESSES` that this torch release lacks."""
+    return [name for name, probe in ACCESSES.items() if not probe()]

@@ -1,0 +1,33 @@
+"""Task batching: everything that makes T tasks one computation, with the meta-gradients of a
+loop over them.
+
+What it owns:
+
+- :mod:`~funcmeta.batching.vmap`: the vmap glue: a lean ``vmap``, leaving a vmap level for a
+  checkpointed layer or a per-task run, joining per-chunk outputs;
+- :mod:`~funcmeta.batching.layers`: the stand-ins that compute a layer for all tasks at once
+  (linear, convolution, BatchNorm, pooling, embeddings with a padding index) or once per
+  task (recurrent layers);
+- :mod:`~funcmeta.batching.tune`: measuring the task-chunk size (:func:`tune_task_chunk`).
+
+The task axis that optimizers see (``fm.optim.task_axis``, per-task gradient clipping) lives
+in :mod:`funcmeta.optim.base`, below this package; the public entry points
+(:func:`funcmeta.adapt_tasks`, :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`)
+are in :mod:`funcmeta.tasks`, above it.
+
+What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.kernels`,
+:mod:`funcmeta.remat.shadow` (stand-ins share the module-tree machinery of checkpointing);
+:mod:`~funcmeta.batching.tune` alone sits above the core and imports :mod:`funcmeta.tasks`.
+``docs/design.md`` has the whole layering.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> from funcmeta.batching.layers import task_standins
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.LSTM(3, 3))
+    >>> sorted((name, cls.__name__) for name, cls in task_standins(net).items())
+    [('0', 'TaskLinear'), ('1', 'TaskLoop')]
+"""
+
+__all__: list[
+    str
+] = []  # the public entry points are funcmeta's (fm.adapt_tasks, fm.tune_task_chunk)

@@ -1,0 +1,32 @@
+"""Rematerialisation: per-layer activation checkpointing that composes with double backward.
+
+What it owns:
+
+- :mod:`~funcmeta.remat.layers`: choosing layers (:func:`select`, :data:`POLICIES`) and
+  running each as a checkpointed pure function (``fm.functional_model(...,
+  checkpoint_layers=...)``);
+- :mod:`~funcmeta.remat.engine`: the autograd Functions that keep a layer's inputs and
+  rematerialise it, its backward and the derivative of that (``jax.checkpoint`` under
+  grad-of-grad);
+- :mod:`~funcmeta.remat.shadow`: shadow module trees, the user's module untouched, with
+  stand-ins for chosen submodules (shared with task batching's stand-ins).
+
+The kernel choice a recomputation replays is :mod:`funcmeta.kernels`; whether a run is a
+recomputation is :func:`funcmeta.recomputing`. Step-level checkpointing is the inner loop's
+option ``checkpoint_steps`` (:class:`funcmeta.AdaptOptions`).
+
+What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.kernels`,
+:mod:`funcmeta.replay`, :mod:`funcmeta.tree`, and :mod:`funcmeta.batching.vmap` (a
+checkpointed layer under task batching leaves the vmap level). ``docs/design.md`` has the
+whole layering.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> fm.remat.select(net, "sequential")
+    ['0', '2']
+"""
+
+from funcmeta.remat.layers import POLICIES, CheckpointSpec, select
+
+__all__ = ["POLICIES", "CheckpointSpec", "select"]
