@@ -49,6 +49,7 @@ __all__ = [
     "is_vmap_refusal",
     "maybe_get_level",
     "missing",
+    "missing_functorch",
     "module_dict",
     "parameter_dict",
     "peek_interpreter_stack",
@@ -268,6 +269,11 @@ ACCESSES: dict[str, Callable[[], bool]] = {
     ),
 }
 """Every private access, by name, with a probe: ``True`` when this torch has it."""
+
+
+def missing_functorch() -> list[str]:
+    """The names of :data:`FUNCTORCH` that this torch's ``torch._C._functorch`` lacks."""
+    return [name for name in FUNCTORCH if _functorch(name) is None]
 
 
 def missing() -> list[str]:

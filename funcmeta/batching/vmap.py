@@ -31,7 +31,7 @@ from funcmeta._torch_private import (
     add_batch_dim,
     is_batchedtensor,
     maybe_get_level,
-    missing,
+    missing_functorch,
     peek_interpreter_stack,
     pop_dynamic_layer_stack,
     prepare_vmap,
@@ -64,7 +64,7 @@ PRIMITIVES = FUNCTORCH
 
 def missing_primitives() -> list[str]:
     """The names of :data:`PRIMITIVES` that this torch's ``torch._C._functorch`` lacks."""
-    return [name for name in FUNCTORCH if f"torch._C._functorch.{name}" in missing()]
+    return missing_functorch()
 
 
 _add_batch_dim = add_batch_dim
@@ -206,7 +206,7 @@ def call_outside_vmap(
     if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
         raise RuntimeError(
             "checkpointed layers and layers without vmap batching rules need "
-            "torch._C._functorch's batching primitives, which torch "
+            "functorch's batching primitives, which torch "
             f"{torch.__version__} does not have"
         )
     leaves, spec = optree.tree_flatten((args, extra))
