@@ -21,11 +21,7 @@ from funcmeta import kernels, tree
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import (
     CallInputs,
-    check_batch,
-    check_call,
-    check_dtypes,
-    split_batch,
-    task_count,
+    check_batch_call,
 )
 from funcmeta.optim.base import GradientTransformation, task_axis
 from funcmeta.optim.base import step as optim_step
@@ -132,15 +128,8 @@ def validate(
     """Check a call of :func:`funcmeta.adapt` (with ``tasks``, of
     :func:`funcmeta.adapt_tasks`) before any computation. Returns the batch split into call
     arguments and targets, and the number of tasks (``None`` without ``tasks``)."""
-    check_call(fmodel, params, opt)
-    if not tasks:  # task batching checks them against its task axis
-        fmodel.check_params(params)
     options.check_steps(steps)
-    check_dtypes(params, fmodel.buffers if buffers is None else buffers)
-    split = split_batch(batch)
-    count = task_count(split) if tasks else None
-    check_batch(split, params)
-    return split, count
+    return check_batch_call(fmodel, params, batch, opt=opt, buffers=buffers, tasks=tasks)
 
 
 Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]

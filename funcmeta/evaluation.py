@@ -182,9 +182,8 @@ def evaluate(
     head = method if callable(method) else None
     if head is None and method not in METHODS:
         raise ValueError(f"method must be one of {METHODS} or a head, got {method!r}")
-    for name, n, low in (("num_episodes", num_episodes, 1), ("batch_tasks", batch_tasks, 1)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {n!r}")
+    check_int(num_episodes, "num_episodes", low=1)
+    check_int(batch_tasks, "batch_tasks", low=1)
     if method == "adapt":
         if opt is None:
             raise TypeError("method='adapt' needs the inner optimizer opt")

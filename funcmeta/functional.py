@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta import kernels
+from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
 from funcmeta.batching.layers import recurrent_layers, task_standins
 from funcmeta.batching.vmap import any_batched, call_outside_vmap
@@ -33,7 +34,7 @@ from funcmeta.remat.layers import CheckpointSpec, checkpointed_runner, select
 from funcmeta.remat.shadow import sync_training
 from funcmeta.replay import recomputation
 
-__all__ = ["FunctionalModel", "check_keys", "functional_model"]
+__all__ = ["FunctionalModel", "functional_model"]
 
 
 class FunctionalModel:
@@ -91,10 +92,8 @@ class FunctionalModel:
 
     @task_chunk.setter
     def task_chunk(self, value: int | None) -> None:
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"task_chunk must be None or a positive int, got {value!r}")
+        if value is not None:
+            check_int(value, "task_chunk", low=1, what="None or a positive int")
         self._task_chunk = value
 
     @property
@@ -148,7 +147,7 @@ class FunctionalModel:
     def check_params(self, params: Mapping[str, Tensor]) -> None:
         """Raise ``TypeError``/``ValueError`` naming the entry unless ``params`` has the
         module's parameter names, each a tensor of the module's shape."""
-        _check(params, self._param_shapes, "params")
+        check_tree(params, self._param_shapes, "params")
 
     def apply_checked(
         self,
@@ -159,7 +158,7 @@ class FunctionalModel:
     ) -> tuple[Any, dict[str, Tensor]]:
         """:meth:`apply` for ``params`` already checked against the module (the inner loop's
         adapted parameters); the buffers are checked here."""
-        _check(buffers, self._buffer_shapes, "buffers")
+        check_tree(buffers, self._buffer_shapes, "buffers")
         if any_batched(params, buffers, args, kwargs):
             if not self._fast_path_layers:
                 return self._apply_tasks(params, buffers, args, kwargs)
@@ -315,36 +314,6 @@ def _check_layers(module: nn.Module) -> None:
             raise ValueError(
                 f"{what} has sparse=True: its gradient is a sparse tensor, which the "
                 "differentiable optimizers cannot take. Build it with sparse=False"
-            )
-
-
-def check_keys(given: Mapping[str, Any], expected: Mapping[str, Any], what: str) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the keys when ``given`` does not have
-    exactly the keys of ``expected``."""
-    if not isinstance(given, Mapping):
-        raise TypeError(
-            f"{what} must be a dict of tensors keyed by name, got {type(given).__name__}"
-        )
-    if given.keys() != expected.keys():
-        missing = sorted(expected.keys() - given.keys())
-        unexpected = sorted(given.keys() - expected.keys())
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        raise ValueError(f"{what} do not match the module: " + "; ".join(parts))
-
-
-def _check(given: Mapping[str, Tensor], shapes: dict[str, torch.Size], what: str) -> None:
-    check_keys(given, shapes, what)
-    for name, shape in shapes.items():
-        value = given[name]
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{what}[{name!r}] is a {type(value).__name__}, not a tensor")
-        if value.shape != shape:
-            raise ValueError(
-                f"{what}[{name!r}] has shape {tuple(value.shape)}; the module expects {tuple(shape)}"
             )
 
 

@@ -186,6 +186,35 @@ def check_call(fmodel: Any, params: Any, opt: Any = _NO_OPT) -> None:
         )
 
 
+def check_batch_call(
+    fmodel: Any,
+    params: Any,
+    batch: Any,
+    *,
+    opt: Any = _NO_OPT,
+    buffers: Any = None,
+    tasks: bool = False,
+    targets: bool = True,
+) -> tuple[tuple[CallInputs, Any], int | None]:
+    """The one check of a call on a batch, before any computation: :func:`funcmeta.adapt`,
+    :func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`
+    (``targets=False``: ``batch`` is the inputs alone) and, through them, the recipes.
+
+    Checks the model, the parameters (against the module's shapes; task-batched calls check
+    them against the task axis later), ``opt`` when given, the batch (its task axis with
+    ``tasks``, empty tensors, input dtypes) and the dtypes of parameters and buffers. Returns
+    the batch as ``((args, kwargs), targets)`` and the number of tasks (``None`` without
+    ``tasks``)."""
+    check_call(fmodel, params, opt)
+    if not tasks:
+        fmodel.check_params(params)
+    split = split_batch(batch) if targets else (split_inputs(batch), None)
+    count = task_count(split) if tasks else None
+    check_batch(split, params)
+    check_dtypes(params, fmodel.buffers if buffers is None else buffers)
+    return split, count
+
+
 def check_dtypes(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> None:
     """Raise ``TypeError`` when every floating-point parameter has one dtype and every
     floating-point buffer another (parameters cast without the module, as in

@@ -52,13 +52,14 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from funcmeta._check import check_int
+
 __all__ = ["ResidualBlock", "conv4", "conv4_miniimagenet", "conv4_omniglot", "resnet12"]
 
 
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(value, name, low=1, what="a positive int")
 
 
 def _pooled_side(image_size: int, pools: int) -> int:

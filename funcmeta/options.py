@@ -28,6 +28,7 @@ from typing import Any, Literal, TypeVar
 
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta.optim.hparams import check_max_norm
 from funcmeta.tree import Filter
 
@@ -87,8 +88,7 @@ class AdaptOptions:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         truncate = self.truncate
-        if not isinstance(truncate, int) or isinstance(truncate, bool) or truncate < 0:
-            raise ValueError(f"truncate must be a non-negative int, got {truncate!r}")
+        check_int(truncate, "truncate", what="a non-negative int")
         scale = self.loss_scale
         if scale is not None and (
             isinstance(scale, bool)
@@ -128,8 +128,7 @@ class AdaptOptions:
 
     def check_steps(self, steps: Any) -> None:
         """Check ``steps`` and that ``truncate`` does not exceed it."""
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+        check_int(steps, "steps", what="a non-negative int")
         if self.truncate > steps:
             raise ValueError(f"truncate must be an int in [0, steps={steps}], got {self.truncate}")
 

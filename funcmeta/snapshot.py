@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from funcmeta._check import check_int
 from funcmeta._tempfiles import make_temp, remove_stale
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
@@ -199,8 +200,7 @@ def save(
     ``None``, and lists, tuples and dicts (string keys) of them; anything else raises
     ``TypeError`` naming it.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
+    check_int(step, "step", what="a non-negative int")
     extra = dict(extra or {})
     _check_extra(extra, "extra")
     payload: dict[str, Any] = {

@@ -40,44 +40,19 @@ import optree
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_tree
 from funcmeta._loop import AdaptResult, LossFn, forward_loss, run, validate
 from funcmeta.batching.vmap import concat_outputs, fast_vmap, map_tensors
-from funcmeta.functional import FunctionalModel, check_keys
+from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import (
     CallInputs,
-    check_batch,
-    check_call,
-    check_dtypes,
-    split_batch,
-    split_inputs,
+    check_batch_call,
     task_count,
 )
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
-
-
-def _task_dims(
-    given: Mapping[str, Tensor], shapes: Mapping[str, torch.Size], tasks: int, what: str
-) -> dict[str, int | None]:
-    """0 for each tensor with a leading task axis, None for one shared by all tasks."""
-    check_keys(given, shapes, what)
-    dims: dict[str, int | None] = {}
-    for name, shape in shapes.items():
-        value = given[name]
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{what}[{name!r}] is a {type(value).__name__}, not a tensor")
-        if value.shape == shape:
-            dims[name] = None
-        elif value.shape == (tasks, *shape):
-            dims[name] = 0
-        else:
-            raise ValueError(
-                f"{what}[{name!r}] has shape {tuple(value.shape)}; expected {tuple(shape)} "
-                f"(shared by all tasks) or {(tasks, *shape)} (one per task, task axis first)"
-            )
-    return dims
 
 
 def _task_trees(
@@ -89,25 +64,11 @@ def _task_trees(
     """``(param_dims, per_task_buffers)``: which parameters carry the task axis, and the
     buffers (default: the module's) with one copy per task."""
     buffers = fmodel.buffers if buffers is None else buffers
-    dims = _task_dims(buffers, fmodel.buffer_shapes, tasks, "buffers")
+    dims = check_tree(buffers, fmodel.buffer_shapes, "buffers", tasks=tasks)
     per_task = {
         k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()
     }
-    return _task_dims(params, fmodel.param_shapes, tasks, "params"), per_task
-
-
-def _checked_tasks(
-    fmodel: FunctionalModel,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor] | None,
-    split: tuple[CallInputs, Any],
-) -> tuple[dict[str, int | None], dict[str, Tensor]]:
-    """For a task-batched forward of ``split``: count the tasks, check the batch, and return
-    :func:`_task_trees`'s ``(param_dims, per_task_buffers)``."""
-    tasks = task_count(split)
-    check_batch(split, params)
-    check_dtypes(params, fmodel.buffers if buffers is None else buffers)
-    return _task_trees(fmodel, params, buffers, tasks)
+    return check_tree(params, fmodel.param_shapes, "params", tasks=tasks), per_task
 
 
 def _batch_dims(batch: Any) -> Any:
@@ -128,9 +89,10 @@ def apply_tasks(
     tensors carry a leading task axis. ``params`` and ``buffers`` (default: the module's) may
     be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
     """
-    check_call(fmodel, params)
-    call = split_inputs(inputs)
-    pdims, buffers = _checked_tasks(fmodel, params, buffers, (call, None))
+    (call, _), tasks = check_batch_call(
+        fmodel, params, inputs, buffers=buffers, tasks=True, targets=False
+    )
+    pdims, buffers = _task_trees(fmodel, params, buffers, tasks)
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], call: CallInputs) -> Any:
         return fmodel.apply(p, bufs, *call[0], **call[1])
@@ -194,9 +156,8 @@ def task_losses(
         >>> losses.shape
         torch.Size([4])
     """
-    check_call(fmodel, params)
-    split = split_batch(batch)
-    dims, buffers = _checked_tasks(fmodel, params, buffers, split)
+    split, tasks = check_batch_call(fmodel, params, batch, buffers=buffers, tasks=True)
+    dims, buffers = _task_trees(fmodel, params, buffers, tasks)
     return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
 
 

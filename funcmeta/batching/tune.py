@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import split_batch, task_count
@@ -76,10 +77,11 @@ def tune_task_chunk(
     """
     tasks = task_count(split_batch(batch))
     sizes = _candidates(tasks) if candidates is None else sorted(set(candidates))
-    if not sizes or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in sizes):
+    if not sizes:
         raise ValueError(f"candidates must be positive ints, got {candidates!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    for c in sizes:
+        check_int(c, "candidates", low=1, what=f"positive ints (all of {candidates!r})")
+    check_int(repeats, "repeats", low=1, what="a positive int")
     leaves = [v for v in params.values() if v.requires_grad]
     devices = {v.device for v in params.values()}
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta.data._batch import query_pair, support_pair
 
 __all__ = ["EpisodeBatch", "Episodes", "split_classes"]
@@ -86,8 +87,7 @@ class Episodes:
                 f"inputs has {inputs.shape[0]} examples but labels has {labels.shape[0]}"
             )
         for name, n, low in (("ways", ways, 1), ("shots", shots, 1), ("query", query, 0)):
-            if not isinstance(n, int) or isinstance(n, bool) or n < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {n!r}")
+            check_int(n, name, low=low)
         present = set(torch.unique(labels).tolist())
         chosen = sorted(present) if classes is None else [int(c) for c in classes]
         missing = sorted(set(chosen) - present)
@@ -111,8 +111,7 @@ class Episodes:
 
     def sample(self, num_tasks: int, *, generator: torch.Generator | None = None) -> EpisodeBatch:
         """Draw ``num_tasks`` episodes."""
-        if not isinstance(num_tasks, int) or num_tasks < 1:
-            raise ValueError(f"num_tasks must be a positive int, got {num_tasks!r}")
+        check_int(num_tasks, "num_tasks", low=1, what="a positive int")
         support, query, ways_of = [], [], []
         for _ in range(num_tasks):
             picked = self.classes[

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta.data._batch import query_pair, support_pair
 
 __all__ = ["Sinusoid", "SinusoidBatch"]
@@ -80,8 +81,7 @@ class Sinusoid:
             ("support", support, 0),
             ("query", query, 0),
         ):
-            if not isinstance(n, int) or isinstance(n, bool) or n < low:
-                raise ValueError(f"{name} must be an int >= {low}, got {n!r}")
+            check_int(n, name, low=low)
         dtype = dtype or torch.get_default_dtype()
 
         def uniform(shape: tuple[int, ...], lo_hi: tuple[float, float]) -> Tensor:

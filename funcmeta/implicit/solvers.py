@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
+from funcmeta._check import check_int
 from funcmeta.tree import Tree
 
 __all__ = ["CG", "ConvergenceWarning", "Neumann", "NormalCG", "Solution", "Solver"]
@@ -103,8 +104,7 @@ def _check_damping(damping: float) -> None:
 
 
 def _check_steps(steps: int) -> None:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    check_int(steps, "steps", low=1, what="a positive int")
 
 
 class _System:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta import tree
+from funcmeta._check import check_int
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.tree import Tree
 
@@ -69,8 +70,7 @@ class MetaCurvature(nn.Module):
 
     def __init__(self, params: Tree, *, max_size: int = 1024) -> None:
         super().__init__()
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-            raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        check_int(max_size, "max_size", low=1, what="a positive int")
         leaves, spec = tree.flatten(params)
         if not leaves:
             raise ValueError("MetaCurvature needs a non-empty tree of parameters")

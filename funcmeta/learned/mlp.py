@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcmeta import tree
+from funcmeta._check import check_int
 from funcmeta.optim.base import GradientTransformation, safe_sqrt
 from funcmeta.tree import Tree
 
@@ -102,8 +103,7 @@ class LearnedOptimizer(nn.Module):
     ) -> None:
         super().__init__()
         for name, v in (("hidden", hidden), ("layers", layers)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(v, name, low=1, what="a positive int")
         self.decays = _check_decays(decays, "decays")
         (self.beta2,) = _check_decays([beta2], "beta2")
         self.time_scales = tuple(float(s) for s in time_scales)

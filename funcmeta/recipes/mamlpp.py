@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.sgd import sgd
@@ -78,8 +79,7 @@ def mamlpp(
     step's query loss.
     """
     check_recipe(fmodel, support, query)
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"MAML++ needs steps >= 1, got {steps!r}")
+    check_int(steps, "steps", low=1, what="an int >= 1 for MAML++")
     if not callable(lr):
         raise TypeError("MAML++ needs per-step rates lr(k): fm.hyper.per_layer(..., steps=steps)")
     weights = torch.as_tensor(step_weights)
