@@ -10,12 +10,13 @@ context, the outer gradient taken after ``adapt`` returns.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
-from torch.func import functional_call
+from torch.func import functional_call as torch_functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from zoo import NAMES, build
 
@@ -58,9 +59,30 @@ def _stack(batches: list[tuple[Any, Any]]) -> tuple[Any, Any]:
 
 
 def reference(entry: Any, tasks: list[tuple[tuple[Any, Any], tuple[Any, Any]]]) -> list[Any]:
-    """Meta-gradients of the mean query loss after STEPS steps of SGD, per task, by hand."""
-    module = entry.module
+    """Meta-gradients of the mean query loss after STEPS steps of SGD, per task, by hand.
+
+    It runs on a copy of the module: torch 2.5's ``functional_call`` with non-leaf tensors in
+    place of tied weights unties them in the module for good (T5's ``lm_head.weight`` becomes
+    a parameter of its own), which would change the model under test. (A module with the old
+    ``nn.utils.weight_norm`` cannot be copied; it has no tied weights.)"""
+    try:
+        module = copy.deepcopy(entry.module)
+    except RuntimeError:
+        module = entry.module
     base = dict(module.named_parameters())
+    # every name of a tied weight gets its tensor explicitly (tie_weights=False): torch 2.5's
+    # own tie handling misplaces non-leaf tensors
+    first: dict[int, str] = {}
+    alias = {
+        name: first.setdefault(id(t), name)
+        for name, t in module.named_parameters(remove_duplicate=False)
+    }
+
+    def functional_call(module, tensors, args, kwargs):
+        params, buffers = tensors
+        every = {name: params[key] for name, key in alias.items()}
+        return torch_functional_call(module, (every, buffers), args, kwargs, tie_weights=False)
+
     with sdpa_kernel(SDPBackend.MATH):
         total = 0.0
         for support, query in tasks:
