@@ -36,16 +36,18 @@ from funcmeta import (
     snapshot,
     tasks,
     tree,
+    types,
 )
 from funcmeta.batching.tune import tune_task_chunk
 from funcmeta.evaluation import Evaluation, evaluate
 from funcmeta.functional import FunctionalModel, functional_model
-from funcmeta.inner import AdaptResult, NonFiniteError, adapt
+from funcmeta.inner import adapt
 from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
 from funcmeta.options import AdaptOptions
 from funcmeta.replay import recomputing
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
+from funcmeta.types import AdaptResult, LossFn, NonFiniteError
 
 __version__ = "0.1.0"
 
@@ -55,6 +57,7 @@ __all__ = [
     "Args",
     "Evaluation",
     "FunctionalModel",
+    "LossFn",
     "NonFiniteError",
     "__version__",
     "adapt",
@@ -84,6 +87,7 @@ __all__ = [
     "tasks",
     "tree",
     "tune_task_chunk",
+    "types",
 ]
 
 

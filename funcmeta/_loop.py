@@ -1,8 +1,16 @@
 """The inner-loop engine behind :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks`.
 
-:func:`validate` checks a call before any computation; :func:`run` splits off the adapted
-parameters, initialises the optimizer and takes the steps, each a pure function
-(:meth:`_Inner.step`) so that a step checkpoint can run it again during backward.
+Three layers, bottom up:
+
+- :meth:`InnerLoop.unrolled_step`: one inner step (forward, ``autograd.grad``, optimizer
+  update), a pure function of the parameters, optimizer state and buffers, in a
+  :class:`StepMode` (graph or not, second order or not, offloaded or not);
+- :func:`checkpointed_step`: that step under a step checkpoint (``checkpoint_steps=True``),
+  or as it is;
+- :func:`run_inner_loop`: the inner loop: split off the adapted parameters, initialise the
+  optimizer, take the steps (truncation, kernel choice), collect the losses.
+
+:func:`validate` checks a call before any computation.
 """
 
 from __future__ import annotations
@@ -10,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import optree
 import torch
@@ -29,35 +37,19 @@ from funcmeta.optim.clip import clip_grads_by_global_norm
 from funcmeta.options import AdaptOptions
 from funcmeta.remat.engine import graph_input
 from funcmeta.tree import Filter, Tree
+from funcmeta.types import AdaptResult, LossFn, NonFiniteError
 
-__all__ = ["AdaptResult", "Forward", "LossFn", "NonFiniteError", "forward_loss", "run", "validate"]
-
-LossFn = Callable[[Any, Any], Tensor]
-"""``(output, targets) -> scalar tensor``, e.g. ``torch.nn.functional.mse_loss``."""
-
-
-class AdaptResult(NamedTuple):
-    """What :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` return (the latter with a
-    leading task axis on parameters, buffers and state, and losses of shape ``(steps, T)``).
-
-    Attributes:
-        params: the adapted parameters (all of them; the ones held fixed are passed through).
-        buffers: the buffers after the last inner forward (BatchNorm running statistics).
-        losses: the inner loss before each step, shape ``(steps,)``; attached to the graph
-            for second-order steps (``.detach()`` it to log it).
-        state: the optimizer state after the last step (pass it back to continue).
-        skipped: indices of steps skipped for non-finite values (``on_nonfinite="skip"``).
-    """
-
-    params: dict[str, Tensor]
-    buffers: dict[str, Tensor]
-    losses: Tensor
-    state: Any
-    skipped: tuple[int, ...] = ()
-
-
-class NonFiniteError(FloatingPointError):
-    """An inner loss or gradient was NaN or infinite; the message names the step."""
+__all__ = [
+    "AdaptResult",
+    "Forward",
+    "InnerLoop",
+    "LossFn",
+    "NonFiniteError",
+    "StepMode",
+    "forward_loss",
+    "run_inner_loop",
+    "validate",
+]
 
 
 def forward_loss(
@@ -122,22 +114,40 @@ def validate(
     steps: Any,
     options: AdaptOptions,
     *,
-    tasks: bool = False,
+    task_batched: bool = False,
     buffers: Any = None,
 ) -> tuple[tuple[CallInputs, Any], int | None]:
-    """Check a call of :func:`funcmeta.adapt` (with ``tasks``, of
+    """Check a call of :func:`funcmeta.adapt` (``task_batched``: of
     :func:`funcmeta.adapt_tasks`) before any computation. Returns the batch split into call
     arguments and targets, and the number of tasks (``None`` without ``tasks``)."""
     options.check_steps(steps)
-    return check_batch_call(fmodel, params, batch, opt=opt, buffers=buffers, tasks=tasks)
+    return check_batch_call(
+        fmodel, params, batch, opt=opt, buffers=buffers, task_batched=task_batched
+    )
 
 
 Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+"""``forward(params, buffers) -> (loss, new_buffers)``: one loss, or one per task ``(T,)``."""
 
 
 @dataclass(frozen=True)
-class _Inner:
-    """What one inner loop holds fixed; :meth:`step` is one pure inner step.
+class StepMode:
+    """How one inner step runs.
+
+    Attributes:
+        graph: build a graph through the step (steps before ``truncate`` do not).
+        second: take the inner gradient with ``create_graph`` (second order).
+        offload: keep what the step saves for backward in CPU memory.
+    """
+
+    graph: bool
+    second: bool
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class InnerLoop:
+    """What one inner loop holds fixed; :meth:`unrolled_step` is one pure inner step.
 
     ``forward(params, buffers) -> (loss, new_buffers)`` gives one loss, or one per task
     (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
@@ -152,12 +162,10 @@ class _Inner:
     options: AdaptOptions
     tasks: int | None = None
 
-    def step(
+    def unrolled_step(
         self,
         k: int,
-        graph: bool,
-        second: bool,
-        offload: bool,
+        mode: StepMode,
         state: Any,
         buffers: dict[str, Tensor],
         *leaves: Tensor,
@@ -165,13 +173,12 @@ class _Inner:
         """Step ``k``: ``(new_leaves, new_state, new_buffers, loss, skipped)``.
 
         Pure (it writes nothing outside its return value), so that step-level checkpointing
-        can run it again during backward. ``offload`` keeps what it saves for backward in
-        CPU memory.
+        can run it again during backward.
         """
-        with _offload(offload and graph, leaves):
-            return self._step(k, graph, second, state, buffers, list(leaves))
+        with _offload(mode.offload and mode.graph, leaves):
+            return self._compute_step(k, mode.graph, mode.second, state, buffers, list(leaves))
 
-    def _step(
+    def _compute_step(
         self,
         k: int,
         graph: bool,
@@ -240,14 +247,15 @@ def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=pin)
 
 
-def _run(
-    inner: _Inner,
+def _take_steps(
+    inner: InnerLoop,
     leaves: list[Tensor],
     state: Any,
     buffers: dict[str, Tensor],
     steps: int,
 ) -> AdaptResult:
-    """The loop of :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` over :meth:`_Inner.step`.
+    """The loop of :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` over
+    :meth:`InnerLoop.unrolled_step`.
 
     Steps ``truncate`` on build a graph. In second order it is differentiated again, so they
     run on kernels that allow it (:func:`funcmeta.kernels.twice_differentiable`, entered once
@@ -258,6 +266,7 @@ def _run(
     outer = torch.is_grad_enabled()
     first_order = inner.options.first_order or not outer
     truncate = inner.options.truncate
+    offload = inner.options.offload_activations
     losses: list[Tensor] = []
     skipped: list[int] = []
     start = leaves
@@ -270,15 +279,9 @@ def _run(
                 kernel_choice.enter_context(kernels.twice_differentiable())
             graph = k >= truncate
             try:
-                leaves, state, buffers, loss, was_skipped = _one_step(
-                    inner,
-                    k,
-                    graph,
-                    graph and not first_order,
-                    outer,
-                    leaves,
-                    state,
-                    buffers,
+                mode = StepMode(graph, graph and not first_order, offload)
+                leaves, state, buffers, loss, was_skipped = checkpointed_step(
+                    inner, k, mode, outer, leaves, state, buffers
                 )
             except RuntimeError as error:  # torch.OutOfMemoryError is one
                 if not _out_of_memory(error):
@@ -324,30 +327,28 @@ def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions
         return RuntimeError(message)
 
 
-def _one_step(
-    inner: _Inner,
+def checkpointed_step(
+    inner: InnerLoop,
     k: int,
-    graph: bool,
-    second: bool,
+    mode: StepMode,
     outer: bool,
     leaves: list[Tensor],
     state: Any,
     buffers: dict[str, Tensor],
 ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
-    """Step ``k`` of :func:`_run`, under a step checkpoint if asked."""
-    offload = inner.options.offload_activations
-    if not (inner.options.checkpoint_steps and graph and outer):
-        return inner.step(k, graph, second, offload, state, buffers, *leaves)
+    """Step ``k`` of the inner loop, under a step checkpoint when ``checkpoint_steps`` is set
+    and an outer graph is being built (``outer``), else as it is."""
+    if not (inner.options.checkpoint_steps and mode.graph and outer):
+        return inner.unrolled_step(k, mode, state, buffers, *leaves)
     # State and buffers are bound now: the recomputation must see these values, on the
     # kernels of this forward. Offload, if asked, applies to what the checkpoint keeps (inside
     # it, it would keep everything and recompute nothing).
-    with _offload(offload, leaves):
+    inside = StepMode(mode.graph, mode.second, offload=False)
+    with _offload(mode.offload, leaves):
         return torch_checkpoint(
-            inner.step,
+            inner.unrolled_step,
             k,
-            graph,
-            second,
-            False,
+            inside,
             state,
             buffers,
             *leaves,
@@ -356,7 +357,7 @@ def _one_step(
         )
 
 
-def run(
+def run_inner_loop(
     params: Mapping[str, Tensor],
     opt: GradientTransformation,
     steps: int,
@@ -364,14 +365,14 @@ def run(
     options: AdaptOptions,
     *,
     frozen: list[str],
-    make_forward: Callable[[dict[str, Tensor | None]], Forward],
+    forward_for: Callable[[dict[str, Tensor | None]], Forward],
     prepare: Callable[[dict[str, Tensor | None]], dict[str, Tensor | None]] | None = None,
     tasks: int | None = None,
     state: Any = None,
 ) -> AdaptResult:
     """Once the arguments are checked: split off the adapted parameters (``prepare`` may
     reshape them), initialise the optimizer unless ``state`` is given, and run the loop with
-    the forward ``make_forward(adapted)``."""
+    the forward ``forward_for(adapted)`` (the forward for those adapted parameters)."""
     adapted, fixed = _split_adapted(dict(params), options.trainable, frozen)
     if prepare is not None:
         adapted = prepare(adapted)
@@ -380,11 +381,11 @@ def run(
         state = opt.init(adapted)
     else:
         _check_state(state, opt.init(adapted))
-    forward = make_forward(adapted)
-    inner = _Inner(
+    forward = forward_for(adapted)
+    inner = InnerLoop(
         forward=forward, opt=opt, spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
     )
-    return _run(inner, leaves, state, buffers, steps)
+    return _take_steps(inner, leaves, state, buffers, steps)
 
 
 def _check_state(state: Any, fresh: Any) -> None:

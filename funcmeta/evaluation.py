@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from funcmeta._check import check_int
-from funcmeta._loop import NonFiniteError
 from funcmeta.data.episodes import EpisodeBatch, Episodes
 from funcmeta.functional import FunctionalModel
 from funcmeta.inner import adapt
@@ -30,6 +29,7 @@ from funcmeta.inputs import check_model
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.recipes.protonet import embed_episodes, prototype_logits
 from funcmeta.tasks import adapt_tasks, apply_tasks
+from funcmeta.types import NonFiniteError
 
 __all__ = ["Evaluation", "evaluate", "mean_ci"]
 

@@ -21,10 +21,11 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._loop import AdaptResult, LossFn, NonFiniteError, forward_loss, run, validate
+from funcmeta._loop import forward_loss, run_inner_loop, validate
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
+from funcmeta.types import AdaptResult, LossFn, NonFiniteError
 
 __all__ = ["AdaptResult", "LossFn", "NonFiniteError", "adapt"]
 
@@ -76,13 +77,13 @@ def adapt(
     """
     opts = AdaptOptions.of(options)
     split, _ = validate(fmodel, params, opt, batch, steps, opts, buffers=buffers)
-    return run(
+    return run_inner_loop(
         params,
         opt,
         steps,
         fmodel.buffers if buffers is None else dict(buffers),
         opts,
         frozen=fmodel.frozen,
-        make_forward=lambda adapted: functools.partial(forward_loss, fmodel, loss_fn, split),
+        forward_for=lambda adapted: functools.partial(forward_loss, fmodel, loss_fn, split),
         state=state,
     )

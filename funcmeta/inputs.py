@@ -193,7 +193,7 @@ def check_batch_call(
     *,
     opt: Any = _NO_OPT,
     buffers: Any = None,
-    tasks: bool = False,
+    task_batched: bool = False,
     targets: bool = True,
 ) -> tuple[tuple[CallInputs, Any], int | None]:
     """The one check of a call on a batch, before any computation: :func:`funcmeta.adapt`,
@@ -201,15 +201,15 @@ def check_batch_call(
     (``targets=False``: ``batch`` is the inputs alone) and, through them, the recipes.
 
     Checks the model, the parameters (against the module's shapes; task-batched calls check
-    them against the task axis later), ``opt`` when given, the batch (its task axis with
-    ``tasks``, empty tensors, input dtypes) and the dtypes of parameters and buffers. Returns
-    the batch as ``((args, kwargs), targets)`` and the number of tasks (``None`` without
-    ``tasks``)."""
+    them against the task axis later), ``opt`` when given, the batch (its task axis when
+    ``task_batched``, empty tensors, input dtypes) and the dtypes of parameters and buffers.
+    Returns the batch as ``((args, kwargs), targets)`` and the number of tasks (``None``
+    unless ``task_batched``)."""
     check_call(fmodel, params, opt)
-    if not tasks:
+    if not task_batched:
         fmodel.check_params(params)
     split = split_batch(batch) if targets else (split_inputs(batch), None)
-    count = task_count(split) if tasks else None
+    count = task_count(split) if task_batched else None
     check_batch(split, params)
     check_dtypes(params, fmodel.buffers if buffers is None else buffers)
     return split, count

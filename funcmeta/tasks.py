@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._check import check_tree
-from funcmeta._loop import AdaptResult, LossFn, forward_loss, run, validate
+from funcmeta._loop import forward_loss, run_inner_loop, validate
 from funcmeta.batching.vmap import concat_outputs, fast_vmap, map_tensors
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import (
@@ -51,6 +51,7 @@ from funcmeta.inputs import (
 )
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
+from funcmeta.types import AdaptResult, LossFn
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
 
@@ -90,7 +91,7 @@ def apply_tasks(
     be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
     """
     (call, _), tasks = check_batch_call(
-        fmodel, params, inputs, buffers=buffers, tasks=True, targets=False
+        fmodel, params, inputs, buffers=buffers, task_batched=True, targets=False
     )
     pdims, buffers = _task_trees(fmodel, params, buffers, tasks)
 
@@ -156,7 +157,7 @@ def task_losses(
         >>> losses.shape
         torch.Size([4])
     """
-    split, tasks = check_batch_call(fmodel, params, batch, buffers=buffers, tasks=True)
+    split, tasks = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
     dims, buffers = _task_trees(fmodel, params, buffers, tasks)
     return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
 
@@ -225,7 +226,9 @@ def adapt_tasks(
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
     opts = AdaptOptions.of(options)
-    split, tasks = validate(fmodel, params, opt, batch, steps, opts, tasks=True, buffers=buffers)
+    split, tasks = validate(
+        fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
+    )
     if opts.on_nonfinite == "skip":
         raise ValueError(
             "on_nonfinite='skip' is not available with task batching: the tasks share the "
@@ -244,19 +247,19 @@ def adapt_tasks(
                 for k, v in adapted.items()
             }
 
-    def make_forward(adapted: dict[str, Tensor | None]) -> Any:
+    def forward_for(adapted: dict[str, Tensor | None]) -> Any:
         # adapted parameters carry the task axis now; fixed ones keep their dims
         step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
         return functools.partial(_task_forward, fmodel, loss_fn, split, step_dims)
 
-    return run(
+    return run_inner_loop(
         params,
         opt,
         steps,
         buffers,
         opts,
         frozen=fmodel.frozen,
-        make_forward=make_forward,
+        forward_for=forward_for,
         prepare=prepare,
         tasks=tasks,
         state=state,

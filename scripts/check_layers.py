@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "funcmeta"
 
 LAYERS: list[list[str]] = [
     # 0: no funcmeta imports
-    ["_check", "_tempfiles", "_torch_private", "tree", "replay", "models", "data.*"],
+    ["_check", "_tempfiles", "_torch_private", "tree", "replay", "models", "types", "data.*"],
     # 1: kernels, optimizers, hyperparameters, the module shadow
     ["kernels", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
     # 2: the vmap glue and what runs on it

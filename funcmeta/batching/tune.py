@@ -29,11 +29,11 @@ import torch
 from torch import Tensor
 
 from funcmeta._check import check_int
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import split_batch, task_count
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.tasks import adapt_tasks, task_losses
+from funcmeta.types import LossFn
 
 __all__ = ["tune_task_chunk"]
 

@@ -8,12 +8,12 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from funcmeta._loop import AdaptResult, LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import check_model, split_batch, task_count
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.optim.sgd import sgd
 from funcmeta.tasks import task_losses
+from funcmeta.types import AdaptResult, LossFn
 
 __all__ = ["DEFAULT_LR", "RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
 

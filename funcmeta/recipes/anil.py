@@ -18,13 +18,13 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.maml import maml
 from funcmeta.tree import Filter
+from funcmeta.types import LossFn
 
 __all__ = ["anil"]
 

@@ -36,7 +36,6 @@ from torch import Tensor
 
 from funcmeta import kernels
 from funcmeta._check import check_int, check_real
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.implicit.solvers import CG, ConvergenceWarning
 from funcmeta.optim.base import GradientTransformation, chain
@@ -44,6 +43,7 @@ from funcmeta.optim.primitives import add_proximal
 from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult, check_recipe, resolve_opt
 from funcmeta.tasks import adapt_tasks, task_losses
+from funcmeta.types import LossFn
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
 

@@ -25,13 +25,13 @@ import torch
 from torch import Tensor
 
 from funcmeta._check import check_int
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.sgd import sgd
 from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss
 from funcmeta.tasks import adapt_tasks
 from funcmeta.tree import Tree
+from funcmeta.types import LossFn
 
 __all__ = ["mamlpp", "mamlpp_step_weights"]
 

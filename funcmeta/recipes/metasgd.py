@@ -21,13 +21,13 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.hyper import HyperTree, per_element
 from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.maml import maml
 from funcmeta.tree import Tree
+from funcmeta.types import LossFn
 
 __all__ = ["metasgd", "metasgd_rates"]
 

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import check_model
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.tasks import apply_tasks
+from funcmeta.types import LossFn
 
 __all__ = ["prototype_logits", "protonet"]
 

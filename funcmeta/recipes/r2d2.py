@@ -29,11 +29,11 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._loop import LossFn
 from funcmeta.functional import FunctionalModel
 from funcmeta.heads import RidgeHead
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.protonet import classify_embeddings
+from funcmeta.types import LossFn
 
 __all__ = ["r2d2"]
 
