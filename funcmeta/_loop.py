@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -392,8 +391,8 @@ def _check_state(state: Any, fresh: Any) -> None:
     """Raise ``ValueError`` unless ``state`` has the structure of ``opt.init`` of the adapted
     parameters (the state of another optimizer, or for other parameters, would fail deep in
     the update or, worse, be read as something else)."""
-    given = optree.tree_structure(state, none_is_leaf=True)
-    expected = optree.tree_structure(fresh, none_is_leaf=True)
+    given = tree.structure(state, none_is_leaf=True)
+    expected = tree.structure(fresh, none_is_leaf=True)
     if given != expected:
         raise ValueError(
             "state does not match the optimizer: pass the state that this optimizer returned "

@@ -34,11 +34,11 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
-import optree
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from funcmeta import tree
 from funcmeta._check import check_real
 
 __all__ = [
@@ -130,7 +130,7 @@ def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
     its ``count`` is then 0. Raises ``ValueError`` when the tensors disagree on the number of
     tasks.
     """
-    leaves = [x for x in optree.tree_leaves(batch) if isinstance(x, Tensor)]
+    leaves = [x for x in tree.leaves(batch) if isinstance(x, Tensor)]
     if not leaves:
         raise ValueError("the batch holds no tensors to shard")
     tasks = leaves[0].shape[0]
@@ -143,9 +143,7 @@ def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
     base, extra = divmod(tasks, size)
     start = rank * base + min(rank, extra)
     count = base + (1 if rank < extra else 0)
-    share = optree.tree_map(
-        lambda x: x[start : start + count] if isinstance(x, Tensor) else x, batch
-    )
+    share = tree.map(lambda x: x[start : start + count] if isinstance(x, Tensor) else x, batch)
     return share, count
 
 

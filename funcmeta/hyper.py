@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-import optree
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -82,7 +81,7 @@ class HyperTree(nn.Module):
         raw: Tensor | list[Tensor],
         *,
         groups: list[str],
-        spec: optree.PyTreeSpec | None,
+        spec: tree.PyTreeSpec | None,
         group_of: list[int] | None,
         steps: int | None,
         parameterization: Parameterization,
@@ -148,7 +147,7 @@ def _lead(steps: int | None) -> tuple[int, ...]:
     return (check_int(steps, "steps (None, or the number of per-step values)", low=1),)
 
 
-def _template(params: Tree) -> tuple[list[str], list[Tensor], optree.PyTreeSpec]:
+def _template(params: Tree) -> tuple[list[str], list[Tensor], tree.PyTreeSpec]:
     leaves, spec = tree.flatten(params)
     if not leaves:
         raise ValueError("params has no tensors to build a hyperparameter tree for")

@@ -35,7 +35,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor, nn
 
@@ -122,10 +121,8 @@ def task_count(batch: Any) -> int:
 
     Raises ``ValueError`` naming the tensors whose leading axis differs.
     """
-    paths, leaves, _ = optree.tree_flatten_with_path(batch)
-    tensors = [
-        (tree.path_str(p), x) for p, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)
-    ]
+    paths, leaves = tree.flatten_with_paths(batch)
+    tensors = [(p, x) for p, x in zip(paths, leaves, strict=True) if isinstance(x, Tensor)]
     if not tensors:
         raise ValueError("the batch holds no tensors: nothing gives the task axis")
     scalars = [p or "batch" for p, x in tensors if x.dim() == 0]
@@ -242,7 +239,7 @@ def check_batch(batch: tuple[CallInputs, Any], params: Mapping[str, Tensor]) -> 
     """Raise ``ValueError``/``TypeError`` naming the tensor for an empty batch tensor, or a
     floating-point input whose dtype differs from the parameters' (outside autocast)."""
     (args, kwargs), targets = batch
-    leaves = [x for x in optree.tree_leaves((args, kwargs, targets)) if isinstance(x, Tensor)]
+    leaves = [x for x in tree.leaves((args, kwargs, targets)) if isinstance(x, Tensor)]
     dtypes = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 and not _autocast() else None
     if all(
@@ -274,10 +271,9 @@ def check_batch(batch: tuple[CallInputs, Any], params: Mapping[str, Tensor]) -> 
 
 
 def _tensors(value: Any, prefix: str) -> list[tuple[str, Tensor]]:
-    paths, leaves, _ = optree.tree_flatten_with_path(value)
+    paths, leaves = tree.flatten_with_paths(value)
     out = []
-    for path, leaf in zip(paths, leaves, strict=True):
+    for where, leaf in zip(paths, leaves, strict=True):
         if isinstance(leaf, Tensor):
-            where = tree.path_str(path)
             out.append((f"{prefix}.{where}" if where else prefix, leaf))
     return out

@@ -36,10 +36,10 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
+from funcmeta import tree
 from funcmeta._check import check_tree
 from funcmeta._loop import forward_loss, run_inner_loop, validate
 from funcmeta.batching.vmap import concat_outputs, fast_vmap, map_tensors
@@ -73,7 +73,7 @@ def _task_trees(
 
 
 def _batch_dims(batch: Any) -> Any:
-    return optree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
+    return tree.map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
 
 
 def apply_tasks(
@@ -111,14 +111,14 @@ def _flat_vmap(
     of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
     time without vmap for 1) and the outputs are concatenated."""
     # None is a leaf of both (an absent input, ``targets=None``): it passes through unbatched
-    flat, spec = optree.tree_flatten(trees, none_is_leaf=True)
-    flat_dims = optree.tree_flatten(dims, none_is_leaf=True)[0]
+    flat, spec = tree.flatten(trees, none_is_leaf=True)
+    flat_dims = tree.flatten(dims, none_is_leaf=True)[0]
     if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
         raise AssertionError("in_dims do not line up with the arguments")
     size = next(x.shape[d] for x, d in zip(flat, flat_dims, strict=True) if d is not None)
 
     def unflat(*xs: Any) -> Any:
-        return fn(*optree.tree_unflatten(spec, list(xs)))
+        return fn(*tree.unflatten(spec, xs))
 
     if chunk is None or chunk >= size:
         return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
@@ -187,7 +187,7 @@ def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
     """Warn when every target holds one value per task (a scalar target after the task
     axis): most likely one task's batch without a task axis, read as ``tasks`` tasks of one
     example each."""
-    targets = [x for x in optree.tree_leaves(split[1]) if isinstance(x, Tensor)]
+    targets = [x for x in tree.leaves(split[1]) if isinstance(x, Tensor)]
     if tasks > 1 and targets and all(x.dim() == 1 for x in targets):
         warnings.warn(
             f"adapt_tasks reads the leading axis of every batch tensor as the task axis: these "

@@ -1,10 +1,16 @@
-"""Pytree helpers on optree for parameter and hyperparameter trees: map, flatten, prefix
-broadcast, and partition/combine by a filter.
+"""The one tree API of funcmeta, on optree: parameter and hyperparameter trees (map, flatten,
+prefix broadcast, partition/combine by a filter), and the outputs and arguments of models,
+whose registered node types (HuggingFace ``ModelOutput``, torch's own) are walked through
+torch's pytree registry.
 
 Parameter trees are usually the flat ``dict[str, Tensor]`` of
 :func:`funcmeta.functional_model`, but every helper accepts any optree pytree (nested dicts,
 lists, tuples, NamedTuples). ``None`` is an empty subtree, never a leaf: :func:`partition`
 uses it as the placeholder for leaves that were not selected.
+
+The ``*_registered`` functions walk a model's outputs and arguments with every node type
+registered with torch's pytree registry (``torch.utils._pytree.register_pytree_node``, as
+HuggingFace registers ``ModelOutput``), which plain optree walks would treat as leaves.
 
 Paths are strings: the path entries joined by ``"."`` (``"0.weight"`` for the flat dict key
 ``"0.weight"``, ``"head.1"`` for ``{"head": [a, b]}``'s second leaf).
@@ -27,23 +33,32 @@ from typing import Any
 
 import optree
 
+from funcmeta._torch_private import torch_pytree
+
 __all__ = [
     "Filter",
     "Predicate",
+    "PyTreeSpec",
     "Tree",
     "TreeMismatchError",
     "broadcast_prefix",
     "combine",
     "flatten",
+    "flatten_registered",
+    "flatten_with_paths",
     "leaves",
+    "leaves_registered",
     "map",
     "partition",
     "path_str",
     "paths",
+    "structure",
     "unflatten",
+    "unflatten_registered",
 ]
 
 Tree = Any
+PyTreeSpec = optree.PyTreeSpec
 """Any optree pytree whose leaves are tensors (or numbers, for hyperparameters)."""
 
 Predicate = Callable[[str, Any], bool]
@@ -65,24 +80,52 @@ def path_str(path: Sequence[Any]) -> str:
     return ".".join(str(entry) for entry in path)
 
 
-def map(fn: Callable[..., Any], tree: Tree, *rest: Tree) -> Tree:
-    """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``)."""
-    return optree.tree_map(fn, tree, *rest)
+def map(fn: Callable[..., Any], tree: Tree, *rest: Tree, none_is_leaf: bool = False) -> Tree:
+    """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``); with
+    ``none_is_leaf``, ``None`` is a leaf too."""
+    return optree.tree_map(fn, tree, *rest, none_is_leaf=none_is_leaf)
 
 
-def leaves(tree: Tree) -> list[Any]:
+def leaves(tree: Tree, *, none_is_leaf: bool = False) -> list[Any]:
     """The leaves of ``tree`` in optree's canonical order (dict keys sorted)."""
-    return optree.tree_leaves(tree)
+    return optree.tree_leaves(tree, none_is_leaf=none_is_leaf)
 
 
-def flatten(tree: Tree) -> tuple[list[Any], optree.PyTreeSpec]:
+def flatten(tree: Tree, *, none_is_leaf: bool = False) -> tuple[list[Any], optree.PyTreeSpec]:
     """``(leaves, spec)``; rebuild with :func:`unflatten`."""
-    return optree.tree_flatten(tree)
+    return optree.tree_flatten(tree, none_is_leaf=none_is_leaf)
 
 
 def unflatten(spec: optree.PyTreeSpec, leaf_list: Iterable[Any]) -> Tree:
     """Inverse of :func:`flatten`."""
     return optree.tree_unflatten(spec, list(leaf_list))
+
+
+def structure(tree: Tree, *, none_is_leaf: bool = False) -> optree.PyTreeSpec:
+    """The structure of ``tree`` (comparable with ``==``)."""
+    return optree.tree_structure(tree, none_is_leaf=none_is_leaf)
+
+
+def flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any]]:
+    """``(paths, leaves)``: each leaf with its dotted path."""
+    path_list, leaf_list, _ = optree.tree_flatten_with_path(tree)
+    return [path_str(p) for p in path_list], leaf_list
+
+
+def flatten_registered(tree: Tree) -> tuple[list[Any], Any]:
+    """``(leaves, spec)`` of a model's outputs or arguments, registered node types opened;
+    rebuild with :func:`unflatten_registered`."""
+    return torch_pytree.tree_flatten(tree)
+
+
+def unflatten_registered(leaf_list: Iterable[Any], spec: Any) -> Tree:
+    """Inverse of :func:`flatten_registered`."""
+    return torch_pytree.tree_unflatten(list(leaf_list), spec)
+
+
+def leaves_registered(tree: Tree) -> list[Any]:
+    """The leaves of a model's outputs or arguments, registered node types opened."""
+    return torch_pytree.tree_leaves(tree)
 
 
 def paths(tree: Tree) -> list[str]:

@@ -22,10 +22,10 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import optree
 import torch
 from torch import Tensor
 
+from funcmeta import tree
 from funcmeta._torch_private import (
     FUNCTORCH,
     add_batch_dim,
@@ -37,7 +37,6 @@ from funcmeta._torch_private import (
     prepare_vmap,
     push_dynamic_layer_stack,
     remove_batch_dim,
-    torch_pytree,
     unwrap_batched,
     vmap_decrement_nesting,
     vmap_increment_nesting,
@@ -80,10 +79,8 @@ USE_PRIMITIVES = _vmap_increment_nesting is not None
 def map_tensors(fn: Callable[[Tensor], Any], out: Any) -> Any:
     """``fn`` on every tensor of ``out``; other leaves as they are. Walks torch's pytree
     registry too, so registered output types (HuggingFace ``ModelOutput``) are opened."""
-    leaves, spec = torch_pytree.tree_flatten(out)
-    return torch_pytree.tree_unflatten(
-        [fn(t) if isinstance(t, Tensor) else t for t in leaves], spec
-    )
+    leaves, spec = tree.flatten_registered(out)
+    return tree.unflatten_registered([fn(t) if isinstance(t, Tensor) else t for t in leaves], spec)
 
 
 def fast_vmap(
@@ -136,14 +133,14 @@ def any_batched(*values: Any) -> bool:
         elif isinstance(value, list | tuple):
             if any_batched(*value):
                 return True
-        elif value is not None and any(is_batched(x) for x in optree.tree_leaves(value)):
+        elif value is not None and any(is_batched(x) for x in tree.leaves(value)):
             return True
     return False
 
 
-def innermost_level(tree: Any) -> int | None:
-    """The innermost vmap level at which a tensor of ``tree`` is batched, or None."""
-    levels = [maybe_get_level(x) for x in optree.tree_leaves(tree) if is_batched(x)]
+def innermost_level(values: Any) -> int | None:
+    """The innermost vmap level at which a tensor of ``values`` is batched, or None."""
+    levels = [maybe_get_level(x) for x in tree.leaves(values) if is_batched(x)]
     return max(levels) if levels else None
 
 
@@ -165,7 +162,7 @@ def _outside(level: int) -> Iterator[None]:
 def _join_outputs(outs: list[Any], join: Callable[[list[Tensor]], Tensor]) -> Any:
     """One output from several of the same structure: ``join`` of each tensor's values,
     other leaves from the first."""
-    flat = [torch_pytree.tree_flatten(o) for o in outs]
+    flat = [tree.flatten_registered(o) for o in outs]
     spec = flat[0][1]
     if any(s != spec for _, s in flat[1:]):
         raise RuntimeError("the tasks' runs returned differently structured outputs")
@@ -173,7 +170,7 @@ def _join_outputs(outs: list[Any], join: Callable[[list[Tensor]], Tensor]) -> An
         join([leaves[i] for leaves, _ in flat]) if isinstance(leaf, Tensor) else leaf
         for i, leaf in enumerate(flat[0][0])
     ]
-    return torch_pytree.tree_unflatten(joined, spec)
+    return tree.unflatten_registered(joined, spec)
 
 
 def _stack_outputs(outs: list[Any]) -> Any:
@@ -209,7 +206,7 @@ def call_outside_vmap(
             "functorch's batching primitives, which torch "
             f"{torch.__version__} does not have"
         )
-    leaves, spec = optree.tree_flatten((args, extra))
+    leaves, spec = tree.flatten((args, extra))
     level = innermost_level(leaves)
     flat, dims = [], []
     for x in leaves:
@@ -220,10 +217,10 @@ def call_outside_vmap(
         else:
             flat.append(x)
             dims.append(None)
-    n_args = len(optree.tree_leaves(args))
+    n_args = len(tree.leaves(args))
 
     def unflat_fn(*xs: Any) -> Any:
-        a, e = optree.tree_unflatten(spec, list(xs))
+        a, e = tree.unflatten(spec, xs)
         return fn(*a, *e)
 
     size = next(x.shape[d] for x, d in zip(flat, dims, strict=True) if d is not None)

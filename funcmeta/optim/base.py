@@ -22,10 +22,10 @@ import contextvars
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-import optree
 import torch
 from torch import Tensor
 
+from funcmeta import tree
 from funcmeta.tree import Tree
 
 __all__ = [
@@ -172,7 +172,7 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
             return p
         return same_dtype(p + u, p)
 
-    return optree.tree_map(add, params, updates, none_is_leaf=True)
+    return tree.map(add, params, updates, none_is_leaf=True)
 
 
 def same_dtype(x: Tensor, like: Tensor) -> Tensor:

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcmeta import kernels
-from funcmeta._torch_private import torch_pytree
+from funcmeta import kernels, tree
 from funcmeta.replay import recomputation
 
 __all__ = ["graph_input", "remat"]
@@ -137,7 +136,7 @@ class _Run:
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.fn = fn
-        leaves, self.args_spec = torch_pytree.tree_flatten((args, kwargs))
+        leaves, self.args_spec = tree.flatten_registered((args, kwargs))
         # non-tensor leaves stay here; tensor leaves travel as the Function's inputs
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
         self.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
@@ -147,14 +146,14 @@ class _Run:
         self.replay: _Replay | None = None
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
-        leaves = torch_pytree.tree_leaves((args, kwargs))
+        leaves = tree.leaves_registered((args, kwargs))
         return [leaves[i] for i in self.slots]
 
     def call(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> Any:
         leaves = list(self.leaves)
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
-        args, kwargs = torch_pytree.tree_unflatten(leaves, self.args_spec)
+        args, kwargs = tree.unflatten_registered(leaves, self.args_spec)
         return self.fn(*args, **kwargs)
 
     def first(self, tensors: tuple[Tensor, ...]) -> list[Tensor]:
@@ -165,7 +164,7 @@ class _Run:
         discard = torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
         with torch.enable_grad(), discard:
             out = self.call(inputs)
-        leaves, self.out_spec = torch_pytree.tree_flatten(out)
+        leaves, self.out_spec = tree.flatten_registered(out)
         self.out_leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         outs = [x for x in leaves if isinstance(x, Tensor)]
         # an output with no gradient history (a constant such as T5's zero position bias)
@@ -177,14 +176,14 @@ class _Run:
         leaves = list(self.out_leaves)
         it = iter(tensors)
         leaves = [next(it) if x is _TENSOR else x for x in leaves]
-        return torch_pytree.tree_unflatten(leaves, self.out_spec)
+        return tree.unflatten_registered(leaves, self.out_spec)
 
     def again(self, tensors: tuple[Tensor, ...]) -> list[Tensor]:
         """A recomputation's tensor outputs, under the state of the first run."""
         assert self.replay is not None
         with self.replay(), recomputation():
             out = self.call(tensors)
-        return [x for x in torch_pytree.tree_leaves(out) if isinstance(x, Tensor)]
+        return [x for x in tree.leaves_registered(out) if isinstance(x, Tensor)]
 
     def vjp(
         self,
