@@ -10,7 +10,7 @@ Three layers, bottom up:
 - :func:`run_inner_loop`: the inner loop: split off the adapted parameters, initialise the
   optimizer, take the steps (truncation, kernel choice), collect the losses.
 
-:func:`validate` checks a call before any computation.
+:func:`check_adapt_call` checks a call before any computation.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ __all__ = [
     "StepMode",
     "forward_loss",
     "run_inner_loop",
-    "validate",
+    "check_adapt_call",
 ]
 
 
@@ -59,7 +59,7 @@ def forward_loss(
     buffers: Mapping[str, Tensor],
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
-    ``((args, kwargs), targets)`` made by :func:`validate`."""
+    ``((args, kwargs), targets)`` made by :func:`check_adapt_call`."""
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
     out, new_buffers = fmodel.apply_checked(params, buffers, args, kwargs)
@@ -105,7 +105,7 @@ def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
         return RuntimeError(message)
 
 
-def validate(
+def check_adapt_call(
     fmodel: Any,
     params: Any,
     opt: Any,

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._loop import forward_loss, run_inner_loop, validate
+from funcmeta._loop import check_adapt_call, forward_loss, run_inner_loop
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
@@ -76,7 +76,7 @@ def adapt(
     graph is kept, and the steps run first order (the same values) on the kernels in force.
     """
     opts = AdaptOptions.of(options)
-    split, _ = validate(fmodel, params, opt, batch, steps, opts, buffers=buffers)
+    split, _ = check_adapt_call(fmodel, params, opt, batch, steps, opts, buffers=buffers)
     return run_inner_loop(
         params,
         opt,

@@ -57,6 +57,7 @@ __all__ = [
     "in_twice_differentiable",
     "no_fast_path",
     "recompute_with",
+    "KernelRestore",
     "restore",
     "twice_differentiable",
 ]
@@ -108,7 +109,7 @@ def _apply(state: KernelState, current: KernelState) -> None:
     _LOCAL.twice = state.twice
 
 
-class restore(contextlib.AbstractContextManager):
+class KernelRestore(contextlib.AbstractContextManager):
     """Put ``state`` (from :func:`capture`) in force for the block; the choice before it
     comes back afterwards. Reusable: a checkpoint may recompute more than once."""
 
@@ -126,6 +127,12 @@ class restore(contextlib.AbstractContextManager):
         before, now = self._before.pop(), capture()
         if now != before:
             _apply(before, now)
+
+
+def restore(state: KernelState) -> KernelRestore:
+    """A reusable context manager that puts ``state`` (from :func:`capture`) in force for its
+    block and the choice before it back afterwards (:class:`KernelRestore`)."""
+    return KernelRestore(state)
 
 
 _MATH_ONLY = tuple(name == "math" for name in _BACKENDS)
@@ -192,7 +199,7 @@ def recompute_with(
     return lambda: (contextlib.nullcontext(), _Recompute(state))
 
 
-class _Recompute(restore):
+class _Recompute(KernelRestore):
     """:class:`restore`, and the block marked for :func:`funcmeta.recomputing`. Reusable."""
 
     def __init__(self, state: KernelState) -> None:

@@ -41,8 +41,8 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta._check import check_tree
-from funcmeta._loop import forward_loss, run_inner_loop, validate
-from funcmeta.batching.vmap import concat_outputs, fast_vmap, map_tensors
+from funcmeta._loop import check_adapt_call, forward_loss, run_inner_loop
+from funcmeta.batching.vmap import vmap_flat
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import (
     CallInputs,
@@ -100,39 +100,7 @@ def apply_tasks(
 
     trees = (dict(params), buffers, call)
     in_dims = (pdims, {k: 0 for k in buffers}, _batch_dims(call))
-    return _flat_vmap(one_task, trees, in_dims, fmodel.task_chunk)
-
-
-def _flat_vmap(
-    fn: Any, trees: tuple[Any, ...], dims: tuple[Any, ...], chunk: int | None = None
-) -> Any:
-    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims`` (0 or None), the trees passed flat:
-    vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
-    of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
-    time without vmap for 1) and the outputs are concatenated."""
-    # None is a leaf of both (an absent input, ``targets=None``): it passes through unbatched
-    flat, spec = tree.flatten(trees, none_is_leaf=True)
-    flat_dims = tree.flatten(dims, none_is_leaf=True)[0]
-    if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
-        raise AssertionError("in_dims do not line up with the arguments")
-    size = next(x.shape[d] for x, d in zip(flat, flat_dims, strict=True) if d is not None)
-
-    def unflat(*xs: Any) -> Any:
-        return fn(*tree.unflatten(spec, xs))
-
-    if chunk is None or chunk >= size:
-        return fast_vmap(unflat, tuple(flat), tuple(flat_dims), size)
-    outs = []
-    pairs = list(zip(flat, flat_dims, strict=True))
-    for start in range(0, size, chunk):
-        if chunk == 1:
-            part = [x if d is None else x.select(d, start) for x, d in pairs]
-            outs.append(map_tensors(lambda t: t.unsqueeze(0), unflat(*part)))
-            continue
-        n = min(chunk, size - start)
-        part = [x if d is None else x.narrow(d, start, n) for x, d in pairs]
-        outs.append(fast_vmap(unflat, tuple(part), tuple(flat_dims), n))
-    return concat_outputs(outs)
+    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
 
 
 def task_losses(
@@ -180,7 +148,7 @@ def _task_forward(
 
     trees = (batch, dict(params), buffers)
     in_dims = (_batch_dims(batch), dims, {k: 0 for k in buffers})
-    return _flat_vmap(one_task, trees, in_dims, fmodel.task_chunk)
+    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
 
 
 def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
@@ -226,7 +194,7 @@ def adapt_tasks(
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
     opts = AdaptOptions.of(options)
-    split, tasks = validate(
+    split, tasks = check_adapt_call(
         fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
     )
     if opts.on_nonfinite == "skip":

@@ -43,6 +43,7 @@ from funcmeta._torch_private import (
 )
 
 __all__ = [
+    "vmap_flat",
     "PRIMITIVES",
     "any_batched",
     "call_outside_vmap",
@@ -52,6 +53,7 @@ __all__ = [
     "is_batched",
     "map_tensors",
     "missing_primitives",
+    "per_task_run",
     "physical",
 ]
 
@@ -183,6 +185,56 @@ def concat_outputs(outs: list[Any]) -> Any:
     return _join_outputs(outs, torch.cat)
 
 
+def per_task_run(
+    fn: Callable[..., Any], flat_args: tuple[Any, ...], in_dims: tuple[int | None, ...], size: int
+) -> Any:
+    """The per-task runner: ``fn`` once per task on that task's slice of each argument batched
+    along ``in_dims`` (the others passed whole), the outputs stacked with a leading task
+    axis. What :func:`fast_vmap` computes, one task at a time and without ``vmap``."""
+    return _stack_outputs(
+        [
+            fn(
+                *(
+                    x if d is None else x.select(d, t)
+                    for x, d in zip(flat_args, in_dims, strict=True)
+                )
+            )
+            for t in range(size)
+        ]
+    )
+
+
+def vmap_flat(
+    fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, ...], chunk: int | None = None
+) -> Any:
+    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims`` (0 or None), the trees passed flat:
+    vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
+    of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
+    time without vmap for 1: :func:`per_task_run`) and the outputs are concatenated."""
+    # None is a leaf of both (an absent input, ``targets=None``): it passes through unbatched
+    flat, spec = tree.flatten(trees, none_is_leaf=True)
+    flat_dims = tuple(tree.flatten(dims, none_is_leaf=True)[0])
+    if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
+        raise AssertionError("in_dims do not line up with the arguments")
+    size = next(x.shape[d] for x, d in zip(flat, flat_dims, strict=True) if d is not None)
+
+    def unflat(*xs: Any) -> Any:
+        return fn(*tree.unflatten(spec, xs))
+
+    if chunk is None or chunk >= size:
+        return fast_vmap(unflat, tuple(flat), flat_dims, size)
+    if chunk == 1:
+        return per_task_run(unflat, tuple(flat), flat_dims, size)
+    outs = []
+    for start in range(0, size, chunk):
+        n = min(chunk, size - start)
+        part = [
+            x if d is None else x.narrow(d, start, n) for x, d in zip(flat, flat_dims, strict=True)
+        ]
+        outs.append(fast_vmap(unflat, tuple(part), flat_dims, n))
+    return concat_outputs(outs)
+
+
 def call_outside_vmap(
     wrap: Callable[[Callable[..., Any], tuple[Any, ...]], Any],
     fn: Callable[..., Any],
@@ -230,14 +282,7 @@ def call_outside_vmap(
         every = (*xs, *flat_extra)
         if not per_task:
             return fast_vmap(unflat_fn, every, tuple(dims), size, randomness)
-        return _stack_outputs(
-            [
-                unflat_fn(
-                    *(x if d is None else x.select(d, t) for x, d in zip(every, dims, strict=True))
-                )
-                for t in range(size)
-            ]
-        )
+        return per_task_run(unflat_fn, every, tuple(dims), size)
 
     with _outside(level):
         out = wrap(batched_fn, flat_args)

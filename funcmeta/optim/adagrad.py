@@ -16,7 +16,11 @@ import torch
 from funcmeta import tree
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
 from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
-from funcmeta.optim.primitives import add_decayed_weights, scale_by_learning_rate, validate
+from funcmeta.optim.primitives import (
+    add_decayed_weights,
+    check_hyperparameter,
+    scale_by_learning_rate,
+)
 from funcmeta.tree import Tree
 
 __all__ = ["ScaleByAdagradState", "adagrad", "scale_by_adagrad"]
@@ -38,8 +42,8 @@ def scale_by_adagrad(
     check_number(eps, "eps")
 
     def init(params: Tree) -> ScaleByAdagradState:
-        validate(lr_decay, params, "lr_decay")
-        validate(eps, params, "eps")
+        check_hyperparameter(lr_decay, params, "lr_decay")
+        check_hyperparameter(eps, params, "eps")
         leaves, spec = tree.flatten(params)
         starts = per_leaf(initial_accumulator_value, params, leaves, 0, "initial_accumulator_value")
         sums = [

@@ -20,7 +20,11 @@ from funcmeta import tree
 from funcmeta.optim._moments import ema, ema_sq
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
 from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
-from funcmeta.optim.primitives import add_decayed_weights, scale_by_learning_rate, validate
+from funcmeta.optim.primitives import (
+    add_decayed_weights,
+    check_hyperparameter,
+    scale_by_learning_rate,
+)
 from funcmeta.tree import Tree
 
 __all__ = ["ScaleByAdamState", "adam", "adamw", "scale_by_adam"]
@@ -58,7 +62,7 @@ def scale_by_adam(
 
     def init(params: Tree) -> ScaleByAdamState:
         for value, name in ((b1, "beta1"), (b2, "beta2"), (eps, "eps")):
-            validate(value, params, name)
+            check_hyperparameter(value, params, name)
         zeros = tree.map(torch.zeros_like, params)
         return ScaleByAdamState(
             0,

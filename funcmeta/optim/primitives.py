@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-def validate(value: Hyperparameter, params: Tree, name: str) -> None:
+def check_hyperparameter(value: Hyperparameter, params: Tree, name: str) -> None:
     """Resolve a (non-schedule) hyperparameter against ``params`` once, so a mismatch raises
     at ``init`` rather than at the first step."""
     if callable(value) and not isinstance(value, Tensor):
@@ -106,7 +106,7 @@ def add_decayed_weights(weight_decay: Hyperparameter) -> GradientTransformation:
     check_number(weight_decay, "weight_decay")
 
     def init(params: Tree) -> AddDecayedWeightsState:
-        validate(weight_decay, params, "weight_decay")
+        check_hyperparameter(weight_decay, params, "weight_decay")
         return AddDecayedWeightsState(0)
 
     def update(
@@ -141,7 +141,7 @@ def add_proximal(strength: Hyperparameter, anchor: Tree) -> GradientTransformati
     check_number(strength, "strength")
 
     def init(params: Tree) -> AddProximalState:
-        validate(strength, params, "strength")
+        check_hyperparameter(strength, params, "strength")
         tree.broadcast_prefix(anchor, params, name="anchor")
         return AddProximalState(0)
 
@@ -182,8 +182,8 @@ def trace(
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
     def init(params: Tree) -> TraceState:
-        validate(momentum, params, "momentum")
-        validate(dampening, params, "dampening")
+        check_hyperparameter(momentum, params, "momentum")
+        check_hyperparameter(dampening, params, "dampening")
         return TraceState(0, tree.map(torch.zeros_like, params))
 
     def update(

@@ -19,9 +19,9 @@ from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
 from funcmeta.optim.hparams import Hyperparameter, check_number, is_zero, per_leaf
 from funcmeta.optim.primitives import (
     add_decayed_weights,
+    check_hyperparameter,
     scale_by_learning_rate,
     trace,
-    validate,
 )
 from funcmeta.tree import Tree
 
@@ -42,8 +42,8 @@ def scale_by_rms(
     check_number(eps, "eps")
 
     def init(params: Tree) -> ScaleByRmsState:
-        validate(alpha, params, "alpha")
-        validate(eps, params, "eps")
+        check_hyperparameter(alpha, params, "alpha")
+        check_hyperparameter(eps, params, "eps")
         return ScaleByRmsState(
             0,
             tree.map(torch.zeros_like, params),
