@@ -16,9 +16,10 @@ for version in "$@"; do
     if [ "$(printf '%s\n' "$version" 2.6 | sort -V | head -n1)" != 2.6 ]; then
         extra=("transformers>=4.45,<5")
     fi
-    # an explicit version: a site-wide pip constraint that caps torch does not apply to it
+    # an explicit version: a site-wide pip constraint that caps torch must not apply to it,
+    # nor downgrade it when the package's own requirements are resolved
     PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install -q "torch==$version"
-    "$env/bin/python" -m pip install -q -e ".[dev]" "${extra[@]}"
+    PIP_CONSTRAINT=/dev/null "$env/bin/python" -m pip install -q -e ".[dev]" "${extra[@]}"
     installed=$("$env/bin/python" -c "import torch; print(torch.__version__)")
     set +e
     "$env/bin/python" -m pytest -q -p no:cacheprovider
