@@ -204,10 +204,18 @@ _GLOBAL_HOOKS = tuple(f"_global{name}" for name in _HOOKS)
 
 
 def has_hooks(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs forward or backward hooks, its own or global ones."""
+    """Whether calling ``module`` runs forward or backward hooks, its own or global ones.
+    Written out, not looped: it runs for every stand-in layer on every call."""
     hooks = nn.modules.module
-    return any(getattr(module, name) for name in _HOOKS) or any(
-        getattr(hooks, name) for name in _GLOBAL_HOOKS
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
     )
 
 
