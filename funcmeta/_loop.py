@@ -73,6 +73,15 @@ def forward_loss(
     return loss, new_buffers
 
 
+def _retold(error: Exception, message: str) -> Exception:
+    """An error of ``error``'s type with ``message`` (a ``RuntimeError`` if that type takes
+    another constructor); raise it ``from error``."""
+    try:
+        return type(error)(message)
+    except Exception:  # pragma: no cover - an error type with another constructor
+        return RuntimeError(message)
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, Tensor):
         return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
@@ -99,10 +108,7 @@ def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
         f"({_describe(targets)}), shapes per task under task batching: "
         f"{type(error).__name__}: {str(error).rstrip('.')}.{hint}"
     )
-    try:
-        return type(error)(message)
-    except Exception:  # pragma: no cover - an error type with another constructor
-        return RuntimeError(message)
+    return _retold(error, message)
 
 
 def check_adapt_call(
@@ -320,10 +326,7 @@ def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions
         "checkpoint_layers=...)) lowers what each step keeps. Fewer steps or tasks per call "
         "(task_chunk=) also help."
     )
-    try:
-        return type(error)(message)
-    except Exception:  # pragma: no cover - an error type with another constructor
-        return RuntimeError(message)
+    return _retold(error, message)
 
 
 def checkpointed_step(

@@ -31,6 +31,13 @@ Each computes exactly what the layer computes per task (the same kernels on the 
 per channel). A layer with hooks, and a call these do not cover (unbatched input, a
 single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``,
 ``return_indices=True``), runs the layer as it is.
+
+Example:
+    >>> import torch
+    >>> from funcmeta.batching.layers import task_standins
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2))
+    >>> {name: cls.__name__ for name, cls in task_standins(net).items()}
+    {'0': 'TaskConv', '1': 'TaskBatchNorm'}
 """
 
 from __future__ import annotations

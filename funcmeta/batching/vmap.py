@@ -14,6 +14,14 @@ task instead of vmapping it: for layers without a vmap batching rule
 The primitives come from functorch (``torch._C._functorch``), through
 :mod:`funcmeta._torch_private`. If a torch release lacks them, :func:`call_outside_vmap`
 raises an error that says so, and :func:`fast_vmap` falls back to ``torch.func.vmap``.
+
+Example:
+    >>> import torch
+    >>> from funcmeta.batching.vmap import per_task_run, vmap_flat
+    >>> x, w = torch.randn(3, 4), torch.randn(4)
+    >>> batched = vmap_flat(lambda x, w: x * w, (x, w), (0, None))
+    >>> torch.equal(batched, per_task_run(lambda x, w: x * w, (x, w), (0, None), 3))
+    True
 """
 
 from __future__ import annotations

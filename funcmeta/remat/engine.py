@@ -21,6 +21,15 @@ Every run of the function after the first one (each recomputation) reproduces th
 random number generator states (dropout masks), autocast and the kernel choice
 (:mod:`funcmeta.kernels`) of the first run are put back for it. A recorded VJP is recomputed
 under the autocast state in force when it was first computed.
+
+Example:
+    >>> import torch
+    >>> from funcmeta.remat.engine import remat
+    >>> x = torch.randn(5, requires_grad=True)
+    >>> y = remat(lambda t: torch.tanh(t) * t, x)
+    >>> (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)   # recomputed, recorded
+    >>> torch.allclose(g, torch.tanh(x) + x * (1 - torch.tanh(x) ** 2))
+    True
 """
 
 from __future__ import annotations

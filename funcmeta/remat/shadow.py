@@ -5,6 +5,14 @@ stand-ins. The chosen submodules are layers under per-layer checkpointing, or th
 fast path for ``nn.Linear``. Only the modules on the path from the root to a replaced one
 are shallow copies, with their own child dicts. Every parameter and buffer dict is shared
 with the original, so a name reaches the same tensors in both trees.
+
+Example:
+    >>> import torch
+    >>> from funcmeta.remat.shadow import shadow
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
+    >>> root, copies = shadow(net, {"1": lambda m: torch.nn.Identity()})
+    >>> type(root[1]).__name__, type(net[1]).__name__, root[0] is net[0]
+    ('Identity', 'Tanh', True)
 """
 
 from __future__ import annotations
