@@ -62,13 +62,6 @@ __all__ = [
     "twice_differentiable",
 ]
 
-_BACKENDS = sdp_backends
-_GETTERS = sdp_getters
-_SETTERS = sdp_setters
-_get_priority = sdp_priority
-_set_priority = set_sdp_priority
-_fast_path_enabled = get_fast_path
-
 
 class _Local(threading.local):
     twice: bool = False
@@ -91,9 +84,9 @@ class KernelState:
 def capture() -> KernelState:
     """The kernel choice in force now."""
     return KernelState(
-        attention=tuple([get() for get in _GETTERS]),
-        priority=tuple(_get_priority()) if _get_priority is not None else None,
-        fast_path=_fast_path_enabled(),
+        attention=tuple([get() for get in sdp_getters]),
+        priority=tuple(sdp_priority()) if sdp_priority is not None else None,
+        fast_path=get_fast_path(),
         twice=_LOCAL.twice,
     )
 
@@ -102,8 +95,8 @@ def _apply(state: KernelState, current: KernelState) -> None:
     """Put ``state`` in force, setting only what differs from ``current``."""
     if state.attention != current.attention:
         _set_attention(state.attention)
-    if state.priority != current.priority and state.priority is not None and _set_priority:
-        _set_priority(list(state.priority))
+    if state.priority != current.priority and state.priority is not None and set_sdp_priority:
+        set_sdp_priority(list(state.priority))
     if state.fast_path != current.fast_path:
         set_fast_path(state.fast_path)
     _LOCAL.twice = state.twice
@@ -135,11 +128,11 @@ def restore(state: KernelState) -> KernelRestore:
     return KernelRestore(state)
 
 
-_MATH_ONLY = tuple(name == "math" for name in _BACKENDS)
+_MATH_ONLY = tuple(name == "math" for name in sdp_backends)
 
 
 def _set_attention(enabled: tuple[bool, ...]) -> None:
-    for set_enabled, on in zip(_SETTERS, enabled, strict=True):
+    for set_enabled, on in zip(sdp_setters, enabled, strict=True):
         set_enabled(on)
 
 
@@ -155,8 +148,8 @@ class _Override:
         self._saved: list[tuple[tuple[bool, ...] | None, bool, bool]] = []
 
     def __enter__(self) -> None:
-        attention = tuple([get() for get in _GETTERS]) if self.math else None
-        fast_path, twice = _fast_path_enabled(), _LOCAL.twice
+        attention = tuple([get() for get in sdp_getters]) if self.math else None
+        fast_path, twice = get_fast_path(), _LOCAL.twice
         self._saved.append((attention, fast_path, twice))
         if attention is not None and attention != _MATH_ONLY:
             _set_attention(_MATH_ONLY)
@@ -167,9 +160,9 @@ class _Override:
 
     def __exit__(self, *exc: object) -> None:
         attention, fast_path, twice = self._saved.pop()
-        if attention is not None and attention != tuple([get() for get in _GETTERS]):
+        if attention is not None and attention != tuple([get() for get in sdp_getters]):
             _set_attention(attention)
-        if fast_path != _fast_path_enabled():
+        if fast_path != get_fast_path():
             set_fast_path(fast_path)
         _LOCAL.twice = twice
 

@@ -49,10 +49,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcmeta._torch_private import conv_forward, conv_padding, cudnn_disabled, has_hooks
+from funcmeta._torch_private import (
+    add_batch_dim,
+    conv_forward,
+    conv_padding,
+    cudnn_disabled,
+    has_hooks,
+    unwrap_batched,
+)
 from funcmeta.batching.vmap import (
-    _add_batch_dim,
-    _unwrap_batched,
     any_batched,
     call_outside_vmap,
     is_batched,
@@ -114,7 +119,7 @@ class TaskLinear(Standin):
             out = torch.baddbmm(physical(b, level).unsqueeze(1), x3, wp.transpose(1, 2))
         if flat:
             out = out.reshape(*xp.shape[:-1], out.shape[-1])
-        return _add_batch_dim(out, 0, level)
+        return add_batch_dim(out, 0, level)
 
 
 def _rnn_kernels() -> contextlib.AbstractContextManager:
@@ -164,7 +169,7 @@ def _grouped(x: Tensor, level: int) -> Tensor:
 
 def _ungrouped(out: Tensor, tasks: int, level: int) -> Tensor:
     """``(N, T * C, ...)`` back to a tensor batched at ``level`` (a view, batch dim 1)."""
-    return _add_batch_dim(out.view(out.shape[0], tasks, -1, *out.shape[2:]), 1, level)
+    return add_batch_dim(out.view(out.shape[0], tasks, -1, *out.shape[2:]), 1, level)
 
 
 def _per_task(value: Tensor | None, level: int, tasks: int) -> Tensor | None:
@@ -291,7 +296,7 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
     (:class:`TaskLinear`), convolutions, BatchNorm and pooling, and the
     exact path of embeddings with a padding index. Exact
     types only: a subclass (a parametrized layer included) may compute something else."""
-    if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
+    if unwrap_batched is None:  # pragma: no cover - depends on the torch release
         return {}
     out = recurrent_layers(module)
     loops = list(out)

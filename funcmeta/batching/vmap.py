@@ -35,11 +35,9 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta._torch_private import (
-    FUNCTORCH,
     add_batch_dim,
     is_batchedtensor,
     maybe_get_level,
-    missing_functorch,
     peek_interpreter_stack,
     pop_dynamic_layer_stack,
     prepare_vmap,
@@ -52,7 +50,6 @@ from funcmeta._torch_private import (
 
 __all__ = [
     "vmap_flat",
-    "PRIMITIVES",
     "any_batched",
     "call_outside_vmap",
     "concat_outputs",
@@ -60,30 +57,12 @@ __all__ = [
     "innermost_level",
     "is_batched",
     "map_tensors",
-    "missing_primitives",
     "per_task_run",
     "physical",
 ]
 
-PRIMITIVES = FUNCTORCH
-"""The names this module takes from ``torch._C._functorch``, through
-:mod:`funcmeta._torch_private` (checked by the test suite on every torch it runs on: see
-:func:`missing_primitives`)."""
-
-
-def missing_primitives() -> list[str]:
-    """The names of :data:`PRIMITIVES` that this torch's ``torch._C._functorch`` lacks."""
-    return missing_functorch()
-
-
-_add_batch_dim = add_batch_dim
-_remove_batch_dim = remove_batch_dim
-_unwrap_batched = unwrap_batched
-_vmap_increment_nesting = vmap_increment_nesting
-_vmap_decrement_nesting = vmap_decrement_nesting
-
 #: Whether :func:`fast_vmap` uses the primitives (tests switch it off to check the fallback).
-USE_PRIMITIVES = _vmap_increment_nesting is not None
+USE_PRIMITIVES = vmap_increment_nesting is not None
 
 
 def map_tensors(fn: Callable[[Tensor], Any], out: Any) -> Any:
@@ -110,16 +89,16 @@ def fast_vmap(
     if not USE_PRIMITIVES:
         return torch.func.vmap(fn, in_dims=in_dims, randomness=randomness)(*flat_args)
     prepare_vmap()
-    level = _vmap_increment_nesting(batch_size, randomness)
+    level = vmap_increment_nesting(batch_size, randomness)
     try:
         batched = [
-            x if d is None else _add_batch_dim(x, d, level)
+            x if d is None else add_batch_dim(x, d, level)
             for x, d in zip(flat_args, in_dims, strict=True)
         ]
         out = fn(*batched)
-        return map_tensors(lambda t: _remove_batch_dim(t, level, batch_size, 0), out)
+        return map_tensors(lambda t: remove_batch_dim(t, level, batch_size, 0), out)
     finally:
-        _vmap_decrement_nesting()
+        vmap_decrement_nesting()
 
 
 def is_batched(x: Any) -> bool:
@@ -260,7 +239,7 @@ def call_outside_vmap(
     over the tasks, or with ``per_task=True`` called once per task on each task's slice and
     its outputs stacked. The outputs come back batched at that level.
     """
-    if _unwrap_batched is None:  # pragma: no cover - depends on the torch release
+    if unwrap_batched is None:  # pragma: no cover - depends on the torch release
         raise RuntimeError(
             "checkpointed layers and layers without vmap batching rules need "
             "functorch's batching primitives, which torch "
@@ -271,7 +250,7 @@ def call_outside_vmap(
     flat, dims = [], []
     for x in leaves:
         if is_batched(x) and maybe_get_level(x) == level:
-            tensor, dim = _unwrap_batched(x, level)
+            tensor, dim = unwrap_batched(x, level)
             flat.append(tensor)
             dims.append(dim)
         else:
@@ -294,11 +273,11 @@ def call_outside_vmap(
 
     with _outside(level):
         out = wrap(batched_fn, flat_args)
-    return map_tensors(lambda t: _add_batch_dim(t, 0, level), out)
+    return map_tensors(lambda t: add_batch_dim(t, 0, level), out)
 
 
 def physical(x: Tensor, level: int, dim: int = 0) -> Tensor:
     """The ordinary tensor under ``x``, batched at vmap ``level``, with the batch axis at
     ``dim`` (a view)."""
-    tensor, bdim = _unwrap_batched(x, level)
+    tensor, bdim = unwrap_batched(x, level)
     return tensor if bdim == dim else tensor.movedim(bdim, dim)

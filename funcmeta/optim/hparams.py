@@ -64,6 +64,7 @@ def check_number(
     low: float = 0.0,
     high: float | None = None,
     include_high: bool = False,
+    if_not_finite: str = "",
 ) -> None:
     """Range check for a hyperparameter given as a Python number (NaN and infinities are
     refused); tensors are not inspected (that would cost a device sync per call)."""
@@ -74,7 +75,7 @@ def check_number(
     if not is_number(value):
         return
     if not math.isfinite(value):
-        raise ValueError(f"invalid {name}: {value} (must be a finite number)")
+        raise ValueError(f"invalid {name}: {value} (must be a finite number{if_not_finite})")
     if value < low or (high is not None and (value > high if include_high else value >= high)):
         limit = "" if high is None else f" and {'<=' if include_high else '<'} {high}"
         raise ValueError(f"invalid {name}: {value} (must be >= {low}{limit})")
@@ -88,11 +89,7 @@ def check_max_norm(max_norm: Any, name: str = "max_norm") -> None:
                 f"{name} must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
             )
     elif is_number(max_norm):
-        if not math.isfinite(max_norm):
-            raise ValueError(
-                f"invalid {name}: {max_norm} (must be a finite number; None means no clipping)"
-            )
-        check_number(max_norm, name)
+        check_number(max_norm, name, if_not_finite="; None means no clipping")
     else:
         raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(max_norm).__name__}")
 
