@@ -139,7 +139,7 @@ def funcmeta_loop(net, rates, support, query, loss_fn, steps):
         r = fm.adapt(
             fmodel, fmodel.params, loss_fn, (support[0][t], support[1][t]), opt, steps=steps
         )
-        losses.append(loss_fn(fmodel.apply(r.params, r.buffers, query[0][t])[0], query[1][t]))
+        losses.append(loss_fn(fmodel.run(r.params, r.buffers, query[0][t])[0], query[1][t]))
     return torch.stack(losses).mean()
 
 

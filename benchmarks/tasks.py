@@ -61,7 +61,7 @@ def loop_meta(fmodel, loss_fn, support, query, steps=STEPS):
     for t in range(support[0].shape[0]):
         task = (support[0][t], support[1][t])
         result = fm.adapt(fmodel, fmodel.params, loss_fn, task, opt, steps=steps)
-        out, _ = fmodel.apply(result.params, result.buffers, query[0][t])
+        out, _ = fmodel.run(result.params, result.buffers, query[0][t])
         losses.append(loss_fn(out, query[1][t]))
     return torch.stack(losses).mean()
 

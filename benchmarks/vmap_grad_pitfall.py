@@ -52,7 +52,7 @@ def exact(net, xs, ys, xq, yq):
         r = fm.adapt(
             fmodel, fmodel.params, F.cross_entropy, (xs[t], ys[t]), fm.optim.sgd(lr=LR), steps=STEPS
         )
-        total = total + F.cross_entropy(fmodel.apply(r.params, r.buffers, xq[t])[0], yq[t])
+        total = total + F.cross_entropy(fmodel.run(r.params, r.buffers, xq[t])[0], yq[t])
     return torch.autograd.grad(total / T, list(net.parameters()))
 
 

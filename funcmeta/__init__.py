@@ -25,14 +25,12 @@ from funcmeta import (
     hyper,
     implicit,
     inputs,
-    kernels,
     learned,
     models,
     optim,
     options,
     recipes,
     remat,
-    replay,
     snapshot,
     tasks,
     tree,
@@ -45,7 +43,7 @@ from funcmeta.inner import adapt
 from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
 from funcmeta.options import AdaptOptions
-from funcmeta.replay import recomputing
+from funcmeta.remat.replay import recomputing
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
 from funcmeta.types import AdaptResult, LossFn, NonFiniteError
 
@@ -73,7 +71,6 @@ __all__ = [
     "hyper",
     "implicit",
     "inputs",
-    "kernels",
     "learned",
     "models",
     "options",
@@ -81,7 +78,6 @@ __all__ = [
     "recipes",
     "recomputing",
     "remat",
-    "replay",
     "snapshot",
     "task_losses",
     "tasks",
@@ -93,7 +89,7 @@ __all__ = [
 
 def __getattr__(name: str) -> object:
     """The deprecated module aliases, imported (and warning) only when used."""
-    if name in ("checkpoint", "tune"):
+    if name in ("checkpoint", "kernels", "replay", "tune"):
         import importlib
 
         return importlib.import_module(f"funcmeta.{name}")

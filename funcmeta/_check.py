@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["NotAnIntError", "check_int", "check_keys", "check_real", "check_tree"]
+__all__ = ["NotAnIntError", "check_int", "check_keys", "check_real", "check_tree", "retold"]
 
 
 class NotAnIntError(TypeError, ValueError):
@@ -132,3 +132,12 @@ def _bounds(low: int | None, high: int | None) -> str:
     if high is not None:
         return f" <= {high}"
     return ""
+
+
+def retold(error: Exception, message: str) -> Exception:
+    """An error of ``error``'s type with ``message`` (a ``RuntimeError`` if that type takes
+    another constructor); raise it ``from error``."""
+    try:
+        return type(error)(message)
+    except Exception:  # pragma: no cover - an error type with another constructor
+        return RuntimeError(message)

@@ -10,7 +10,8 @@ Three layers, bottom up:
 - :func:`run_inner_loop`: the inner loop: split off the adapted parameters, initialise the
   optimizer, take the steps (truncation, kernel choice), collect the losses.
 
-:func:`check_adapt_call` checks a call before any computation.
+The call was checked before (:func:`funcmeta.inputs.check_adapt_call`); the forward each step
+runs is given (:mod:`funcmeta.forward`).
 """
 
 from __future__ import annotations
@@ -24,111 +25,18 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funcmeta import kernels, tree
-from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import (
-    CallInputs,
-    check_batch_call,
-)
+from funcmeta import tree
+from funcmeta._check import retold
 from funcmeta.optim.base import GradientTransformation, task_axis
 from funcmeta.optim.base import step as optim_step
 from funcmeta.optim.clip import clip_grads_by_global_norm
 from funcmeta.options import AdaptOptions
+from funcmeta.remat import kernels
 from funcmeta.remat.engine import graph_input
 from funcmeta.tree import Filter, Tree
-from funcmeta.types import AdaptResult, LossFn, NonFiniteError
+from funcmeta.types import AdaptResult, NonFiniteError
 
-__all__ = [
-    "AdaptResult",
-    "Forward",
-    "InnerLoop",
-    "LossFn",
-    "NonFiniteError",
-    "StepMode",
-    "forward_loss",
-    "run_inner_loop",
-    "check_adapt_call",
-]
-
-
-def forward_loss(
-    fmodel: FunctionalModel,
-    loss_fn: LossFn,
-    batch: tuple[CallInputs, Any],
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
-    ``((args, kwargs), targets)`` made by :func:`check_adapt_call`."""
-    (args, kwargs), targets = batch
-    # the inner loop's parameters have the checked names and shapes
-    out, new_buffers = fmodel.apply_checked(params, buffers, args, kwargs)
-    try:
-        loss = loss_fn(out, targets)
-    except (IndexError, RuntimeError, ValueError, TypeError) as error:
-        raise _loss_error(error, out, targets) from error
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-    return loss, new_buffers
-
-
-def _retold(error: Exception, message: str) -> Exception:
-    """An error of ``error``'s type with ``message`` (a ``RuntimeError`` if that type takes
-    another constructor); raise it ``from error``."""
-    try:
-        return type(error)(message)
-    except Exception:  # pragma: no cover - an error type with another constructor
-        return RuntimeError(message)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Tensor):
-        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
-    """``error`` again, its message saying what ``loss_fn`` was given (per task under task
-    batching) and, for class-index targets, the range they must lie in."""
-    hint = ""
-    if (
-        isinstance(targets, Tensor)
-        and not targets.is_floating_point()
-        and isinstance(out, Tensor)
-        and out.dim() > 0
-    ):
-        hint = (
-            f" Class-index targets must lie in [0, {out.shape[-1]}) for an output with "
-            f"{out.shape[-1]} columns: an episode with more ways than the model's head, or "
-            "labels not numbered 0..ways-1 within each task, fails here."
-        )
-    message = (
-        f"loss_fn failed on the model's output ({_describe(out)}) and the targets "
-        f"({_describe(targets)}), shapes per task under task batching: "
-        f"{type(error).__name__}: {str(error).rstrip('.')}.{hint}"
-    )
-    return _retold(error, message)
-
-
-def check_adapt_call(
-    fmodel: Any,
-    params: Any,
-    opt: Any,
-    batch: Any,
-    steps: Any,
-    options: AdaptOptions,
-    *,
-    task_batched: bool = False,
-    buffers: Any = None,
-) -> tuple[tuple[CallInputs, Any], int | None]:
-    """Check a call of :func:`funcmeta.adapt` (``task_batched``: of
-    :func:`funcmeta.adapt_tasks`) before any computation. Returns the batch split into call
-    arguments and targets, and the number of tasks (``None`` without ``tasks``)."""
-    options.check_steps(steps)
-    return check_batch_call(
-        fmodel, params, batch, opt=opt, buffers=buffers, task_batched=task_batched
-    )
+__all__ = ["Forward", "InnerLoop", "StepMode", "checkpointed_step", "run_inner_loop"]
 
 
 Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
@@ -263,7 +171,7 @@ def _take_steps(
     :meth:`InnerLoop.unrolled_step`.
 
     Steps ``truncate`` on build a graph. In second order it is differentiated again, so they
-    run on kernels that allow it (:func:`funcmeta.kernels.twice_differentiable`, entered once
+    run on kernels that allow it (:func:`funcmeta.remat.kernels.twice_differentiable`, entered once
     for all of them; a recomputation restores the choice of its forward).
     """
     # Without an outer graph (evaluation under no_grad) nothing differentiates the inner
@@ -326,7 +234,7 @@ def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions
         "checkpoint_layers=...)) lowers what each step keeps. Fewer steps or tasks per call "
         "(task_chunk=) also help."
     )
-    return _retold(error, message)
+    return retold(error, message)
 
 
 def checkpointed_step(

@@ -12,7 +12,7 @@ on and fails with the torch version and the missing name. What each is for:
   flattening outputs of registered types (HuggingFace ``ModelOutput``).
 - **attention kernel flags** (``torch._C._get/_set_*_sdp_*``) and the multi-head attention
   fast-path flag (``torch.backends.mha._is_fastpath_enabled``): choosing twice-differentiable
-  kernels and putting the user's choice back (:mod:`funcmeta.kernels`).
+  kernels and putting the user's choice back (:mod:`funcmeta.remat.kernels`).
 - **``nn.Module`` internals**: its ``_parameters``, ``_buffers`` and ``_modules`` dicts
   (shadow module trees share them; :class:`funcmeta.FunctionalModel` swaps tensors in
   them), its hook dictionaries (does a call run hooks?), and a convolution's

@@ -1,7 +1,7 @@
 """Deprecated alias of :mod:`funcmeta.remat` (per-layer checkpointing), kept for one release.
 
 The module was renamed: ``checkpoint`` collided with ``torch.utils.checkpoint`` in every file
-that used both. Importing it warns once; use ``fm.remat.select``, ``fm.remat.POLICIES`` and
+that used both. Importing it warns once; use ``fm.remat.select``, ``fm.remat.PRESETS`` and
 ``fm.remat.CheckpointSpec``.
 
 Example:
@@ -15,12 +15,14 @@ Example:
 
 import warnings
 
-from funcmeta.remat.layers import POLICIES, CheckpointSpec, checkpointed_runner, select
+from funcmeta.remat.layers import PRESETS, CheckpointSpec, checkpointed_runner, select
 
-__all__ = ["POLICIES", "CheckpointSpec", "checkpointed_runner", "select"]
+POLICIES = PRESETS
+
+__all__ = ["POLICIES", "PRESETS", "CheckpointSpec", "checkpointed_runner", "select"]
 
 warnings.warn(
-    "funcmeta.checkpoint is renamed funcmeta.remat (fm.remat.select, fm.remat.POLICIES); "
+    "funcmeta.checkpoint is renamed funcmeta.remat (fm.remat.select, fm.remat.PRESETS); "
     "the old name goes in the next release",
     DeprecationWarning,
     stacklevel=2,

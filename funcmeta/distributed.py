@@ -143,7 +143,7 @@ def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
     base, extra = divmod(tasks, size)
     start = rank * base + min(rank, extra)
     count = base + (1 if rank < extra else 0)
-    share = tree.map(lambda x: x[start : start + count] if isinstance(x, Tensor) else x, batch)
+    share = tree.tree_map(lambda x: x[start : start + count] if isinstance(x, Tensor) else x, batch)
     return share, count
 
 

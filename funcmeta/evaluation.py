@@ -136,7 +136,7 @@ def _adapted_logits(
             buffers=buffers,
             **options,
         )
-        outs.append(fmodel.apply(one.params, one.buffers, batch.x_query[t])[0])
+        outs.append(fmodel.run(one.params, one.buffers, batch.x_query[t])[0])
     return torch.stack(outs)
 
 

@@ -9,7 +9,7 @@ Example:
     >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     >>> fmodel = fm.functional_model(net)
     >>> params = fmodel.params                 # the module's own Parameters
-    >>> out, buffers = fmodel.apply(params, fmodel.buffers, torch.randn(8, 3))
+    >>> out, buffers = fmodel.run(params, fmodel.buffers, torch.randn(8, 3))
     >>> bool(net[1].running_mean.eq(0).all())  # the module's buffers are not mutated
     True
     >>> bool(buffers["1.running_mean"].ne(0).any())  # the updated statistics come back
@@ -19,20 +19,21 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from funcmeta import kernels
 from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
 from funcmeta.batching.layers import recurrent_layers, task_standins
 from funcmeta.batching.vmap import any_batched, call_outside_vmap
+from funcmeta.remat import kernels
 from funcmeta.remat.layers import CheckpointSpec, checkpointed_runner, select
+from funcmeta.remat.replay import recomputation
 from funcmeta.remat.shadow import sync_training
-from funcmeta.replay import recomputation
 
 __all__ = ["FunctionalModel", "functional_model"]
 
@@ -126,9 +127,9 @@ class FunctionalModel:
 
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         """The module's output with ``params`` and the module's buffers (left unmutated)."""
-        return self.apply(params, self._own_buffers, *args, **kwargs)[0]
+        return self.run(params, self._own_buffers, *args, **kwargs)[0]
 
-    def apply(
+    def run(
         self,
         params: Mapping[str, Tensor],
         buffers: Mapping[str, Tensor],
@@ -142,14 +143,31 @@ class FunctionalModel:
         buffers passed in and the module's own are left unchanged.
         """
         self.check_params(params)
-        return self.apply_checked(params, buffers, args, kwargs)
+        return self.run_checked(params, buffers, args, kwargs)
+
+    def apply(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """Deprecated name of :meth:`run`, kept for one release (``nn.Module.apply(fn)`` means
+        something else)."""
+        warnings.warn(
+            "FunctionalModel.apply is renamed FunctionalModel.run (nn.Module.apply(fn) means "
+            "something else); the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.run(params, buffers, *args, **kwargs)
 
     def check_params(self, params: Mapping[str, Tensor]) -> None:
         """Raise ``TypeError``/``ValueError`` naming the entry unless ``params`` has the
         module's parameter names, each a tensor of the module's shape."""
         check_tree(params, self._param_shapes, "params")
 
-    def apply_checked(
+    def run_checked(
         self,
         params: Mapping[str, Tensor],
         buffers: Mapping[str, Tensor],
@@ -164,10 +182,10 @@ class FunctionalModel:
                 return self._apply_tasks(params, buffers, args, kwargs)
             with kernels.no_fast_path():
                 return self._apply_tasks(params, buffers, args, kwargs)
-        return self._run(self._runner, self._copies, self._swap, params, buffers, args, kwargs)
+        return self._execute(self._runner, self._copies, self._swap, params, buffers, args, kwargs)
 
     @staticmethod
-    def _run(
+    def _execute(
         runner: nn.Module,
         copies: list[tuple[nn.Module, nn.Module]],
         swap: _Swap,
@@ -198,14 +216,14 @@ class FunctionalModel:
             self._task_loop = not self._vmaps(task_run, params, buffers, args, kwargs)
         if not self._task_loop:
             try:
-                return self._run(*task_run, params, buffers, args, kwargs)
+                return self._execute(*task_run, params, buffers, args, kwargs)
             except RuntimeError as error:
                 if not is_vmap_refusal(error):
                     raise
                 self._task_loop = True
 
         def one_task(p: Any, b: Any, a: Any, kw: Any) -> tuple[Any, dict[str, Tensor]]:
-            return self._run(self._runner, self._copies, self._swap, p, b, a, kw)
+            return self._execute(self._runner, self._copies, self._swap, p, b, a, kw)
 
         return call_outside_vmap(
             lambda f, flat: f(*flat),
@@ -220,7 +238,7 @@ class FunctionalModel:
         )
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
-                self._run(*task_run, *inputs)
+                self._execute(*task_run, *inputs)
             except RuntimeError as error:
                 if is_vmap_refusal(error):
                     return False
@@ -323,7 +341,7 @@ def functional_model(
     """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
     ``checkpoint_layers`` chooses layers to run under per-layer activation checkpointing
-    (see :mod:`funcmeta.remat`): ``None``; a policy name (``"sequential"``: the
+    (see :mod:`funcmeta.remat`): ``None``; a preset name (``"sequential"``: the
     children of every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of
     submodule names; or a predicate ``(name, module) -> bool``. A checkpointed layer keeps its
     inputs instead of its activations, in first and in second order (the graph of a

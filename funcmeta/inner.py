@@ -21,8 +21,10 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._loop import check_adapt_call, forward_loss, run_inner_loop
+from funcmeta._loop import run_inner_loop
+from funcmeta.forward import forward_loss
 from funcmeta.functional import FunctionalModel
+from funcmeta.inputs import check_adapt_call
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
 from funcmeta.types import AdaptResult, LossFn, NonFiniteError
@@ -70,20 +72,21 @@ def adapt(
         :class:`AdaptResult` ``(params, buffers, losses, state, skipped)``.
 
     Second-order steps run on kernels that can be differentiated twice (math attention,
-    RNNs without cuDNN: :mod:`funcmeta.kernels`); other steps keep the kernels in force.
+    RNNs without cuDNN: :mod:`funcmeta.remat.kernels`); other steps keep the kernels in force.
 
     Works under ``torch.no_grad()`` too (evaluation): gradients are still taken, no outer
     graph is kept, and the steps run first order (the same values) on the kernels in force.
     """
     opts = AdaptOptions.of(options)
-    split, _ = check_adapt_call(fmodel, params, opt, batch, steps, opts, buffers=buffers)
+    checked = check_adapt_call(fmodel, params, opt, batch, steps, opts, buffers=buffers)
+    forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
     return run_inner_loop(
         params,
         opt,
         steps,
-        fmodel.buffers if buffers is None else dict(buffers),
+        checked.buffers,
         opts,
         frozen=fmodel.frozen,
-        forward_for=lambda adapted: functools.partial(forward_loss, fmodel, loss_fn, split),
+        forward_for=lambda adapted: forward,
         state=state,
     )

@@ -32,20 +32,26 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from funcmeta import tree
+from funcmeta._check import check_tree
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
+from funcmeta.options import AdaptOptions
 
 __all__ = [
     "Args",
     "CallInputs",
+    "CheckedCall",
+    "check_adapt_call",
     "check_batch",
+    "check_batch_call",
     "check_call",
     "check_model",
     "split_batch",
@@ -55,6 +61,19 @@ __all__ = [
 
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 """``(args, kwargs)``: the inputs of a batch as the model's call arguments."""
+
+
+class CheckedCall(NamedTuple):
+    """A call checked by :func:`check_batch_call`, ready to compute on."""
+
+    batch: tuple[CallInputs, Any]
+    """``((args, kwargs), targets)`` (``targets`` is None for inputs alone)."""
+    tasks: int | None
+    """The number of tasks of a task-batched call, else None."""
+    param_dims: dict[str, int | None] | None
+    """Task-batched: 0 for each parameter given per task, None for one shared by all."""
+    buffers: dict[str, Tensor]
+    """The buffers to start from (default: the module's); task-batched, one copy per task."""
 
 
 class Args:
@@ -192,16 +211,15 @@ def check_batch_call(
     buffers: Any = None,
     task_batched: bool = False,
     targets: bool = True,
-) -> tuple[tuple[CallInputs, Any], int | None]:
+) -> CheckedCall:
     """The one check of a call on a batch, before any computation: :func:`funcmeta.adapt`,
     :func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`
     (``targets=False``: ``batch`` is the inputs alone) and, through them, the recipes.
 
-    Checks the model, the parameters (against the module's shapes; task-batched calls check
-    them against the task axis later), ``opt`` when given, the batch (its task axis when
+    Checks the model, the parameters and buffers (against the module's shapes, and with
+    ``task_batched`` against the task axis), ``opt`` when given, the batch (its task axis when
     ``task_batched``, empty tensors, input dtypes) and the dtypes of parameters and buffers.
-    Returns the batch as ``((args, kwargs), targets)`` and the number of tasks (``None``
-    unless ``task_batched``)."""
+    """
     check_call(fmodel, params, opt)
     if not task_batched:
         fmodel.check_params(params)
@@ -209,7 +227,68 @@ def check_batch_call(
     count = task_count(split) if task_batched else None
     check_batch(split, params)
     check_dtypes(params, fmodel.buffers if buffers is None else buffers)
-    return split, count
+    if count is None:
+        return CheckedCall(split, None, None, fmodel.buffers if buffers is None else dict(buffers))
+    return CheckedCall(split, count, *_task_trees(fmodel, params, buffers, count))
+
+
+def _task_trees(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor] | None,
+    tasks: int,
+) -> tuple[dict[str, int | None], dict[str, Tensor]]:
+    """``(param_dims, per_task_buffers)``: which parameters carry the task axis, and the
+    buffers (default: the module's) with one copy per task."""
+    buffers = fmodel.buffers if buffers is None else buffers
+    dims = check_tree(buffers, fmodel.buffer_shapes, "buffers", tasks=tasks)
+    per_task = {
+        k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()
+    }
+    return check_tree(params, fmodel.param_shapes, "params", tasks=tasks), per_task
+
+
+def check_adapt_call(
+    fmodel: Any,
+    params: Any,
+    opt: Any,
+    batch: Any,
+    steps: Any,
+    options: AdaptOptions,
+    *,
+    task_batched: bool = False,
+    buffers: Any = None,
+) -> CheckedCall:
+    """Check a call of :func:`funcmeta.adapt` (``task_batched``: of
+    :func:`funcmeta.adapt_tasks`) before any computation: :func:`check_batch_call`, the step
+    count, and the options task batching cannot take."""
+    options.check_steps(steps)
+    if task_batched and options.on_nonfinite == "skip":
+        raise ValueError(
+            "on_nonfinite='skip' is not available with task batching: the tasks share the "
+            "optimizer's step count; use 'raise', or adapt the tasks one by one"
+        )
+    checked = check_batch_call(
+        fmodel, params, batch, opt=opt, buffers=buffers, task_batched=task_batched
+    )
+    if checked.tasks is not None:
+        _warn_one_example_tasks(checked.batch, checked.tasks)
+    return checked
+
+
+def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
+    """Warn when every target holds one value per task (a scalar target after the task
+    axis): most likely one task's batch without a task axis, read as ``tasks`` tasks of one
+    example each."""
+    targets = [x for x in tree.leaves(split[1]) if isinstance(x, Tensor)]
+    if tasks > 1 and targets and all(x.dim() == 1 for x in targets):
+        warnings.warn(
+            f"adapt_tasks reads the leading axis of every batch tensor as the task axis: these "
+            f"targets of shape {tuple(targets[0].shape)} make {tasks} tasks of one example "
+            "each. If this is one task's batch, call fm.adapt, or give it a task axis "
+            "(x.unsqueeze(0), y.unsqueeze(0))",
+            stacklevel=4,
+        )
 
 
 def check_dtypes(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 from torch import Tensor
 
 from funcmeta._check import check_int
-from funcmeta.optim.hparams import check_max_norm
+from funcmeta.optim.values import check_max_norm
 from funcmeta.tree import Filter
 
 __all__ = ["AdaptOptions", "takes_options"]

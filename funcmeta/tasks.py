@@ -32,48 +32,21 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from funcmeta import tree
-from funcmeta._check import check_tree
-from funcmeta._loop import check_adapt_call, forward_loss, run_inner_loop
-from funcmeta.batching.vmap import vmap_flat
+from funcmeta._loop import run_inner_loop
+from funcmeta.forward import task_losses_of, task_outputs_of
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import (
-    CallInputs,
-    check_batch_call,
-    task_count,
-)
+from funcmeta.inputs import check_adapt_call, check_batch_call, task_count
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
 from funcmeta.types import AdaptResult, LossFn
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
-
-
-def _task_trees(
-    fmodel: FunctionalModel,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor] | None,
-    tasks: int,
-) -> tuple[dict[str, int | None], dict[str, Tensor]]:
-    """``(param_dims, per_task_buffers)``: which parameters carry the task axis, and the
-    buffers (default: the module's) with one copy per task."""
-    buffers = fmodel.buffers if buffers is None else buffers
-    dims = check_tree(buffers, fmodel.buffer_shapes, "buffers", tasks=tasks)
-    per_task = {
-        k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()
-    }
-    return check_tree(params, fmodel.param_shapes, "params", tasks=tasks), per_task
-
-
-def _batch_dims(batch: Any) -> Any:
-    return tree.map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
 
 
 def apply_tasks(
@@ -83,24 +56,18 @@ def apply_tasks(
     *,
     buffers: Mapping[str, Tensor] | None = None,
 ) -> tuple[Any, dict[str, Tensor]]:
-    """``fmodel.apply`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
+    """``fmodel.run`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
 
     ``inputs`` are the model's arguments as in :func:`funcmeta.adapt` (a tuple is positional,
     a dict is keywords, ``fm.Args`` is both, anything else is the one argument); their
     tensors carry a leading task axis. ``params`` and ``buffers`` (default: the module's) may
     be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
     """
-    (call, _), tasks = check_batch_call(
+    checked = check_batch_call(
         fmodel, params, inputs, buffers=buffers, task_batched=True, targets=False
     )
-    pdims, buffers = _task_trees(fmodel, params, buffers, tasks)
-
-    def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], call: CallInputs) -> Any:
-        return fmodel.apply(p, bufs, *call[0], **call[1])
-
-    trees = (dict(params), buffers, call)
-    in_dims = (pdims, {k: 0 for k in buffers}, _batch_dims(call))
-    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
+    call = checked.batch[0]
+    return task_outputs_of(fmodel, call, checked.param_dims, params, checked.buffers)
 
 
 def task_losses(
@@ -125,45 +92,10 @@ def task_losses(
         >>> losses.shape
         torch.Size([4])
     """
-    split, tasks = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
-    dims, buffers = _task_trees(fmodel, params, buffers, tasks)
-    return _task_forward(fmodel, loss_fn, split, dims, params, buffers)
-
-
-def _task_forward(
-    fmodel: FunctionalModel,
-    loss_fn: LossFn,
-    batch: tuple[CallInputs, Any],
-    dims: dict[str, int | None],
-    params: Mapping[str, Tensor],
-    buffers: dict[str, Tensor],
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap.
-
-    ``dims`` says which parameters carry the task axis (0) and which are shared (None).
-    """
-
-    def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
-        return forward_loss(fmodel, loss_fn, b, p, bufs)
-
-    trees = (batch, dict(params), buffers)
-    in_dims = (_batch_dims(batch), dims, {k: 0 for k in buffers})
-    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
-
-
-def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
-    """Warn when every target holds one value per task (a scalar target after the task
-    axis): most likely one task's batch without a task axis, read as ``tasks`` tasks of one
-    example each."""
-    targets = [x for x in tree.leaves(split[1]) if isinstance(x, Tensor)]
-    if tasks > 1 and targets and all(x.dim() == 1 for x in targets):
-        warnings.warn(
-            f"adapt_tasks reads the leading axis of every batch tensor as the task axis: these "
-            f"targets of shape {tuple(targets[0].shape)} make {tasks} tasks of one example "
-            "each. If this is one task's batch, call fm.adapt, or give it a task axis "
-            "(x.unsqueeze(0), y.unsqueeze(0))",
-            stacklevel=3,
-        )
+    checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
+    return task_losses_of(
+        fmodel, loss_fn, checked.batch, checked.param_dims, params, checked.buffers
+    )
 
 
 @takes_options
@@ -194,16 +126,10 @@ def adapt_tasks(
         given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
     """
     opts = AdaptOptions.of(options)
-    split, tasks = check_adapt_call(
+    checked = check_adapt_call(
         fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
     )
-    if opts.on_nonfinite == "skip":
-        raise ValueError(
-            "on_nonfinite='skip' is not available with task batching: the tasks share the "
-            "optimizer's step count; use 'raise', or adapt the tasks one by one"
-        )
-    _warn_one_example_tasks(split, tasks)
-    dims, buffers = _task_trees(fmodel, params, buffers, tasks)
+    tasks, dims = checked.tasks, checked.param_dims
 
     def prepare(adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
         # Every task adapts its own copy: shared initial parameters get a task axis (a view).
@@ -218,13 +144,13 @@ def adapt_tasks(
     def forward_for(adapted: dict[str, Tensor | None]) -> Any:
         # adapted parameters carry the task axis now; fixed ones keep their dims
         step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
-        return functools.partial(_task_forward, fmodel, loss_fn, split, step_dims)
+        return functools.partial(task_losses_of, fmodel, loss_fn, checked.batch, step_dims)
 
     return run_inner_loop(
         params,
         opt,
         steps,
-        buffers,
+        checked.buffers,
         opts,
         frozen=fmodel.frozen,
         forward_for=forward_for,

@@ -48,11 +48,11 @@ __all__ = [
     "flatten_with_paths",
     "leaves",
     "leaves_registered",
-    "map",
     "partition",
     "path_str",
     "paths",
     "structure",
+    "tree_map",
     "unflatten",
     "unflatten_registered",
 ]
@@ -80,7 +80,7 @@ def path_str(path: Sequence[Any]) -> str:
     return ".".join(str(entry) for entry in path)
 
 
-def map(fn: Callable[..., Any], tree: Tree, *rest: Tree, none_is_leaf: bool = False) -> Tree:
+def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree, none_is_leaf: bool = False) -> Tree:
     """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``); with
     ``none_is_leaf``, ``None`` is a leaf too."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=none_is_leaf)
@@ -265,3 +265,18 @@ def combine(*trees: Tree) -> Tree:
         return None
 
     return optree.tree_map(first, *trees, none_is_leaf=True)
+
+
+def __getattr__(name: str) -> object:
+    """``map``, the deprecated name of :func:`tree_map`, kept for one release."""
+    if name == "map":
+        import warnings
+
+        warnings.warn(
+            "funcmeta.tree.map is renamed funcmeta.tree.tree_map (beside the builtin map); the "
+            "old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return tree_map
+    raise AttributeError(f"module 'funcmeta.tree' has no attribute {name!r}")

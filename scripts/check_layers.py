@@ -20,15 +20,15 @@ ROOT = Path(__file__).resolve().parents[1] / "funcmeta"
 
 LAYERS: list[list[str]] = [
     # 0: no funcmeta imports
-    ["_check", "_tempfiles", "_torch_private", "tree", "replay", "models", "types", "data.*"],
+    ["_check", "_tempfiles", "_torch_private", "tree", "remat.replay", "models", "types", "data.*"],
     # 1: kernels, optimizers, hyperparameters, the module shadow
-    ["kernels", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
+    ["remat.kernels", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
     # 2: the vmap glue and what runs on it
     ["batching.vmap", "batching.layers", "remat.engine", "implicit.*", "learned.*", "heads"],
     # 3: per-layer checkpointing (a checkpointed layer under vmap leaves the vmap level)
-    ["remat.layers", "remat", "checkpoint"],
+    ["remat.layers", "remat", "checkpoint", "kernels", "replay"],
     # 4: the public core
-    ["functional", "inputs", "options"],
+    ["functional", "options", "inputs", "forward"],
     ["_loop"],
     ["inner", "tasks"],
     # 5: what is built on the inner loop
@@ -61,15 +61,22 @@ def layer_of(name: str) -> int:
     raise KeyError(name)
 
 
-def imports(path: Path) -> set[str]:
-    """The funcmeta modules ``path`` imports (``from funcmeta import tree`` is ``tree``)."""
+def imports(path: Path, root: Path = ROOT) -> set[str]:
+    """The funcmeta modules ``path`` imports (``from funcmeta import tree`` is ``tree``,
+    ``from funcmeta.remat import kernels`` is ``remat.kernels`` where that module exists)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == "funcmeta":
-                found.update(a.name for a in node.names)
-            elif node.module.startswith("funcmeta."):
-                found.add(node.module[len("funcmeta.") :])
+            if node.module != "funcmeta" and not node.module.startswith("funcmeta."):
+                continue
+            package = node.module[len("funcmeta.") :]
+            folder = root.joinpath(*package.split(".")) if package else root
+            for a in node.names:
+                submodule = (folder / f"{a.name}.py").exists() or (folder / a.name).is_dir()
+                if submodule:
+                    found.add(f"{package}.{a.name}" if package else a.name)
+                elif package:
+                    found.add(package)
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("funcmeta."):
@@ -90,7 +97,7 @@ def violations(root: Path = ROOT) -> list[str]:
         except KeyError:
             out.append(f"funcmeta.{name}: in no layer of scripts/check_layers.py")
             continue
-        for dep in sorted(imports(path)):
+        for dep in sorted(imports(path, root)):
             if dep not in known:
                 continue  # a name from a package (from funcmeta.optim import sgd), checked there
             if layer_of(dep) > mine:

@@ -343,7 +343,7 @@ def test_module_tensors_unchanged_and_batchnorm_buffers_returned():
             steps=K,
             first_order=first_order,
         )
-        F.mse_loss(fmodel.apply(result.params, result.buffers, xq)[0], yq).backward()
+        F.mse_loss(fmodel.run(result.params, result.buffers, xq)[0], yq).backward()
         assert int(result.buffers["1.num_batches_tracked"]) == K
     for k, v in net.state_dict().items():
         assert torch.equal(v, before[k]), k

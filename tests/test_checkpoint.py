@@ -29,7 +29,7 @@ def blocks_net(dtype=DTYPE, dropout=0.2, batchnorm=True, seed=0):
 # --- selection -------------------------------------------------------------------------
 
 
-def test_policies_names_and_predicates():
+def test_presets_names_and_predicates():
     net = blocks_net()
     assert fm.remat.select(net, "sequential") == ["0", "1", "2", "3"]
     assert fm.remat.select(net, "leaves")[:3] == ["0.0", "0.1", "1.0"]
@@ -47,7 +47,7 @@ def test_policies_names_and_predicates():
         (["1", "7", "0.9"], r"\['7', '0\.9'\] are not submodules"),
         (["1", "1.0"], r"\['1\.0'\] lie inside"),
         (lambda name, m: isinstance(m, nn.Conv2d), "predicate matches no submodule"),
-        ("every-layer", "unknown checkpoint policy"),
+        ("every-layer", "unknown checkpoint preset"),
     ],
 )
 def test_selection_errors(spec, match):
@@ -55,8 +55,8 @@ def test_selection_errors(spec, match):
         fm.functional_model(blocks_net(), checkpoint_layers=spec)
 
 
-def test_policy_matching_nothing_raises():
-    with pytest.raises(ValueError, match="policy 'sequential' matches no submodule"):
+def test_preset_matching_nothing_raises():
+    with pytest.raises(ValueError, match="preset 'sequential' matches no submodule"):
         fm.functional_model(nn.Linear(2, 2), checkpoint_layers="sequential")
 
 
@@ -73,9 +73,9 @@ def test_checkpointed_model_is_the_same_function_and_leaves_the_module_alone():
     assert all(ck.params[k] is plain.params[k] for k in plain.params)
     x = torch.randn(6, 3, dtype=DTYPE)
     torch.manual_seed(3)
-    a, bufs_a = plain.apply(plain.params, plain.buffers, x)
+    a, bufs_a = plain.run(plain.params, plain.buffers, x)
     torch.manual_seed(3)
-    b, bufs_b = ck.apply(ck.params, ck.buffers, x)
+    b, bufs_b = ck.run(ck.params, ck.buffers, x)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     for k in bufs_a:
         torch.testing.assert_close(bufs_a[k], bufs_b[k], rtol=0, atol=0)
@@ -150,7 +150,7 @@ def meta_run(net, setting, feature, steps=3, seed=7):
     kwargs.update({k: v for k, v in setting.items() if k != "checkpoint"})
     torch.manual_seed(seed)
     result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=steps, **kwargs)
-    out, buffers = fmodel.apply(result.params, result.buffers, xq)
+    out, buffers = fmodel.run(result.params, result.buffers, xq)
     loss = F.mse_loss(out, yq)
     inputs = [*net.parameters(), *rates.parameters()]
     grads = torch.autograd.grad(loss, inputs, allow_unused=True)

@@ -115,7 +115,7 @@ def test_batchnorm_buffers_come_back_new_and_nothing_is_mutated():
     x = torch.randn(8, 3, dtype=DTYPE)
     given = {k: v.clone() for k, v in fmodel.buffers.items()}
     given_before = {k: v.clone() for k, v in given.items()}
-    out, new = fmodel.apply(fmodel.params, given, x)
+    out, new = fmodel.run(fmodel.params, given, x)
     reference = bn_net()
     torch.testing.assert_close(out, reference(x))
     for k in ("1.running_mean", "1.running_var", "1.num_batches_tracked"):
@@ -133,7 +133,7 @@ def test_buffers_are_checked_too():
         ValueError, match=r"buffers do not match.*missing keys \['1\.num_batches_tracked'\]"
     ):
         buffers = {k: v for k, v in fmodel.buffers.items() if k != "1.num_batches_tracked"}
-        fmodel.apply(fmodel.params, buffers, torch.randn(4, 3, dtype=DTYPE))
+        fmodel.run(fmodel.params, buffers, torch.randn(4, 3, dtype=DTYPE))
 
 
 def test_module_registered_twice_and_buffer_reassigned_in_forward():
@@ -162,7 +162,7 @@ def test_module_registered_twice_and_buffer_reassigned_in_forward():
     assert list(fmodel.params) == ["a.weight", "a.bias"]
     new = {k: torch.randn_like(v) for k, v in fmodel.params.items()}
     x = torch.randn(4, 3, dtype=DTYPE)
-    out, buffers = fmodel.apply(new, fmodel.buffers, x)
+    out, buffers = fmodel.run(new, fmodel.buffers, x)
     expected = F.linear(
         torch.tanh(F.linear(x, new["a.weight"], new["a.bias"])), new["a.weight"], new["a.bias"]
     )

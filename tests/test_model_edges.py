@@ -128,13 +128,13 @@ def test_recomputation_in_outer_backward_uses_the_forward_kernels():
 
 def test_twice_differentiable_restores_the_choice():
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        with fm.kernels.twice_differentiable():
+        with fm.remat.kernels.twice_differentiable():
             assert not torch.backends.cuda.flash_sdp_enabled()
             assert torch.backends.cuda.math_sdp_enabled()
-            assert fm.kernels.in_twice_differentiable()
+            assert fm.remat.kernels.in_twice_differentiable()
         assert torch.backends.cuda.flash_sdp_enabled()
         assert not torch.backends.cuda.math_sdp_enabled()
-    assert not fm.kernels.in_twice_differentiable()
+    assert not fm.remat.kernels.in_twice_differentiable()
 
 
 def test_imaml_on_attention():
@@ -459,7 +459,7 @@ def test_error_params_as_a_list(linear):
 
 
 def test_error_checkpoint_true():
-    with pytest.raises(TypeError, match=r"checkpoint_layers must be None, a policy name.*got True"):
+    with pytest.raises(TypeError, match=r"checkpoint_layers must be None, a preset name.*got True"):
         fm.functional_model(nn.Linear(3, 1), checkpoint_layers=True)
     with pytest.raises(TypeError, match="got 3"):
         fm.functional_model(nn.Linear(3, 1), checkpoint_layers=3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import funcmeta as fm
-from funcmeta.optim.hparams import LeafResolver
+from funcmeta.optim.values import LeafResolver
 
 DTYPE = torch.float64
 
@@ -32,7 +32,7 @@ def rates_of(kind, dtype=DTYPE):
             "b": {"c": torch.tensor(0.2, dtype=dtype, requires_grad=True)},
         }
     if kind == "per element":
-        return fm.tree.map(lambda x: (x.abs() * 0.1).requires_grad_(), tree(7, dtype))
+        return fm.tree.tree_map(lambda x: (x.abs() * 0.1).requires_grad_(), tree(7, dtype))
     if kind == "schedule":
         return lambda step: 0.1 / (1 + step)
     raise AssertionError(kind)
@@ -55,12 +55,12 @@ RATES = ["number", "scalar tensor", "per tensor", "per element", "schedule"]
 def test_step_equals_update_then_apply_bit_for_bit(name, rates, dtype):
     lr = rates_of(rates, dtype)
     opt = OPTIMIZERS[name](lr)
-    params = fm.tree.map(lambda x: x.requires_grad_(), tree(0, dtype))
+    params = fm.tree.tree_map(lambda x: x.requires_grad_(), tree(0, dtype))
     state_a = state_b = opt.init(params)
     pa = pb = params
     for k in range(3):
-        grads = fm.tree.map(lambda p, k=k: torch.sin(p * (k + 1)), pa)
-        grads_b = fm.tree.map(lambda p, k=k: torch.sin(p * (k + 1)), pb)
+        grads = fm.tree.tree_map(lambda p, k=k: torch.sin(p * (k + 1)), pa)
+        grads_b = fm.tree.tree_map(lambda p, k=k: torch.sin(p * (k + 1)), pb)
         pa, state_a = fm.optim.step(opt, grads, state_a, pa)
         updates, state_b = opt.update(grads_b, state_b, pb)
         pb = fm.apply_updates(pb, updates)
@@ -91,7 +91,7 @@ def test_a_hand_made_transformation_takes_the_plain_path():
         return ()
 
     def update(updates, state, params=None):
-        return fm.tree.map(lambda g: -0.5 * g, updates), state
+        return fm.tree.tree_map(lambda g: -0.5 * g, updates), state
 
     opt = fm.optim.GradientTransformation(init, update)
     params = {"w": torch.ones(2)}

@@ -29,7 +29,7 @@ def _meta(fmodel, support, query, *, tasks, steps=2, lr=0.5, first_order=False):
         loss = fm.task_losses(fmodel, r.params, F.mse_loss, query, buffers=r.buffers)[0].mean()
     else:
         r = fm.adapt(fmodel, fmodel.params, F.mse_loss, support, opt, steps=steps)
-        loss = F.mse_loss(fmodel.apply(r.params, r.buffers, query[0])[0], query[1])
+        loss = F.mse_loss(fmodel.run(r.params, r.buffers, query[0])[0], query[1])
     params = list(fmodel.params.values())
     grads = torch.autograd.grad(loss, params, allow_unused=True)
     return r.params, [
@@ -257,7 +257,7 @@ def test_hooks_rerun_at_recomputations_and_recomputing_tells_them_apart():
 
 def test_buffers_read_by_the_forward_are_exact_only_when_passed():
     """spectral_norm updates its power-iteration vectors (buffers) in every training forward:
-    after adaptation, ``fmodel.apply(result.params, result.buffers, x)`` is the per-task
+    after adaptation, ``fmodel.run(result.params, result.buffers, x)`` is the per-task
     reference; ``fmodel(result.params, x)`` uses the module's own buffers."""
     torch.manual_seed(6)
     net = nn.Sequential(nn.utils.spectral_norm(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 1))
@@ -265,7 +265,7 @@ def test_buffers_read_by_the_forward_are_exact_only_when_passed():
     x, y = torch.randn(6, 3, dtype=D), torch.randn(6, 1, dtype=D)
     fmodel = fm.functional_model(net)
     r = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.2), steps=2)
-    exact = F.mse_loss(fmodel.apply(r.params, r.buffers, x)[0], y)
+    exact = F.mse_loss(fmodel.run(r.params, r.buffers, x)[0], y)
     # reference: the buffers carried from call to call by hand
     params, buffers = dict(net.named_parameters()), {k: b.clone() for k, b in net.named_buffers()}
     for _ in range(2):

@@ -114,7 +114,7 @@ def run(net, support, query, *, tasks, steps=2, params=None, **options):
                 steps=steps,
                 **options,
             )
-            out, bufs = fmodel.apply(result.params, result.buffers, query[0][t])
+            out, bufs = fmodel.run(result.params, result.buffers, query[0][t])
             losses.append(F.cross_entropy(out, query[1][t]))
             per_task.append(bufs)
         buffers = {k: torch.stack([b[k] for b in per_task]) for k in fmodel.buffers}

@@ -137,7 +137,7 @@ def loop(net, support, query, loss_fn, opt_name, steps=2, checkpoint=None, **kwa
     for t in range(T):
         s = (support[0][t], support[1][t])
         result = fm.adapt(fmodel, fmodel.params, loss_fn, s, opt, steps=steps, **kwargs)
-        out, bufs = fmodel.apply(result.params, result.buffers, query[0][t])
+        out, bufs = fmodel.run(result.params, result.buffers, query[0][t])
         losses.append(loss_fn(out, query[1][t]))
         buffers.append(bufs)
     outer = torch.stack(losses).mean()

@@ -15,7 +15,7 @@ in :mod:`funcmeta.optim.base`, below this package; the public entry points
 (:func:`funcmeta.adapt_tasks`, :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`)
 are in :mod:`funcmeta.tasks`, above it.
 
-What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.kernels`,
+What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.remat.kernels`,
 :mod:`funcmeta.remat.shadow` (stand-ins share the module-tree machinery of checkpointing);
 :mod:`~funcmeta.batching.tune` alone sits above the core and imports :mod:`funcmeta.tasks`.
 ``docs/design.md`` has the whole layering.

@@ -64,7 +64,7 @@ from funcmeta.batching.vmap import (
     maybe_get_level,
     physical,
 )
-from funcmeta.kernels import in_twice_differentiable
+from funcmeta.remat.kernels import in_twice_differentiable
 from funcmeta.remat.shadow import LayerTensors, Standin, within
 
 __all__ = [
@@ -132,7 +132,7 @@ class TaskLoop(Standin):
     """Stands in for a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), which has no vmap
     batching rule: under task batching it runs once per task outside the vmap level, with
     that task's parameters, buffers and inputs, and its outputs are stacked. Unbatched calls
-    run the layer as it is. Inside :func:`funcmeta.kernels.twice_differentiable` it runs
+    run the layer as it is. Inside :func:`funcmeta.remat.kernels.twice_differentiable` it runs
     without cuDNN, whose RNN kernels have no double backward."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

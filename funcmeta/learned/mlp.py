@@ -166,7 +166,7 @@ class LearnedOptimizer(nn.Module):
         momenta and the second moment); ``update`` needs the parameters."""
 
         def init(params: Tree) -> LearnedOptimizerState:
-            zeros = tree.map(torch.zeros_like, params)
+            zeros = tree.tree_map(torch.zeros_like, params)
             return LearnedOptimizerState(0, tuple(zeros for _ in self.decays), zeros)
 
         def update(

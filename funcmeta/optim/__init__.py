@@ -5,7 +5,7 @@ as their ``torch.optim`` namesakes with the same arguments, and are differentiab
 gradients, the parameters, the state and every hyperparameter. :func:`from_torch` converts a
 configured ``torch.optim`` optimizer, parameter groups included. A hyperparameter may be a
 number, a tensor, a tree of tensors that is a prefix of the parameter tree (per layer, per
-tensor, per element) or a per-step schedule; see :mod:`funcmeta.optim.hparams`.
+tensor, per element) or a per-step schedule; see :mod:`funcmeta.optim.values`.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -42,7 +42,6 @@ from funcmeta.optim.clip import (
     global_norm,
 )
 from funcmeta.optim.from_torch import from_torch
-from funcmeta.optim.hparams import Hyperparameter
 from funcmeta.optim.primitives import (
     AddDecayedWeightsState,
     AddProximalState,
@@ -50,11 +49,12 @@ from funcmeta.optim.primitives import (
     TraceState,
     add_decayed_weights,
     add_proximal,
+    momentum_trace,
     scale_by_learning_rate,
-    trace,
 )
 from funcmeta.optim.rmsprop import ScaleByRmsState, rmsprop, scale_by_rms
 from funcmeta.optim.sgd import sgd
+from funcmeta.optim.values import Hyperparameter
 
 __all__ = [
     "AddDecayedWeightsState",
@@ -81,6 +81,7 @@ __all__ = [
     "from_torch",
     "global_norm",
     "has_task_axis",
+    "momentum_trace",
     "rmsprop",
     "safe_sqrt",
     "scale_by_adagrad",
@@ -90,6 +91,20 @@ __all__ = [
     "sgd",
     "step",
     "task_axis",
-    "trace",
     "with_descend",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``trace``, the deprecated name of :func:`momentum_trace`, kept for one release."""
+    if name == "trace":
+        import warnings
+
+        warnings.warn(
+            "fm.optim.trace is renamed fm.optim.momentum_trace (beside torch.trace); the old "
+            "name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return momentum_trace
+    raise AttributeError(f"module 'funcmeta.optim' has no attribute {name!r}")

@@ -15,12 +15,12 @@ import torch
 
 from funcmeta import tree
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
-from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
 from funcmeta.optim.primitives import (
     add_decayed_weights,
     check_hyperparameter,
     scale_by_learning_rate,
 )
+from funcmeta.optim.values import Hyperparameter, check_number, is_number, is_zero, per_leaf
 from funcmeta.tree import Tree
 
 __all__ = ["ScaleByAdagradState", "adagrad", "scale_by_adagrad"]

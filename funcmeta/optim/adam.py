@@ -19,12 +19,12 @@ import torch
 from funcmeta import tree
 from funcmeta.optim._moments import ema, ema_sq
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
-from funcmeta.optim.hparams import Hyperparameter, check_number, is_number, is_zero, per_leaf
 from funcmeta.optim.primitives import (
     add_decayed_weights,
     check_hyperparameter,
     scale_by_learning_rate,
 )
+from funcmeta.optim.values import Hyperparameter, check_number, is_number, is_zero, per_leaf
 from funcmeta.tree import Tree
 
 __all__ = ["ScaleByAdamState", "adam", "adamw", "scale_by_adam"]
@@ -63,12 +63,12 @@ def scale_by_adam(
     def init(params: Tree) -> ScaleByAdamState:
         for value, name in ((b1, "beta1"), (b2, "beta2"), (eps, "eps")):
             check_hyperparameter(value, params, name)
-        zeros = tree.map(torch.zeros_like, params)
+        zeros = tree.tree_map(torch.zeros_like, params)
         return ScaleByAdamState(
             0,
             zeros,
-            tree.map(torch.zeros_like, params),
-            tree.map(torch.zeros_like, params) if amsgrad else None,
+            tree.tree_map(torch.zeros_like, params),
+            tree.tree_map(torch.zeros_like, params) if amsgrad else None,
         )
 
     def update(

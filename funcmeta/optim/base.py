@@ -68,7 +68,7 @@ class GradientTransformation(NamedTuple):
         >>> def init(params):
         ...     return ()
         >>> def update(updates, state, params=None):
-        ...     return fm.tree.map(lambda g: -0.5 * g, updates), state
+        ...     return fm.tree.tree_map(lambda g: -0.5 * g, updates), state
         >>> opt = fm.optim.GradientTransformation(init, update)
         >>> updates, _ = opt.update({"w": torch.ones(2)}, opt.init(None))
         >>> updates["w"].tolist()
@@ -172,7 +172,7 @@ def apply_updates(params: Tree, updates: Tree) -> Tree:
             return p
         return same_dtype(p + u, p)
 
-    return tree.map(add, params, updates, none_is_leaf=True)
+    return tree.tree_map(add, params, updates, none_is_leaf=True)
 
 
 def same_dtype(x: Tensor, like: Tensor) -> Tensor:

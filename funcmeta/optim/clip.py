@@ -17,7 +17,7 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta.optim.base import GradientTransformation, has_task_axis, safe_sqrt
-from funcmeta.optim.hparams import check_max_norm
+from funcmeta.optim.values import check_max_norm
 from funcmeta.tree import Tree
 
 __all__ = ["ClipState", "clip_by_global_norm", "clip_grads_by_global_norm", "global_norm"]
@@ -50,8 +50,8 @@ def clip_grads_by_global_norm(
     """
     coef = torch.clamp(max_norm / (global_norm(grads, task_axis=task_axis) + 1e-6), max=1.0)
     if not task_axis:
-        return tree.map(lambda x: x * coef, grads)
-    return tree.map(lambda x: x * coef.reshape(-1, *([1] * (x.dim() - 1))), grads)
+        return tree.tree_map(lambda x: x * coef, grads)
+    return tree.tree_map(lambda x: x * coef.reshape(-1, *([1] * (x.dim() - 1))), grads)
 
 
 class ClipState(NamedTuple):

@@ -5,7 +5,7 @@ number of updates made so far (a Python int), which schedules receive as the ste
 
 Example:
     >>> import torch, funcmeta as fm
-    >>> opt = fm.optim.chain(fm.optim.trace(momentum=0.9), fm.optim.scale_by_learning_rate(0.5))
+    >>> opt = fm.optim.chain(fm.optim.momentum_trace(momentum=0.9), fm.optim.scale_by_learning_rate(0.5))
     >>> params = {"w": torch.zeros(2)}
     >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(params), params)
     >>> updates["w"].tolist()
@@ -21,7 +21,7 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta.optim.base import GradientTransformation, same_dtype, with_descend
-from funcmeta.optim.hparams import (
+from funcmeta.optim.values import (
     Hyperparameter,
     LeafResolver,
     check_number,
@@ -39,7 +39,7 @@ __all__ = [
     "add_decayed_weights",
     "add_proximal",
     "scale_by_learning_rate",
-    "trace",
+    "momentum_trace",
 ]
 
 
@@ -167,7 +167,7 @@ class TraceState(NamedTuple):
     momentum_buffer: Tree
 
 
-def trace(
+def momentum_trace(
     momentum: Hyperparameter, dampening: Hyperparameter = 0.0, nesterov: bool = False
 ) -> GradientTransformation:
     """Heavy-ball momentum exactly as ``torch.optim.SGD`` keeps it.
@@ -184,7 +184,7 @@ def trace(
     def init(params: Tree) -> TraceState:
         check_hyperparameter(momentum, params, "momentum")
         check_hyperparameter(dampening, params, "dampening")
-        return TraceState(0, tree.map(torch.zeros_like, params))
+        return TraceState(0, tree.tree_map(torch.zeros_like, params))
 
     def update(
         updates: Tree, state: TraceState, params: Tree | None = None

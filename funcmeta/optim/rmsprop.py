@@ -16,13 +16,13 @@ import torch
 from funcmeta import tree
 from funcmeta.optim._moments import ema, ema_sq
 from funcmeta.optim.base import GradientTransformation, chain, safe_sqrt
-from funcmeta.optim.hparams import Hyperparameter, check_number, is_zero, per_leaf
 from funcmeta.optim.primitives import (
     add_decayed_weights,
     check_hyperparameter,
+    momentum_trace,
     scale_by_learning_rate,
-    trace,
 )
+from funcmeta.optim.values import Hyperparameter, check_number, is_zero, per_leaf
 from funcmeta.tree import Tree
 
 __all__ = ["ScaleByRmsState", "rmsprop", "scale_by_rms"]
@@ -46,8 +46,8 @@ def scale_by_rms(
         check_hyperparameter(eps, params, "eps")
         return ScaleByRmsState(
             0,
-            tree.map(torch.zeros_like, params),
-            tree.map(torch.zeros_like, params) if centered else None,
+            tree.tree_map(torch.zeros_like, params),
+            tree.tree_map(torch.zeros_like, params) if centered else None,
         )
 
     def update(
@@ -91,6 +91,6 @@ def rmsprop(
     parts = [] if is_zero(weight_decay) else [add_decayed_weights(weight_decay)]
     parts.append(scale_by_rms(alpha, eps, centered))
     if not is_zero(momentum):
-        parts.append(trace(momentum))
+        parts.append(momentum_trace(momentum))
     parts.append(scale_by_learning_rate(lr))
     return chain(*parts)

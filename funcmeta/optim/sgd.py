@@ -12,8 +12,8 @@ Example:
 from __future__ import annotations
 
 from funcmeta.optim.base import GradientTransformation, chain
-from funcmeta.optim.hparams import Hyperparameter, is_zero
-from funcmeta.optim.primitives import add_decayed_weights, scale_by_learning_rate, trace
+from funcmeta.optim.primitives import add_decayed_weights, momentum_trace, scale_by_learning_rate
+from funcmeta.optim.values import Hyperparameter, is_zero
 
 __all__ = ["sgd"]
 
@@ -30,13 +30,13 @@ def sgd(
     Per step: ``g += weight_decay * p``; with momentum ``buf = momentum * buf +
     (1 - dampening) * g`` (``buf = g`` on the first step) and ``g = buf`` (or
     ``g + momentum * buf`` with ``nesterov``); ``p -= lr * g``. Any hyperparameter may be a
-    tensor, a tree of tensors or a schedule (see :mod:`funcmeta.optim.hparams`).
+    tensor, a tree of tensors or a schedule (see :mod:`funcmeta.optim.values`).
     """
     parts = []
     if not is_zero(weight_decay):
         parts.append(add_decayed_weights(weight_decay))
     if not is_zero(momentum):
-        parts.append(trace(momentum, dampening, nesterov))
+        parts.append(momentum_trace(momentum, dampening, nesterov))
     elif nesterov:
         raise ValueError("Nesterov momentum requires a momentum and zero dampening")
     parts.append(scale_by_learning_rate(lr))

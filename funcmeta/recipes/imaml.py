@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcmeta import kernels
 from funcmeta._check import check_int, check_real
 from funcmeta.functional import FunctionalModel
 from funcmeta.implicit.solvers import CG, ConvergenceWarning
@@ -42,6 +41,7 @@ from funcmeta.optim.base import GradientTransformation, chain
 from funcmeta.optim.primitives import add_proximal
 from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult, check_recipe, resolve_opt
+from funcmeta.remat import kernels
 from funcmeta.tasks import adapt_tasks, task_losses
 from funcmeta.types import LossFn
 

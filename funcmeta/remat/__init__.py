@@ -2,21 +2,21 @@
 
 What it owns:
 
-- :mod:`~funcmeta.remat.layers`: choosing layers (:func:`select`, :data:`POLICIES`) and
+- :mod:`~funcmeta.remat.layers`: choosing layers (:func:`select`, :data:`PRESETS`) and
   running each as a checkpointed pure function (``fm.functional_model(...,
   checkpoint_layers=...)``);
 - :mod:`~funcmeta.remat.engine`: the autograd Functions that keep a layer's inputs and
   rematerialise it, its backward and the derivative of that (``jax.checkpoint`` under
   grad-of-grad);
 - :mod:`~funcmeta.remat.shadow`: shadow module trees, the user's module untouched, with
-  stand-ins for chosen submodules (shared with task batching's stand-ins).
-
-The kernel choice a recomputation replays is :mod:`funcmeta.kernels`; whether a run is a
-recomputation is :func:`funcmeta.recomputing`. Step-level checkpointing is the inner loop's
+  stand-ins for chosen submodules (shared with task batching's stand-ins);
+- :mod:`~funcmeta.remat.kernels`: the kernels a twice-differentiated step runs on, and the
+  forward's kernel choice replayed by every recomputation;
+- :mod:`~funcmeta.remat.replay`: whether a run is a recomputation (:func:`funcmeta.recomputing`).
+ Step-level checkpointing is the inner loop's
 option ``checkpoint_steps`` (:class:`funcmeta.AdaptOptions`).
 
-What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.kernels`,
-:mod:`funcmeta.replay`, :mod:`funcmeta.tree`, and :mod:`funcmeta.batching.vmap` (a
+What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.tree`, and :mod:`funcmeta.batching.vmap` (a
 checkpointed layer under task batching leaves the vmap level). ``docs/design.md`` has the
 whole layering.
 
@@ -27,6 +27,22 @@ Example:
     ['0', '2']
 """
 
-from funcmeta.remat.layers import POLICIES, CheckpointSpec, select
+import warnings
 
-__all__ = ["POLICIES", "CheckpointSpec", "select"]
+from funcmeta.remat import kernels, replay
+from funcmeta.remat.layers import PRESETS, CheckpointSpec, select
+
+__all__ = ["PRESETS", "CheckpointSpec", "kernels", "replay", "select"]
+
+
+def __getattr__(name: str) -> object:
+    """``POLICIES``, the deprecated name of :data:`PRESETS`, kept for one release."""
+    if name == "POLICIES":
+        warnings.warn(
+            "fm.remat.POLICIES is renamed fm.remat.PRESETS (they choose layers; a "
+            "jax.checkpoint policy chooses what to save); the old name goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return PRESETS
+    raise AttributeError(f"module 'funcmeta.remat' has no attribute {name!r}")

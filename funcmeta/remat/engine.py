@@ -19,7 +19,7 @@ Functions:
 
 Every run of the function after the first one (each recomputation) reproduces the first: the
 random number generator states (dropout masks), autocast and the kernel choice
-(:mod:`funcmeta.kernels`) of the first run are put back for it. A recorded VJP is recomputed
+(:mod:`funcmeta.remat.kernels`) of the first run are put back for it. A recorded VJP is recomputed
 under the autocast state in force when it was first computed.
 
 Example:
@@ -41,8 +41,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcmeta import kernels, tree
-from funcmeta.replay import recomputation
+from funcmeta import tree
+from funcmeta.remat import kernels
+from funcmeta.remat.replay import recomputation
 
 __all__ = ["graph_input", "remat"]
 

@@ -49,10 +49,10 @@ from funcmeta.remat.engine import remat
 from funcmeta.remat.shadow import LayerTensors, Standin, ancestors, relative, shadow, within
 from funcmeta.tree import Predicate
 
-__all__ = ["POLICIES", "CheckpointSpec", "checkpointed_runner", "select"]
+__all__ = ["PRESETS", "CheckpointSpec", "checkpointed_runner", "select"]
 
 CheckpointSpec = None | str | Sequence[str] | Predicate
-"""``None``; a policy name (see :data:`POLICIES`); submodule names; or a predicate
+"""``None``; a preset name (see :data:`PRESETS`); submodule names; or a predicate
 ``(name, module) -> bool`` (:data:`funcmeta.tree.Predicate`)."""
 
 
@@ -77,37 +77,39 @@ def _leaves(root: nn.Module) -> list[str]:
     ]
 
 
-POLICIES: dict[str, Callable[[nn.Module], list[str]]] = {
+PRESETS: dict[str, Callable[[nn.Module], list[str]]] = {
     "sequential": _sequential_children,
     "leaves": _leaves,
 }
-"""Named policies. ``"sequential"`` selects every child, with parameters or buffers, of each
+"""Named layer choices. ``"sequential"`` selects every child, with parameters or buffers, of each
 ``nn.Sequential``/``nn.ModuleList`` (outermost first: the blocks of a network of blocks).
-``"leaves"`` selects every module without children that holds parameters or buffers."""
+``"leaves"`` selects every module without children that holds parameters or buffers. (They
+say *which layers* are checkpointed, not what a checkpoint saves, as a ``jax.checkpoint``
+policy would.)"""
 
 
 def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
     """The names of the submodules ``spec`` chooses, outermost only, in module order.
 
-    Raises ``ValueError`` for an unknown policy, unknown names (listing them), explicitly
-    named modules nested in one another, or a predicate or policy that matches nothing.
+    Raises ``ValueError`` for an unknown preset, unknown names (listing them), explicitly
+    named modules nested in one another, or a predicate or preset that matches nothing.
     """
     if spec is None:
         return []
     if isinstance(spec, bool) or (not isinstance(spec, str | Sequence) and not callable(spec)):
         raise TypeError(
-            f"checkpoint_layers must be None, a policy name {sorted(POLICIES)}, a list of submodule "
+            f"checkpoint_layers must be None, a preset name {sorted(PRESETS)}, a list of submodule "
             f"names or a predicate (name, module) -> bool; got {spec!r}"
         )
     named = dict(module.named_modules())
     if isinstance(spec, str):
-        if spec not in POLICIES:
+        if spec not in PRESETS:
             raise ValueError(
-                f"unknown checkpoint policy {spec!r}; policies are {sorted(POLICIES)} "
+                f"unknown checkpoint preset {spec!r}; presets are {sorted(PRESETS)} "
                 "(pass submodule names as a list)"
             )
-        chosen = POLICIES[spec](module)
-        what = f"policy {spec!r}"
+        chosen = PRESETS[spec](module)
+        what = f"preset {spec!r}"
     elif callable(spec):
         chosen = [name for name, m in named.items() if spec(name, m)]
         what = "the checkpoint predicate"

@@ -1,0 +1,130 @@
+"""The forward pass of the inner loop: a model's loss on a batch, for one task or for T tasks
+under ``vmap``, and the outputs of T tasks (:func:`funcmeta.apply_tasks`).
+
+:func:`forward_loss` is one task's ``loss_fn(fmodel(params, *args, **kwargs), targets)``;
+a failing ``loss_fn`` is re-raised with what it was given. :func:`task_losses_of` and
+:func:`task_outputs_of` run the model once for T tasks, the task axis taken by ``vmap``
+(:func:`funcmeta.batching.vmap.vmap_flat`, in chunks of ``fmodel.task_chunk``). The inputs
+were checked before (:func:`funcmeta.inputs.check_batch_call`).
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> from funcmeta.forward import forward_loss
+    >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
+    >>> batch = (((torch.ones(3, 2),), {}), torch.zeros(3, 1))
+    >>> loss, _ = forward_loss(fmodel, F.mse_loss, batch, fmodel.params, fmodel.buffers)
+    >>> loss.shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+from funcmeta import tree
+from funcmeta._check import retold
+from funcmeta.batching.vmap import vmap_flat
+from funcmeta.functional import FunctionalModel
+from funcmeta.inputs import CallInputs
+from funcmeta.types import LossFn
+
+__all__ = ["batch_dims", "forward_loss", "task_losses_of", "task_outputs_of"]
+
+
+def forward_loss(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
+    ``((args, kwargs), targets)`` made by :func:`funcmeta.inputs.check_adapt_call`."""
+    (args, kwargs), targets = batch
+    # the inner loop's parameters have the checked names and shapes
+    out, new_buffers = fmodel.run_checked(params, buffers, args, kwargs)
+    try:
+        loss = loss_fn(out, targets)
+    except (IndexError, RuntimeError, ValueError, TypeError) as error:
+        raise _loss_error(error, out, targets) from error
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+    return loss, new_buffers
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
+    """``error`` again, its message saying what ``loss_fn`` was given (per task under task
+    batching) and, for class-index targets, the range they must lie in."""
+    hint = ""
+    if (
+        isinstance(targets, Tensor)
+        and not targets.is_floating_point()
+        and isinstance(out, Tensor)
+        and out.dim() > 0
+    ):
+        hint = (
+            f" Class-index targets must lie in [0, {out.shape[-1]}) for an output with "
+            f"{out.shape[-1]} columns: an episode with more ways than the model's head, or "
+            "labels not numbered 0..ways-1 within each task, fails here."
+        )
+    message = (
+        f"loss_fn failed on the model's output ({_describe(out)}) and the targets "
+        f"({_describe(targets)}), shapes per task under task batching: "
+        f"{type(error).__name__}: {str(error).rstrip('.')}.{hint}"
+    )
+    return retold(error, message)
+
+
+def batch_dims(batch: Any) -> Any:
+    """The ``vmap`` in-dims of a batch: 0 for every tensor (the task axis), None otherwise."""
+    return tree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
+
+
+def task_losses_of(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    dims: dict[str, int | None],
+    params: Mapping[str, Tensor],
+    buffers: dict[str, Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap.
+
+    ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
+    buffers carry it.
+    """
+
+    def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
+        return forward_loss(fmodel, loss_fn, b, p, bufs)
+
+    trees = (batch, dict(params), buffers)
+    in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
+    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
+
+
+def task_outputs_of(
+    fmodel: FunctionalModel,
+    call: CallInputs,
+    dims: dict[str, int | None],
+    params: Mapping[str, Tensor],
+    buffers: dict[str, Tensor],
+) -> tuple[Any, dict[str, Tensor]]:
+    """Per-task outputs and new per-task buffers of the call ``(args, kwargs)``, under vmap;
+    ``dims`` as in :func:`task_losses_of`."""
+
+    def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
+        return fmodel.run_checked(p, bufs, c[0], c[1])
+
+    trees = (dict(params), buffers, call)
+    in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))
+    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
