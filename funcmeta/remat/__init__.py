@@ -12,12 +12,15 @@ What it owns:
   stand-ins for chosen submodules (shared with task batching's stand-ins);
 - :mod:`~funcmeta.remat.kernels`: the kernels a twice-differentiated step runs on, and the
   forward's kernel choice replayed by every recomputation;
-- :mod:`~funcmeta.remat.replay`: whether a run is a recomputation (:func:`funcmeta.recomputing`).
- Step-level checkpointing is the inner loop's
-option ``checkpoint_steps`` (:class:`funcmeta.AdaptOptions`).
+- :mod:`~funcmeta.remat.replay`: whether a run is a recomputation
+  (:func:`funcmeta.recomputing`).
 
-What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.tree`, and :mod:`funcmeta.batching.vmap` (a
-checkpointed layer under task batching leaves the vmap level). ``docs/design.md`` has the
+Step-level checkpointing is the inner loop's option ``checkpoint_steps``
+(:class:`funcmeta.AdaptOptions`).
+
+What it may import: :mod:`funcmeta._torch_private`, :mod:`funcmeta.tree`, and
+:mod:`funcmeta.batching.vmap` (a checkpointed layer under task batching leaves the vmap
+level). ``docs/design.md`` has the
 whole layering.
 
 Example:
