@@ -43,6 +43,7 @@ __all__ = [
     "conv_forward",
     "conv_padding",
     "cudnn_disabled",
+    "fused_rnn",
     "get_fast_path",
     "has_hooks",
     "is_batchedtensor",
@@ -166,6 +167,22 @@ def cudnn_disabled() -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.enabled = True
+
+
+def fused_rnn(mode: str, x: Tensor) -> bool:
+    """Whether torch runs a recurrent layer of ``mode`` (``nn.RNNBase.mode``) on ``x`` on a
+    fused kernel in first order: cuDNN on CUDA (when enabled), oneDNN's LSTM on CPU in
+    float32 or bfloat16 (when enabled). Elsewhere it runs op by op, one time step at a
+    time."""
+    if x.device.type == "cuda":
+        return bool(torch.backends.cudnn.enabled) and torch.backends.cudnn.is_available()
+    return (
+        x.device.type == "cpu"
+        and mode == "LSTM"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and bool(torch.backends.mkldnn.enabled)
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 # ------------------------------------------------------------------ nn.Module internals

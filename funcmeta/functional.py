@@ -28,7 +28,9 @@ from torch import Tensor, nn
 
 from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
-from funcmeta.batching.layers import recurrent_layers, task_standins
+from funcmeta.batching.fallback import describe_refusal
+from funcmeta.batching.layers import task_standins
+from funcmeta.batching.recurrent import recurrent_layers, reporting
 from funcmeta.batching.vmap import any_batched, call_outside_vmap
 from funcmeta.remat import kernels
 from funcmeta.remat.layers import CheckpointSpec, checkpointed_runner, select
@@ -68,10 +70,11 @@ class FunctionalModel:
         self._runner, self._copies = checkpointed_runner(
             module, self.checkpointed, recurrent_layers(module)
         )
-        # the runner used under task batching (vmap): linear, convolution, BatchNorm and
-        # pooling layers on their fast paths, recurrent layers run per task
+        # the runner used under task batching (vmap): linear, convolution, BatchNorm,
+        # pooling and recurrent layers on their fast paths
+        self._loop_layers: dict[str, str] = {}
         self._task_runner, self._task_copies = checkpointed_runner(
-            module, self.checkpointed, task_standins(module)
+            module, self.checkpointed, reporting(task_standins(module), self._loop_layers)
         )
         self._swap = _Swap(module, self._runner)
         self._task_swap = _Swap(module, self._task_runner)
@@ -122,8 +125,17 @@ class FunctionalModel:
         """Whether task batching runs this model once per task, because part of its forward
         cannot run under ``vmap`` (data-dependent control flow, as in HuggingFace's attention
         mask code, or an operator without a batching rule). ``None`` until the first
-        task-batched call finds out."""
+        task-batched call finds out. :attr:`task_loop_layers` says which layer and why."""
         return self._task_loop
+
+    @property
+    def task_loop_layers(self) -> dict[str, str]:
+        """The layers task batching has run once per task so far, by name (``""`` for the
+        model's own forward), each with why: the layer whose forward refused ``vmap`` when
+        :attr:`task_loop` is True, and recurrent layers that stepped aside from their
+        one-pass path (:mod:`funcmeta.batching.recurrent`). Empty when everything ran
+        batched. Each entry is also said once, as a warning, when it is first found."""
+        return dict(self._loop_layers)
 
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         """The module's output with ``params`` and the module's buffers (left unmutated)."""
@@ -174,7 +186,7 @@ class FunctionalModel:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
-        """:meth:`apply` for ``params`` already checked against the module (the inner loop's
+        """:meth:`run` for ``params`` already checked against the module (the inner loop's
         adapted parameters); the buffers are checked here."""
         check_tree(buffers, self._buffer_shapes, "buffers")
         if any_batched(params, buffers, args, kwargs):
@@ -208,12 +220,15 @@ class FunctionalModel:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
-        """``apply`` under task batching: batched, or once per task when the model cannot
+        """``run`` under task batching: batched, or once per task when the model cannot
         run under vmap (found out once, by a run without a graph and with the random number
         generators restored, so that a checkpoint around this call sees one forward)."""
         task_run = (self._task_runner, self._task_copies, self._task_swap)
         if self._task_loop is None:
-            self._task_loop = not self._vmaps(task_run, params, buffers, args, kwargs)
+            refusal = self._vmaps(task_run, params, buffers, args, kwargs)
+            self._task_loop = refusal is not None
+            if refusal is not None:
+                self._report(refusal)
         if not self._task_loop:
             try:
                 return self._execute(*task_run, params, buffers, args, kwargs)
@@ -221,6 +236,7 @@ class FunctionalModel:
                 if not is_vmap_refusal(error):
                     raise
                 self._task_loop = True
+                self._report(error)
 
         def one_task(p: Any, b: Any, a: Any, kw: Any) -> tuple[Any, dict[str, Tensor]]:
             return self._execute(self._runner, self._copies, self._swap, p, b, a, kw)
@@ -232,7 +248,20 @@ class FunctionalModel:
             per_task=True,
         )
 
-    def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> bool:
+    def _report(self, refusal: RuntimeError) -> None:
+        """Record and say once which layer refused vmap, and why."""
+        name, why = describe_refusal(refusal, [self._task_runner, self.module])
+        self._loop_layers[name] = why
+        where = f"layer {name!r}" if name else "the model's forward"
+        warnings.warn(
+            f"task batching runs this model once per task: {where} cannot run under vmap "
+            f"({why}). The results are exact; the batched speed-up is lost "
+            "(fmodel.task_loop_layers)",
+            stacklevel=5,
+        )
+
+    def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> RuntimeError | None:
+        """None when the task runner runs under vmap on these inputs, else vmap's refusal."""
         devices = sorted(
             {t.device.index or 0 for t in self._own_params.values() if t.device.type == "cuda"}
         )
@@ -241,9 +270,9 @@ class FunctionalModel:
                 self._execute(*task_run, *inputs)
             except RuntimeError as error:
                 if is_vmap_refusal(error):
-                    return False
+                    return error
                 raise
-        return True
+        return None
 
     def __repr__(self) -> str:
         checkpointed = f", checkpointed={self.checkpointed}" if self.checkpointed else ""

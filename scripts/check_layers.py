@@ -24,7 +24,16 @@ LAYERS: list[list[str]] = [
     # 1: kernels, optimizers, hyperparameters, the module shadow
     ["remat.kernels", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
     # 2: the vmap glue and what runs on it
-    ["batching.vmap", "batching.layers", "remat.engine", "implicit.*", "learned.*", "heads"],
+    [
+        "batching.vmap",
+        "batching.fallback",
+        "batching.recurrent",
+        "batching.layers",
+        "remat.engine",
+        "implicit.*",
+        "learned.*",
+        "heads",
+    ],
     # 3: per-layer checkpointing (a checkpointed layer under vmap leaves the vmap level)
     ["remat.layers", "remat", "checkpoint", "kernels", "replay"],
     # 4: the public core

@@ -4,6 +4,8 @@ inputs, frozen parameters, and the errors for wrong arguments."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -261,11 +263,33 @@ def test_task_loop_fallback_is_reported():
     fmodel = fm.functional_model(DataDependent())
     assert fmodel.task_loop is None
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
-    losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y))
+    with pytest.warns(UserWarning, match="once per task: the model's forward cannot run under"):
+        losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y))
     assert fmodel.task_loop is True
+    assert fmodel.task_loop_layers == {
+        "": "DataDependent: its forward branches on tensor values (data-dependent control flow)"
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y))
     for t in range(3):
         want = F.mse_loss(fmodel(fmodel.params, x[t]), y[t])
         torch.testing.assert_close(losses[t], want)
+
+
+def test_task_loop_fallback_names_the_nested_layer_that_refused():
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.max().item() > 0 else x  # .item(): no vmap
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Tanh(), Gate()), nn.Linear(4, 1))
+    fmodel = fm.functional_model(net.to(DTYPE))
+    x = torch.randn(3, 4, 3, dtype=DTYPE)
+    with pytest.warns(UserWarning, match=r"layer '1\.1' cannot run under vmap \(Gate: "):
+        out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    assert list(fmodel.task_loop_layers) == ["1.1"]
+    for t in range(3):
+        torch.testing.assert_close(out[t], fmodel(fmodel.params, x[t]), rtol=0, atol=0)
 
 
 class GradOnlyBranch(nn.Module):

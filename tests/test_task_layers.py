@@ -260,7 +260,7 @@ def test_standins_cover_the_conv_net_layers_and_exact_types_only():
         "2": "TaskBatchNorm",
         "3": "TaskPool",
         "4": "TaskPool",
-        "5": "TaskLoop",
+        "5": "TaskRecurrent",
         "6": "TaskLinear",
     }
 

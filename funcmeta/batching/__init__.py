@@ -6,8 +6,11 @@ What it owns:
 - :mod:`~funcmeta.batching.vmap`: the vmap glue: a lean ``vmap``, leaving a vmap level for a
   checkpointed layer or a per-task run, joining per-chunk outputs;
 - :mod:`~funcmeta.batching.layers`: the stand-ins that compute a layer for all tasks at once
-  (linear, convolution, BatchNorm, pooling, embeddings with a padding index) or once per
-  task (recurrent layers);
+  (linear, convolution, BatchNorm, pooling, embeddings with a padding index);
+- :mod:`~funcmeta.batching.recurrent`: recurrent layers for all tasks in one pass, or once
+  per task (:class:`~funcmeta.batching.recurrent.TaskLoop`) where that cannot be exact;
+- :mod:`~funcmeta.batching.fallback`: which layer refused ``vmap`` and why, when a model runs
+  once per task;
 - :mod:`~funcmeta.batching.tune`: measuring the task-chunk size (:func:`tune_task_chunk`).
 
 The task axis that optimizers see (``fm.optim.task_axis``, per-task gradient clipping) lives
@@ -25,7 +28,7 @@ Example:
     >>> from funcmeta.batching.layers import task_standins
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.LSTM(3, 3))
     >>> sorted((name, cls.__name__) for name, cls in task_standins(net).items())
-    [('0', 'TaskLinear'), ('1', 'TaskLoop')]
+    [('0', 'TaskLinear'), ('1', 'TaskRecurrent')]
 """
 
 __all__: list[

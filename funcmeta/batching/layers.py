@@ -4,8 +4,7 @@ once, exactly, and the per-task loop for layers that ``vmap`` cannot batch.
 - :class:`TaskLinear`: ``nn.Linear`` with per-task weights as one ``torch.baddbmm`` (under
   ``vmap``'s generic rule a batched-weight linear layer costs about ten times an unbatched
   one, torch 2.13, CPU).
-- :class:`TaskLoop`: recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``: ``aten::lstm`` and
-  ``aten::gru`` have no batching rule) once per task, outside the vmap level.
+- recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): :mod:`funcmeta.batching.recurrent`.
 
 The conv-net layers. Under ``vmap`` over tasks, a convolution whose weights differ per task and
 a BatchNorm with per-task affine parameters go through functorch's generic batching rules:
@@ -42,7 +41,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -53,28 +51,23 @@ from funcmeta._torch_private import (
     add_batch_dim,
     conv_forward,
     conv_padding,
-    cudnn_disabled,
     has_hooks,
     unwrap_batched,
 )
+from funcmeta.batching.recurrent import recurrent_standins
 from funcmeta.batching.vmap import (
-    any_batched,
-    call_outside_vmap,
     is_batched,
     maybe_get_level,
     physical,
 )
-from funcmeta.remat.kernels import in_twice_differentiable
-from funcmeta.remat.shadow import LayerTensors, Standin, within
+from funcmeta.remat.shadow import Standin, within
 
 __all__ = [
     "TaskBatchNorm",
     "TaskConv",
     "TaskEmbedding",
     "TaskLinear",
-    "TaskLoop",
     "TaskPool",
-    "recurrent_layers",
     "task_standins",
 ]
 
@@ -120,44 +113,6 @@ class TaskLinear(Standin):
         if flat:
             out = out.reshape(*xp.shape[:-1], out.shape[-1])
         return add_batch_dim(out, 0, level)
-
-
-def _rnn_kernels() -> contextlib.AbstractContextManager:
-    """cuDNN off inside a twice-differentiable block: its RNN kernels have no double
-    backward. Other blocks keep the user's setting."""
-    return cudnn_disabled() if in_twice_differentiable() else contextlib.nullcontext()
-
-
-class TaskLoop(Standin):
-    """Stands in for a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), which has no vmap
-    batching rule: under task batching it runs once per task outside the vmap level, with
-    that task's parameters, buffers and inputs, and its outputs are stacked. Unbatched calls
-    run the layer as it is. Inside :func:`funcmeta.remat.kernels.twice_differentiable` it runs
-    without cuDNN, whose RNN kernels have no double backward."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        original = self.original
-        layer, params, buffers = LayerTensors.of(original)
-        tensors = params + buffers
-        with _rnn_kernels():
-            if not any_batched(tensors, args, kwargs):
-                return original(*args, **kwargs)
-
-            def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-                return layer.call(original, ts[: len(params)], ts[len(params) :], a, kw)
-
-            return call_outside_vmap(
-                lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
-            )
-
-
-def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
-    """The recurrent layers of ``module`` (outermost), each to be run by :class:`TaskLoop`."""
-    out: dict[str, type[Standin]] = {}
-    for name, m in module.named_modules():
-        if isinstance(m, nn.RNNBase) and not any(within(name, n) for n in out):
-            out[name] = TaskLoop
-    return out
 
 
 def _grouped(x: Tensor, level: int) -> Tensor:
@@ -291,14 +246,14 @@ class TaskEmbedding(Standin):
 
 
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
-    """The stand-ins of the task-batched runner, by submodule name: :class:`TaskLoop` for
-    recurrent layers (outermost), and outside them the fast paths of ``nn.Linear``
+    """The stand-ins of the task-batched runner, by submodule name: the recurrent layers'
+    (:func:`funcmeta.batching.recurrent.recurrent_standins`, outermost), and outside them the fast paths of ``nn.Linear``
     (:class:`TaskLinear`), convolutions, BatchNorm and pooling, and the
     exact path of embeddings with a padding index. Exact
     types only: a subclass (a parametrized layer included) may compute something else."""
     if unwrap_batched is None:  # pragma: no cover - depends on the torch release
         return {}
-    out = recurrent_layers(module)
+    out = recurrent_standins(module)
     loops = list(out)
     for name, m in module.named_modules():
         if any(within(name, n) for n in loops):

@@ -9,7 +9,7 @@ into ordinary tensors with a task axis, steps out of that level, runs ``checkpoi
 on them and wraps the outputs back into the level. Autograd sees ordinary tensors throughout,
 so second-order gradients flow as without vmap. With ``per_task=True`` it runs ``fn`` once per
 task instead of vmapping it: for layers without a vmap batching rule
-(:class:`funcmeta.batching.layers.TaskLoop`).
+(:class:`funcmeta.batching.recurrent.TaskLoop`).
 
 The primitives come from functorch (``torch._C._functorch``), through
 :mod:`funcmeta._torch_private`. If a torch release lacks them, :func:`call_outside_vmap`

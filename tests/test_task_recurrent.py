@@ -1,0 +1,279 @@
+"""Recurrent layers under task batching (funcmeta.batching.recurrent): nn.RNN, nn.LSTM and
+nn.GRU with per-task weights computed for all tasks in one pass, exact against a loop of
+fm.adapt over the tasks (torch's own recurrent kernels), in float64 and second order; and the
+cases it hands to the per-task loop, each said once."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+import funcmeta.batching.recurrent as recurrent
+
+DTYPE = torch.float64
+T, N, L, IN, HID = 3, 4, 5, 3, 4
+
+
+class Head(nn.Module):
+    """A recurrent layer, then a linear read-out of its last output (and of h_n)."""
+
+    def __init__(self, rnn: nn.RNNBase, hx: bool = False) -> None:
+        super().__init__()
+        self.rnn = rnn
+        width = rnn.proj_size or rnn.hidden_size
+        dirs = 2 if rnn.bidirectional else 1
+        self.out = nn.Linear(width * dirs * 2, 2)
+        self.hx = hx
+
+    def forward(self, x, h0=None):
+        out, state = self.rnn(x, h0) if h0 is not None else self.rnn(x)
+        h = state[0] if isinstance(state, tuple) else state
+        last = out[..., -1, :] if self.rnn.batch_first or out.dim() == 2 else out[-1]
+        if out.dim() == 2:  # one sequence without a batch dimension
+            return self.out(torch.cat([last, h[-2:].reshape(-1)[: last.shape[-1]]], -1))
+        top = h[-1] if not self.rnn.bidirectional else torch.cat([h[-2], h[-1]], -1)
+        return self.out(torch.cat([last, top], -1))
+
+
+def _data(batch_first: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (T, N, L, IN) if batch_first else (T, L, N, IN)
+    return torch.randn(shape, generator=g, dtype=DTYPE), torch.randint(0, 2, (T, N), generator=g)
+
+
+def _meta_grads(fmodel, x, y, batched, *, first_order=False, extra=()):
+    opt = fm.optim.sgd(lr=0.3)
+    params = list(fmodel.params.values())
+    if batched:
+        batch = (fm.Args(x, *extra), y)
+        r = fm.adapt_tasks(
+            fmodel, fmodel.params, F.cross_entropy, batch, opt, steps=2, first_order=first_order
+        )
+        out, _ = fm.apply_tasks(fmodel, r.params, fm.Args(x, *extra))
+        loss = sum(F.cross_entropy(out[t], y[t]) for t in range(T))
+    else:
+        loss = 0
+        for t in range(T):
+            args = fm.Args(x[t], *(fm.tree.tree_map(lambda v, t=t: v[t], e) for e in extra))
+            r = fm.adapt(
+                fmodel,
+                fmodel.params,
+                F.cross_entropy,
+                (args, y[t]),
+                opt,
+                steps=2,
+                first_order=first_order,
+            )
+            loss = loss + F.cross_entropy(fmodel(r.params, *args.args), y[t])
+    return loss, torch.autograd.grad(loss, params)
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Counts the one-pass computations of the recurrent stand-in."""
+    calls = []
+    real = recurrent._run
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recurrent, "_run", counted)
+    return calls
+
+
+CONFIGS = [
+    dict(kind=kind, num_layers=layers, bidirectional=bi, batch_first=bf)
+    for kind, layers, bi, bf in itertools.product(
+        ["rnn_tanh", "rnn_relu", "lstm", "gru"], [1, 2], [False, True], [False, True]
+    )
+]
+
+
+def _layer(kind: str, **kw) -> nn.RNNBase:
+    if kind.startswith("rnn"):
+        return nn.RNN(IN, HID, nonlinearity=kind[4:], **kw)
+    return {"lstm": nn.LSTM, "gru": nn.GRU}[kind](IN, HID, **kw)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_one_pass_equals_the_loop_in_second_order(config, passes):
+    kind = config.pop("kind")
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(Head(_layer(kind, **config)).to(DTYPE))
+    x, y = _data(config["batch_first"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # neither a step-aside nor torch's per-example fallback
+        loss_b, grads_b = _meta_grads(fmodel, x, y, batched=True)
+    assert passes, "the recurrent layer did not take the one-pass path"
+    assert fmodel.task_loop is False
+    assert fmodel.task_loop_layers == {}
+    loss_l, grads_l = _meta_grads(fmodel, x, y, batched=False)
+    torch.testing.assert_close(loss_b, loss_l, rtol=1e-12, atol=0)
+    for b, ref in zip(grads_b, grads_l, strict=True):
+        torch.testing.assert_close(b, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "kind,kw",
+    [
+        ("lstm", dict(proj_size=2)),
+        ("lstm", dict(proj_size=2, num_layers=2, bidirectional=True)),
+        ("gru", dict(bias=False, num_layers=2)),
+        ("rnn_tanh", dict(bias=False)),
+        ("lstm", dict(num_layers=2, dropout=0.5)),  # eval mode: no dropout, so one pass
+    ],
+)
+def test_projections_no_bias_and_eval_dropout(kind, kw, passes):
+    torch.manual_seed(1)
+    fmodel = fm.functional_model(Head(_layer(kind, **kw)).to(DTYPE).eval())
+    x, y = _data(False, seed=1)
+    loss_b, grads_b = _meta_grads(fmodel, x, y, batched=True)
+    assert passes
+    loss_l, grads_l = _meta_grads(fmodel, x, y, batched=False)
+    torch.testing.assert_close(loss_b, loss_l, rtol=1e-12, atol=0)
+    for b, ref in zip(grads_b, grads_l, strict=True):
+        torch.testing.assert_close(b, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("first_order", [False, True])
+def test_initial_state_per_task(kind, first_order, passes):
+    torch.manual_seed(2)
+    rnn = _layer(kind, num_layers=2, bidirectional=True)
+    fmodel = fm.functional_model(Head(rnn).to(DTYPE))
+    x, y = _data(False, seed=2)
+    h0 = torch.randn(T, 4, N, HID, dtype=DTYPE)
+    extra = ((h0, torch.randn(T, 4, N, HID, dtype=DTYPE)),) if kind == "lstm" else (h0,)
+    loss_b, grads_b = _meta_grads(fmodel, x, y, True, first_order=first_order, extra=extra)
+    assert passes
+    loss_l, grads_l = _meta_grads(fmodel, x, y, False, first_order=first_order, extra=extra)
+    torch.testing.assert_close(loss_b, loss_l, rtol=1e-12, atol=0)
+    for b, ref in zip(grads_b, grads_l, strict=True):
+        torch.testing.assert_close(b, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_sequences_without_a_batch_dimension(passes):
+    torch.manual_seed(3)
+    rnn = nn.LSTM(IN, HID, num_layers=2)
+    fmodel = fm.functional_model(rnn.to(DTYPE))
+    x = torch.randn(T, L, IN, dtype=DTYPE)  # per task: (L, IN)
+    outs, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    assert passes
+    for t in range(T):
+        out, (h, c) = rnn(x[t])
+        torch.testing.assert_close(outs[0][t], out, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(outs[1][0][t], h, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(outs[1][1][t], c, rtol=1e-12, atol=1e-14)
+
+
+def test_shared_recurrent_weights_with_an_adapted_head(passes):
+    """trainable= adapts only the head: the recurrent weights stay shared by all tasks."""
+    torch.manual_seed(4)
+    fmodel = fm.functional_model(Head(nn.GRU(IN, HID, num_layers=2)).to(DTYPE))
+    x, y = _data(False, seed=4)
+    opt = fm.optim.sgd(lr=0.3)
+    r = fm.adapt_tasks(
+        fmodel,
+        fmodel.params,
+        F.cross_entropy,
+        (x, y),
+        opt,
+        steps=2,
+        trainable=lambda name, _: name.startswith("out"),
+    )
+    loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (x, y))[0].sum()
+    grads = torch.autograd.grad(loss, list(fmodel.params.values()))
+    assert passes
+    ref = 0
+    for t in range(T):
+        one = fm.adapt(
+            fmodel,
+            fmodel.params,
+            F.cross_entropy,
+            (x[t], y[t]),
+            opt,
+            steps=2,
+            trainable=lambda name, _: name.startswith("out"),
+        )
+        ref = ref + F.cross_entropy(fmodel(one.params, x[t]), y[t])
+    for g, want in zip(grads, torch.autograd.grad(ref, list(fmodel.params.values())), strict=True):
+        torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_in_training_steps_aside_once_and_says_why(passes):
+    torch.manual_seed(5)
+    fmodel = fm.functional_model(Head(nn.LSTM(IN, HID, num_layers=2, dropout=0.3)).to(DTYPE))
+    x, y = _data(False, seed=5)
+    opt = fm.optim.sgd(lr=0.3)
+    with pytest.warns(UserWarning, match="LSTM layer 'rnn' once per task: dropout between its"):
+        fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (x, y), opt, steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (x, y), opt, steps=1)
+    assert not passes
+    assert fmodel.task_loop is False  # the rest of the model runs batched
+    assert list(fmodel.task_loop_layers) == ["rnn"]
+    assert "dropout" in fmodel.task_loop_layers["rnn"]
+
+
+def test_hooks_step_aside_and_run_once_per_task(passes):
+    torch.manual_seed(6)
+    net = Head(nn.GRU(IN, HID)).to(DTYPE)
+    seen = []
+    net.rnn.register_forward_hook(lambda m, i, o: None if fm.recomputing() else seen.append(1))
+    fmodel = fm.functional_model(net)
+    x, _ = _data(False, seed=6)
+    with pytest.warns(UserWarning, match="GRU layer 'rnn' once per task: it has hooks"):
+        out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    assert not passes
+    assert fmodel.task_loop_layers == {
+        "rnn": "GRU: it has hooks, which run once per call of the layer"
+    }
+    assert len(seen) == T
+    for t in range(T):
+        torch.testing.assert_close(out[t], fmodel(fmodel.params, x[t]), rtol=1e-12, atol=1e-14)
+
+
+def test_a_subclass_runs_once_per_task():
+    class Scaled(nn.GRU):
+        def forward(self, x, hx=None):
+            out, h = super().forward(x, hx)
+            return 2 * out, h
+
+    from funcmeta.batching.layers import task_standins
+
+    kinds = {k: v.__name__ for k, v in task_standins(Head(Scaled(IN, HID))).items()}
+    assert kinds["rnn"] == "TaskLoop"
+
+
+def _classifier(kind: str, dtype: torch.dtype) -> fm.FunctionalModel:
+    torch.manual_seed(7)
+    return fm.functional_model(Head(_layer(kind, batch_first=True)).to(dtype))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_float32_kernel_choice_is_exact_both_ways(kind, passes):
+    """In float32 on CPU the LSTM's first-order steps keep oneDNN's fused kernel, per task;
+    second-order steps (and the GRU always) take the one pass. Both agree with the loop to
+    float32 rounding."""
+    fmodel = _classifier(kind, torch.float32)
+    x, y = _data(True, seed=7)
+    x = x.float()
+    for first_order in (True, False):
+        passes.clear()
+        loss_b, grads_b = _meta_grads(fmodel, x, y, True, first_order=first_order)
+        one_pass = bool(passes)
+        loss_l, grads_l = _meta_grads(fmodel, x, y, False, first_order=first_order)
+        torch.testing.assert_close(loss_b, loss_l, rtol=1e-5, atol=1e-6)
+        for b, ref in zip(grads_b, grads_l, strict=True):
+            torch.testing.assert_close(b, ref, rtol=1e-4, atol=1e-5)
+        fused = kind == "lstm" and first_order and torch.backends.mkldnn.is_available()
+        assert one_pass != fused, (kind, first_order, one_pass)
+    assert fmodel.task_loop_layers == {}
