@@ -66,9 +66,11 @@ __all__ = [
     "set_module_dict",
     "set_sdp_priority",
     "share_dicts",
+    "take_attributes",
     "torch_pytree",
     "unwrap_batched",
     "vmap_decrement_nesting",
+    "write_back_attributes",
     "vmap_increment_nesting",
 ]
 
@@ -214,6 +216,26 @@ def share_dicts(standin: nn.Module, original: nn.Module) -> None:
 def set_module_dict(module: nn.Module, children: dict[str, Any]) -> None:
     """Give ``module`` (a shallow copy) a child dict of its own."""
     module.__dict__["_modules"] = children
+
+
+def take_attributes(twin: nn.Module, original: nn.Module) -> None:
+    """Give the shallow copy ``twin`` every attribute of ``original`` but its child dict."""
+    children = twin._modules
+    twin.__dict__.update(original.__dict__)
+    twin.__dict__["_modules"] = children
+
+
+def write_back_attributes(twin: nn.Module, original: nn.Module) -> None:
+    """Set on ``original`` the attributes the shallow copy ``twin`` holds that ``original``
+    lacks or holds another object for (its child dict aside)."""
+    mine = original.__dict__
+    mine.update(
+        {
+            k: v
+            for k, v in twin.__dict__.items()
+            if k != "_modules" and (k not in mine or mine[k] is not v)
+        }
+    )
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -29,13 +29,14 @@ from torch import Tensor, nn
 from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
 from funcmeta.batching.fallback import describe_refusal
+from funcmeta.batching.intercept import TaskMode
 from funcmeta.batching.layers import task_standins
 from funcmeta.batching.recurrent import recurrent_layers, reporting
 from funcmeta.batching.vmap import any_batched, call_outside_vmap
 from funcmeta.remat import kernels
 from funcmeta.remat.layers import CheckpointSpec, checkpointed_runner, select
 from funcmeta.remat.replay import recomputation
-from funcmeta.remat.shadow import sync_training
+from funcmeta.remat.shadow import synced
 
 __all__ = ["FunctionalModel", "functional_model"]
 
@@ -83,6 +84,7 @@ class FunctionalModel:
         self._param_shapes = {k: v.shape for k, v in self._own_params.items()}
         self._buffer_shapes = {k: v.shape for k, v in self._own_buffers.items()}
         self._task_loop: bool | None = None
+        self._task_mode = False  # run task-batched forwards under a TaskMode
         # layers with torch's inference fast path, which task batching must keep off
         self._fast_path_layers = any(isinstance(m, _FAST_PATH_LAYERS) for m in module.modules())
 
@@ -206,10 +208,8 @@ class FunctionalModel:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
-        if copies:
-            sync_training(copies)
         new_buffers = {k: b.clone() for k, b in buffers.items()}
-        with swap(params, new_buffers):
+        with synced(copies) if copies else contextlib.nullcontext(), swap(params, new_buffers):
             out = runner(*args, **kwargs)
         return out, new_buffers
 
@@ -231,7 +231,8 @@ class FunctionalModel:
                 self._report(refusal)
         if not self._task_loop:
             try:
-                return self._execute(*task_run, params, buffers, args, kwargs)
+                with self._in_task_mode():
+                    return self._execute(*task_run, params, buffers, args, kwargs)
             except RuntimeError as error:
                 if not is_vmap_refusal(error):
                     raise
@@ -248,6 +249,16 @@ class FunctionalModel:
             per_task=True,
         )
 
+    def _in_task_mode(self) -> contextlib.AbstractContextManager:
+        """The :class:`~funcmeta.batching.intercept.TaskMode` for a task-batched forward that
+        needs it (recomputations of checkpointed parts enter it again), else nothing."""
+        if not self._task_mode:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(kernels.entered_again(TaskMode))
+        stack.enter_context(TaskMode())
+        return stack
+
     def _report(self, refusal: RuntimeError) -> None:
         """Record and say once which layer refused vmap, and why."""
         name, why = describe_refusal(refusal, [self._task_runner, self.module])
@@ -261,17 +272,22 @@ class FunctionalModel:
         )
 
     def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> RuntimeError | None:
-        """None when the task runner runs under vmap on these inputs, else vmap's refusal."""
+        """None when the task runner runs under vmap on these inputs, else vmap's refusal.
+        It runs under a :class:`~funcmeta.batching.intercept.TaskMode`, and keeps the mode
+        for later calls if it was needed."""
         devices = sorted(
             {t.device.index or 0 for t in self._own_params.values() if t.device.type == "cuda"}
         )
+        mode = TaskMode()
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
-                self._execute(*task_run, *inputs)
+                with kernels.entered_again(TaskMode), mode:
+                    self._execute(*task_run, *inputs)
             except RuntimeError as error:
                 if is_vmap_refusal(error):
                     return error
                 raise
+        self._task_mode = mode.needed()
         return None
 
     def __repr__(self) -> str:

@@ -27,6 +27,7 @@ LAYERS: list[list[str]] = [
     [
         "batching.vmap",
         "batching.fallback",
+        "batching.intercept",
         "batching.recurrent",
         "batching.layers",
         "remat.engine",

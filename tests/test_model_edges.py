@@ -327,7 +327,7 @@ class DropoutDataDependent(nn.Module):
 
     def forward(self, x):
         h = F.dropout(torch.tanh(self.lin(x)), 0.3, self.training)
-        if bool(h.sum() > 1e6):  # data-dependent control flow: runs once per task
+        if bool(x[0, 0] > 0):  # a branch the tasks disagree on: runs once per task
             h = h * 2
         return self.head(h)
 
@@ -337,6 +337,7 @@ def test_probe_inside_a_step_checkpoint_leaves_the_dropout_masks_alone():
     run per task. Its probe must not consume random numbers: the run equals one whose model
     had found out before, and the checkpoint's recomputation reproduces the masks."""
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
+    x[0, 0, 0], x[1, 0, 0] = 1.0, -1.0
 
     def meta_grads(warm: bool):
         torch.manual_seed(0)

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from funcmeta.remat.shadow import Standin
+
 __all__ = ["describe_refusal"]
 
 
@@ -62,5 +64,7 @@ def describe_refusal(error: BaseException, roots: Iterable[nn.Module]) -> tuple[
     root's own forward, and the reason starts with the layer's type."""
     found = _layer(error, roots)
     name, module = found if found is not None else ("", None)
+    if isinstance(module, Standin):  # a checkpointed layer or a fast path: name the layer
+        module = module.original
     kind = type(module).__name__ if module is not None else "the model"
     return name, f"{kind}: {_reason(error)}"

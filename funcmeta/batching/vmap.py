@@ -57,6 +57,7 @@ __all__ = [
     "innermost_level",
     "is_batched",
     "map_tensors",
+    "outside_level",
     "per_task_run",
     "physical",
 ]
@@ -134,7 +135,7 @@ def innermost_level(values: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def _outside(level: int) -> Iterator[None]:
+def outside_level(level: int) -> Iterator[None]:
     """Step out of vmap level ``level`` for the block, when it is the innermost one. Inside
     it, random operations on ordinary tensors are no longer batched by that level."""
     top = peek_interpreter_stack() if peek_interpreter_stack is not None else None
@@ -271,7 +272,7 @@ def call_outside_vmap(
             return fast_vmap(unflat_fn, every, tuple(dims), size, randomness)
         return per_task_run(unflat_fn, every, tuple(dims), size)
 
-    with _outside(level):
+    with outside_level(level):
         out = wrap(batched_fn, flat_args)
     return map_tensors(lambda t: add_batch_dim(t, 0, level), out)
 

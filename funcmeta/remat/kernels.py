@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from funcmeta._torch_private import (
@@ -54,6 +54,7 @@ from funcmeta.remat.replay import recomputation
 __all__ = [
     "KernelState",
     "capture",
+    "entered_again",
     "in_twice_differentiable",
     "no_fast_path",
     "recompute_with",
@@ -65,6 +66,7 @@ __all__ = [
 
 class _Local(threading.local):
     twice: bool = False
+    again: tuple[Callable[[], contextlib.AbstractContextManager], ...] = ()
 
 
 _LOCAL = _Local()
@@ -79,6 +81,8 @@ class KernelState:
     priority: tuple[int, ...] | None
     fast_path: bool
     twice: bool
+    again: tuple[Callable[[], contextlib.AbstractContextManager], ...] = ()
+    """Contexts in force that a recomputation enters again (:func:`entered_again`)."""
 
 
 def capture() -> KernelState:
@@ -88,7 +92,21 @@ def capture() -> KernelState:
         priority=tuple(sdp_priority()) if sdp_priority is not None else None,
         fast_path=get_fast_path(),
         twice=_LOCAL.twice,
+        again=_LOCAL.again,
     )
+
+
+@contextlib.contextmanager
+def entered_again(make: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Mark the block as running inside ``make()`` (entered by the caller), so that a
+    recomputation of what it runs (a checkpointed layer, a checkpointed step) enters a new
+    ``make()`` too: a ``TorchFunctionMode`` that task batching needs is one."""
+    before = _LOCAL.again
+    _LOCAL.again = (*before, make)
+    try:
+        yield
+    finally:
+        _LOCAL.again = before
 
 
 def _apply(state: KernelState, current: KernelState) -> None:
@@ -100,6 +118,7 @@ def _apply(state: KernelState, current: KernelState) -> None:
     if state.fast_path != current.fast_path:
         set_fast_path(state.fast_path)
     _LOCAL.twice = state.twice
+    _LOCAL.again = state.again
 
 
 class KernelRestore(contextlib.AbstractContextManager):
@@ -108,16 +127,21 @@ class KernelRestore(contextlib.AbstractContextManager):
 
     def __init__(self, state: KernelState) -> None:
         self.state = state
-        self._before: list[KernelState] = []
+        self._before: list[tuple[KernelState, contextlib.ExitStack]] = []
 
     def __enter__(self) -> None:
         now = capture()
-        self._before.append(now)
+        entered = contextlib.ExitStack()
+        self._before.append((now, entered))
         if now != self.state:
             _apply(self.state, now)
+        for make in self.state.again[len(now.again) :] if self.state.again != now.again else ():
+            entered.enter_context(make())
 
     def __exit__(self, *exc: object) -> None:
-        before, now = self._before.pop(), capture()
+        before, entered = self._before.pop()
+        entered.close()
+        now = capture()
         if now != before:
             _apply(before, now)
 

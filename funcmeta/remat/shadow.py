@@ -17,15 +17,23 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from funcmeta._torch_private import has_hooks, module_dict, set_module_dict, share_dicts
+from funcmeta._torch_private import (
+    has_hooks,
+    module_dict,
+    set_module_dict,
+    share_dicts,
+    take_attributes,
+    write_back_attributes,
+)
 
 __all__ = [
     "LayerTensors",
@@ -34,7 +42,7 @@ __all__ = [
     "has_hooks",
     "relative",
     "shadow",
-    "sync_training",
+    "synced",
     "within",
 ]
 
@@ -120,7 +128,7 @@ def shadow(
     ``replace[name](submodule)``.
 
     Returns ``(root, copies)``. ``copies`` pairs each shallow copy with its original, for
-    :func:`sync_training`. Nothing in ``module`` is changed.
+    :func:`synced`. Nothing in ``module`` is changed.
     """
     if not replace:
         return module, []
@@ -147,9 +155,18 @@ def shadow(
     return build(module, ""), copies
 
 
-def sync_training(copies: list[tuple[nn.Module, nn.Module]]) -> None:
-    """Give each shallow copy its original's ``training`` flag (``.train()``/``.eval()``
-    called on the user's module after the shadow was built)."""
+@contextlib.contextmanager
+def synced(copies: list[tuple[nn.Module, nn.Module]]) -> Iterator[None]:
+    """Run a shadow tree as its originals: every shallow copy takes its original's attributes
+    (all but its child dict: ``training`` after ``.train()``/``.eval()``, flags and caches a
+    library sets lazily) before the block, and what the block sets on a copy is written back
+    to its original after it. Without the write-back, a library that installs hooks lazily
+    and marks the module as done (HuggingFace's ``output_hidden_states`` capture) would mark
+    only the copy, and install its hooks again on the next plain call."""
     for twin, original in copies:
-        if twin.training != original.training:
-            twin.__dict__["training"] = original.training
+        take_attributes(twin, original)
+    try:
+        yield
+    finally:
+        for twin, original in copies:
+            write_back_attributes(twin, original)

@@ -1,0 +1,155 @@
+"""What ``vmap`` refuses or runs slowly in a task-batched forward, done for all tasks at once.
+
+:class:`TaskMode` is a ``torch.overrides.TorchFunctionMode`` that funcmeta enters around a
+model's forward under task batching, only for models that need it (the first task-batched
+call finds out). It changes two things, each exactly what a loop over the tasks computes:
+
+- **Python values of batched tensors.** ``bool(t)``, ``t.item()``, ``int(t)``, ``float(t)``,
+  ``t.tolist()`` on a tensor batched over the tasks is what ``vmap`` refuses ("data-dependent
+  control flow"): one Python value cannot stand for T of them. When every task gives the same
+  value, that value is the answer: each task of a loop would take the same branch or read the
+  same number. HuggingFace's mask code asks such questions (``mask.all()``: is there padding
+  at all?), and with padding in every task they all agree. When tasks disagree, the mode
+  refuses as ``vmap`` does, and the model runs once per task.
+- **Fused attention.** ``F.scaled_dot_product_attention`` has no batching rule for its fused
+  CPU kernels; under ``vmap`` torch runs it once per example. Attention has no parameters, so
+  the task axis joins the batch axis: one call on ``(T * B, H, L, E)``, on whichever kernel the
+  context allows (fused in first-order steps, query passes and evaluation; the math kernel
+  inside :func:`funcmeta.remat.kernels.twice_differentiable`).
+
+Example:
+    >>> import torch
+    >>> from funcmeta.batching.intercept import TaskMode
+    >>> def f(x, mask):
+    ...     return x * 2 if bool(mask.all()) else x + mask.sum()
+    >>> x, mask = torch.ones(3, 4), torch.zeros(3, 4)    # three tasks, padding in each
+    >>> with TaskMode():
+    ...     torch.func.vmap(f)(x, mask).tolist()
+    [[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from funcmeta._torch_private import add_batch_dim
+from funcmeta.batching.vmap import is_batched, maybe_get_level, outside_level, physical
+
+__all__ = ["TaskMode"]
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+_VALUE_METHODS = {
+    Tensor.__bool__: bool,
+    Tensor.item: Tensor.item,
+    Tensor.__int__: int,
+    Tensor.__float__: float,
+    Tensor.__index__: Tensor.__index__,
+    Tensor.tolist: Tensor.tolist,
+}
+
+
+class TaskMode(TorchFunctionMode):
+    """Answers uniform Python questions about task-batched tensors and runs fused attention
+    with the task axis in the batch (see the module docstring). ``used`` counts what it did:
+    ``"values"`` and ``"attention"``; :meth:`needed` says whether it did anything."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used: dict[str, int] = {"values": 0, "attention": 0}
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _VALUE_METHODS and args and _batched_here(args[0]):
+            value = _uniform(args[0])
+            if value is not None:
+                self.used["values"] += 1
+                return _VALUE_METHODS[func](value)
+        elif func is F.scaled_dot_product_attention:
+            out = _attention(args, kwargs)
+            if out is not None:
+                self.used["attention"] += 1
+                return out
+        return func(*args, **kwargs)
+
+    def needed(self) -> bool:
+        """Whether the mode changed anything (a model that needs it under task batching)."""
+        return any(self.used.values())
+
+
+def _batched_here(x: Any) -> bool:
+    return isinstance(x, Tensor) and is_batched(x)
+
+
+def _uniform(x: Tensor) -> Tensor | None:
+    """One task's value of ``x`` (batched at its innermost level) when every task's equals
+    it, else None (the caller then refuses as vmap does)."""
+    values = physical(x, maybe_get_level(x))
+    if is_batched(values):
+        return None  # batched at an outer level too: leave it to vmap
+    flat = values.reshape(values.shape[0], -1)
+    if flat.shape[0] and not bool((flat == flat[:1]).all()):
+        return None  # tasks disagree (NaN never agrees): refuse as vmap does
+    return values[0]
+
+
+def _attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    """``F.scaled_dot_product_attention`` for all tasks in one call with the task axis merged
+    into the batch axis, or None when the call is not task-batched (or not at one level)."""
+    if len(args) > len(_SDPA_ARGS):
+        return None
+    given = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
+    tensors = {k: given.pop(k) for k in ("query", "key", "value", "attn_mask") if k in given}
+    if tensors.get("attn_mask") is None:
+        tensors.pop("attn_mask", None)
+    if not all(isinstance(tensors.get(k), Tensor) for k in ("query", "key", "value")):
+        return None
+    if not all(isinstance(v, Tensor) for v in tensors.values()):
+        return None
+    batched = [v for v in tensors.values() if is_batched(v)]
+    levels = {maybe_get_level(v) for v in batched}
+    if not batched or len(levels) != 1:
+        return None
+    (level,) = levels
+    query = tensors["query"]
+    rank = query.dim()  # one task's rank
+    tasks = physical(batched[0], level).shape[0]
+
+    def task_first(v: Tensor) -> Tensor:
+        p = physical(v, level) if is_batched(v) else v.expand(tasks, *v.shape)
+        if is_batched(p):
+            raise _Unbatched
+        p = p.reshape(tasks, *([1] * (rank - v.dim())), *p.shape[1:])
+        if rank > 2:  # merge the tasks into the first batch axis
+            p = p.expand(tasks, query.shape[0], *p.shape[2:]).flatten(0, 1)
+        return p
+
+    try:
+        merged = {k: task_first(v) for k, v in tensors.items()}
+    except _Unbatched:
+        return None
+    if given.get("dropout_p", 0.0):
+        # dropout draws T * B masks outside the task level: one per task and row, as vmap's
+        # "different" randomness would; a checkpoint's recomputation restores the generator
+        with outside_level(level):
+            out = F.scaled_dot_product_attention(**merged, **given)
+    else:
+        out = F.scaled_dot_product_attention(**merged, **given)
+    if rank > 2:
+        out = out.unflatten(0, (tasks, -1))
+    return add_batch_dim(out, 0, level)
+
+
+class _Unbatched(Exception):
+    """A tensor batched at an outer vmap level too: leave the call to vmap."""

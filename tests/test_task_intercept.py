@@ -1,0 +1,385 @@
+"""Task batching where vmap refuses or loops (funcmeta.batching.intercept): Python values of
+batched tensors that every task agrees on, fused attention with the task axis in the batch,
+and HuggingFace models batched end to end; each exact against a loop over the tasks."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+import funcmeta.batching.intercept as intercept
+
+DTYPE = torch.float64
+T = 3
+
+
+def _grads(fmodel, loss_fn, inputs, y, batched, *, first_order=False, steps=2):
+    """Meta-gradients of the query loss (the support set again) after ``steps`` SGD steps,
+    task-batched or by a loop of fm.adapt."""
+    opt = fm.optim.sgd(lr=0.3)
+    params = list(fmodel.params.values())
+    if batched:
+        r = fm.adapt_tasks(
+            fmodel, fmodel.params, loss_fn, (inputs, y), opt, steps=steps, first_order=first_order
+        )
+        loss = fm.task_losses(fmodel, r.params, loss_fn, (inputs, y))[0].sum()
+    else:
+        loss = 0
+        for t in range(T):
+            one = fm.tree.tree_map(lambda v, t=t: v[t], inputs)
+            r = fm.adapt(
+                fmodel,
+                fmodel.params,
+                loss_fn,
+                (one, y[t]),
+                opt,
+                steps=steps,
+                first_order=first_order,
+            )
+            out = fmodel(r.params, **one) if isinstance(one, dict) else fmodel(r.params, one)
+            loss = loss + loss_fn(out, y[t])
+    return loss, torch.autograd.grad(loss, params, allow_unused=True)
+
+
+def _assert_same(a, b, rtol=1e-10, atol=1e-12):
+    loss_a, grads_a = a
+    loss_b, grads_b = b
+    torch.testing.assert_close(loss_a, loss_b, rtol=rtol, atol=0)
+    for x, y in zip(grads_a, grads_b, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def strict_warnings():
+    """torch's per-example fallback ("There is a performance drop ...") and funcmeta's
+    fallback notes are errors."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        yield
+
+
+# --- Python values of batched tensors --------------------------------------------------------
+
+
+class Branchy(nn.Module):
+    """Branches on its data and reads a number from it: what vmap refuses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 1, dtype=DTYPE)
+
+    def forward(self, x):
+        out = self.lin(x)
+        if bool((x[:, 0] > 100).any()):  # never, in any task
+            out = out * 2
+        return out + x[:, 1].abs().max().ceil().item() * 0  # every task reads the same item
+
+
+def test_values_every_task_agrees_on_run_batched_and_exact(strict_warnings):
+    x = torch.randn(T, 5, 3, dtype=DTYPE)
+    x[:, :, 1] = 0.5  # so that every task's item is 1.0
+    y = torch.randn(T, 5, 1, dtype=DTYPE)
+    fmodel = fm.functional_model(Branchy())
+    batched = _grads(fmodel, F.mse_loss, x, y, True)
+    assert fmodel.task_loop is False
+    _assert_same(batched, _grads(fmodel, F.mse_loss, x, y, False))
+
+
+@pytest.mark.parametrize("odd", ["branch", "nan"])
+def test_values_the_tasks_disagree_on_run_once_per_task(odd):
+    x = torch.randn(T, 5, 3, dtype=DTYPE)
+    x[:, :, 1] = 0.5
+    if odd == "branch":
+        x[1, 0, 0] = 1000.0  # task 1 takes the other branch
+    else:
+        x[2, 0, 1] = float("nan")  # NaN agrees with nothing
+    fmodel = fm.functional_model(Branchy())
+    with pytest.warns(UserWarning, match="cannot run under vmap .*data-dependent control flow"):
+        out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    assert fmodel.task_loop is True
+    assert list(fmodel.task_loop_layers) == [""]
+    for t in range(T):
+        torch.testing.assert_close(
+            out[t], fmodel(fmodel.params, x[t]), rtol=0, atol=0, equal_nan=True
+        )
+
+
+def test_the_mode_answers_only_what_every_task_agrees_on():
+    def f(x):
+        return x * 2 if bool(x.sum() > 0) else -x
+
+    agree = torch.ones(3, 2)
+    with intercept.TaskMode() as mode:
+        torch.testing.assert_close(torch.func.vmap(f)(agree), agree * 2)
+    assert mode.used["values"] == 1
+    disagree = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    with intercept.TaskMode(), pytest.raises(RuntimeError, match="data-dependent control flow"):
+        torch.func.vmap(f)(disagree)
+
+
+# --- fused attention ---------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Projections, then F.scaled_dot_product_attention with a mask of the given kind."""
+
+    def __init__(self, mask: str, causal: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24, dtype=DTYPE)
+        self.out = nn.Linear(8, 1, dtype=DTYPE)
+        self.mask, self.causal = mask, causal
+
+    def forward(self, x, keep):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        mask = None
+        if self.mask == "bool-4d":
+            mask = keep[:, None, None, :]
+        elif self.mask == "float-4d":
+            mask = torch.where(keep, 0.0, -1e9).to(x.dtype)[:, None, None, :]
+        elif self.mask == "bool-2d":
+            mask = keep[0][None, :].expand(n, n)  # one (L, S) mask for every sequence
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
+        return self.out(out.transpose(1, 2).reshape(b, n, 8)).mean(1)
+
+
+@pytest.mark.parametrize(
+    "mask,causal",
+    [("none", False), ("none", True), ("bool-4d", False), ("float-4d", False), ("bool-2d", False)],
+)
+@pytest.mark.parametrize("first_order", [False, True])
+def test_attention_runs_with_the_tasks_in_the_batch(mask, causal, first_order, monkeypatch):
+    calls = []
+    real = intercept._attention
+    monkeypatch.setattr(intercept, "_attention", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(Attention(mask, causal))
+    x = torch.randn(T, 4, 6, 8, dtype=DTYPE)
+    keep = torch.ones(T, 4, 6, dtype=torch.bool)
+    keep[:, :, -2:] = False
+    keep[1, 2, 3] = False
+    y = torch.randn(T, 4, 1, dtype=DTYPE)
+    inputs = {"x": x, "keep": keep}
+
+    def loss_fn(out, target):
+        return F.mse_loss(out, target)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no per-example fallback from torch
+        batched = _grads(fmodel, loss_fn, inputs, y, True, first_order=first_order)
+    assert calls, "attention did not take the merged path"
+    assert fmodel.task_loop is False
+    _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
+
+
+def test_multihead_attention_layer_is_exact():
+    torch.manual_seed(1)
+    net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = net
+
+        def forward(self, x, pad):
+            return self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0].mean(1)
+
+    fmodel = fm.functional_model(Wrap())
+    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
+    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
+    pad[:, :, -1] = True
+    y = torch.randn(T, 4, 8, dtype=DTYPE)
+    inputs = {"x": x, "pad": pad}
+    batched = _grads(fmodel, F.mse_loss, inputs, y, True)
+    assert fmodel.task_loop is False
+    _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False))
+
+
+# --- HuggingFace models ------------------------------------------------------------------------
+
+V, N, L = 40, 4, 7
+
+
+def _hf(name: str) -> nn.Module:
+    tr = pytest.importorskip("transformers")
+    small = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=24)
+    if name == "bert":
+        cfg = tr.BertConfig(
+            vocab_size=V,
+            hidden_size=16,
+            num_labels=3,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **small,
+        )
+        return tr.BertForSequenceClassification(cfg)
+    if name == "distilbert":
+        cfg = tr.DistilBertConfig(
+            vocab_size=V,
+            dim=16,
+            n_layers=2,
+            n_heads=2,
+            hidden_dim=24,
+            num_labels=3,
+            dropout=0.0,
+            attention_dropout=0.0,
+            seq_classif_dropout=0.0,
+        )
+        return tr.DistilBertForSequenceClassification(cfg)
+    if name == "gpt2":
+        cfg = tr.GPT2Config(
+            vocab_size=V,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            num_labels=3,
+            pad_token_id=0,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        return tr.GPT2ForSequenceClassification(cfg)
+    if name in ("llama", "qwen2"):
+        kind = {
+            "llama": (tr.LlamaConfig, tr.LlamaForSequenceClassification),
+            "qwen2": (tr.Qwen2Config, tr.Qwen2ForSequenceClassification),
+        }[name]
+        cfg = kind[0](
+            vocab_size=V,
+            hidden_size=16,
+            num_key_value_heads=1,
+            num_labels=3,
+            pad_token_id=0,
+            **small,
+        )
+        return kind[1](cfg)
+    cfg = tr.T5Config(
+        vocab_size=V,
+        d_model=16,
+        d_kv=8,
+        d_ff=24,
+        num_layers=2,
+        num_heads=2,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return tr.T5ForConditionalGeneration(cfg)
+
+
+def _hf_batch(name: str, seed: int = 0, unpadded_task: int | None = None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (T, N, L), generator=g)
+    mask = torch.ones(T, N, L, dtype=torch.long)
+    for t in range(T):
+        if t == unpadded_task:
+            continue
+        for n in range(N):
+            k = int(torch.randint(3, L, (), generator=g))
+            mask[t, n, k:] = 0
+            ids[t, n, k:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if name == "t5":
+        labels = torch.randint(1, V, (T, N, 3), generator=g)
+        return {**inputs, "labels": labels}, labels, lambda out, y: out.loss
+    y = torch.randint(0, 3, (T, N), generator=g)
+    return inputs, y, lambda out, y: F.cross_entropy(out.logits, y)
+
+
+HF = ["bert", "distilbert", "gpt2", "llama", "qwen2", "t5"]
+
+
+@pytest.mark.parametrize("name", HF)
+@pytest.mark.parametrize("first_order", [False, True])
+def test_huggingface_models_run_batched_and_exact(name, first_order, strict_warnings):
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(_hf(name).to(DTYPE))
+    inputs, y, loss_fn = _hf_batch(name)
+    batched = _grads(fmodel, loss_fn, inputs, y, True, first_order=first_order)
+    assert fmodel.task_loop is False, fmodel.task_loop_layers
+    _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_huggingface_outputs_under_apply_tasks(name, strict_warnings):
+    torch.manual_seed(0)
+    net = _hf(name).to(DTYPE).eval()
+    fmodel = fm.functional_model(net)
+    inputs, _, _ = _hf_batch(name)
+    out, _ = fm.apply_tasks(fmodel, fmodel.params, inputs)
+    for t in range(T):
+        ref = net(**{k: v[t] for k, v in inputs.items()})
+        torch.testing.assert_close(out.logits[t], ref.logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_task_without_padding_runs_the_model_once_per_task():
+    """HuggingFace drops the mask when a task has no padding: the tasks disagree on that
+    question, so the model runs once per task, says so, and stays exact."""
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(_hf("bert").to(DTYPE))
+    inputs, y, loss_fn = _hf_batch("bert", unpadded_task=1)
+    with pytest.warns(UserWarning, match="once per task"):
+        batched = _grads(fmodel, loss_fn, inputs, y, True)
+    assert fmodel.task_loop is True
+    assert "data-dependent control flow" in "".join(fmodel.task_loop_layers.values())
+    _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False))
+
+
+@pytest.mark.parametrize("checkpoint", [None, "leaves"])
+def test_hidden_states_of_later_plain_calls_are_unchanged(checkpoint):
+    """HuggingFace installs its output-capturing hooks lazily, on the first call that asks
+    for hidden states, and marks the model. A call through funcmeta's shadow tree must mark
+    the user's model, or the next plain call hooks every layer twice."""
+    torch.manual_seed(0)
+    net = _hf("bert").to(DTYPE).eval()
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint)
+    inputs, _, _ = _hf_batch("bert")
+    one = {k: v[0] for k, v in inputs.items()}
+    out, _ = fm.apply_tasks(fmodel, fmodel.params, {**inputs, "output_hidden_states": True})
+    plain = net(**one, output_hidden_states=True)
+    assert len(plain.hidden_states) == len(out.hidden_states) == 3
+    for a, b in zip(out.hidden_states, plain.hidden_states, strict=True):
+        torch.testing.assert_close(a[0], b, rtol=1e-12, atol=1e-12)
+    single = fmodel(fmodel.params, **one, output_hidden_states=True)
+    assert len(single.hidden_states) == 3
+
+
+def test_attention_dropout_runs_batched_and_recomputes_its_masks():
+    """Train-mode attention dropout: the merged call draws every task's masks at once, and a
+    checkpoint's recomputation draws the same ones (the generator is restored): step and
+    layer checkpointing give the meta-gradients of the run without them."""
+    tr = pytest.importorskip("transformers")
+    cfg = tr.BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.3,
+    )
+    inputs, y, loss_fn = _hf_batch("bert")
+
+    def run(**kw):
+        torch.manual_seed(0)
+        net = tr.BertForSequenceClassification(cfg).to(DTYPE)
+        fmodel = fm.functional_model(net, checkpoint_layers=kw.pop("layers", None))
+        torch.manual_seed(1)
+        opt = fm.optim.sgd(lr=0.3)
+        r = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, (inputs, y), opt, steps=2, **kw)
+        assert fmodel.task_loop is False, fmodel.task_loop_layers
+        return torch.autograd.grad(r.losses.sum(), list(fmodel.params.values()), allow_unused=True)
+
+    plain = run()
+    for other in (run(checkpoint_steps=True), run(layers="sequential")):
+        for a, b in zip(plain, other, strict=True):
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
