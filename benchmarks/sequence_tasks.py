@@ -1,0 +1,290 @@
+"""Task batching on sequence models: few-shot text classification, one MAML meta-iteration
+batched (``fm.adapt_tasks``) against a Python loop over the tasks (``fm.adapt``).
+
+Each task is 5-way with 5 support and 5 query sequences per class (25 + 25 sequences of 32
+tokens, vocabulary 1000), padded: every sequence has a random length from 16 to 32 and an
+``attention_mask``. Models, built from configs (dropout off, so that the implementations
+can be compared): BERT-small, GPT-2-small and Llama-small (2 layers, hidden 128, 4 heads,
+``"sdpa"`` attention), and embedding + LSTM / GRU classifiers (hidden 128). One inner SGD
+step, first and second order. "batched" runs all tasks in one vmapped computation with the
+default chunk; "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload (its
+cost is printed). Medians of ``--repeats`` meta-iterations, the implementations interleaved
+in one process, each round in a rotated order. "agree": the meta-gradients are within 1% of
+each tensor's largest entry (float32; exactness is tested in float64 by
+tests/test_task_intercept.py and tests/test_task_recurrent.py). Then the peak memory of the
+loop and of the batched run (resident set above the start of the meta-iteration, a fresh
+process each, glibc's mmap threshold fixed so that freed memory leaves the process).
+
+    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama lstm gru]
+        [--orders second first] [--repeats 3] [--threads N] [--no-tune] [--skip-memory]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+
+WAYS, SHOTS, QUERIES, LENGTH, VOCAB, HIDDEN, LR = 5, 5, 5, 32, 1000, 128, 0.1
+
+
+class RecurrentClassifier(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(HIDDEN, HIDDEN, batch_first=True)
+        self.head = nn.Linear(HIDDEN, WAYS)
+
+    def forward(self, input_ids, attention_mask):
+        out, _ = self.rnn(self.embed(input_ids))
+        last = attention_mask.sum(1) - 1  # the last real token of each sequence
+        return self.head(out[torch.arange(out.shape[0]), last])
+
+
+def build(name: str) -> nn.Module:
+    if name in ("lstm", "gru"):
+        return RecurrentClassifier(name)
+    import transformers as tr
+
+    common = dict(num_labels=WAYS, pad_token_id=0, attn_implementation="sdpa")
+    if name == "bert":
+        cfg = tr.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=4 * HIDDEN,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **common,
+        )
+        return tr.BertForSequenceClassification(cfg)
+    if name == "gpt2":
+        cfg = tr.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            **common,
+        )
+        return tr.GPT2ForSequenceClassification(cfg)
+    cfg = tr.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=4 * HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+        **common,
+    )
+    return tr.LlamaForSequenceClassification(cfg)
+
+
+def episodes(tasks: int, seed: int = 0) -> tuple[tuple, tuple]:
+    """Support and query sets: ``({"input_ids", "attention_mask"}, labels)``, task axis first."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(per_class: int) -> tuple:
+        n = WAYS * per_class
+        ids = torch.randint(1, VOCAB, (tasks, n, LENGTH), generator=g)
+        lengths = torch.randint(LENGTH // 2, LENGTH + 1, (tasks, n), generator=g)
+        mask = (torch.arange(LENGTH) < lengths[..., None]).long()
+        mask[:, 0, -1] = 0  # padding in every task
+        labels = torch.arange(WAYS).repeat_interleave(per_class).repeat(tasks, 1)
+        return {"input_ids": ids * mask, "attention_mask": mask}, labels
+
+    return one(SHOTS), one(QUERIES)
+
+
+def loss_fn(out, labels):
+    return F.cross_entropy(getattr(out, "logits", out), labels)
+
+
+def loop_meta(fmodel, support, query, first_order: bool):
+    opt, total = fm.optim.sgd(lr=LR), 0.0
+    for t in range(support[1].shape[0]):
+        s = ({k: v[t] for k, v in support[0].items()}, support[1][t])
+        q = {k: v[t] for k, v in query[0].items()}
+        r = fm.adapt(fmodel, fmodel.params, loss_fn, s, opt, steps=1, first_order=first_order)
+        total = total + loss_fn(fmodel(r.params, **q), query[1][t])
+    return total
+
+
+def batched_meta(fmodel, support, query, first_order: bool):
+    opt = fm.optim.sgd(lr=LR)
+    r = fm.adapt_tasks(
+        fmodel, fmodel.params, loss_fn, support, opt, steps=1, first_order=first_order
+    )
+    return fm.task_losses(fmodel, r.params, loss_fn, query)[0].sum()
+
+
+def timed(fn, params) -> tuple[float, list[torch.Tensor]]:
+    start = time.perf_counter()
+    grads = torch.autograd.grad(fn(), params, allow_unused=True)
+    return (time.perf_counter() - start) * 1e3, [
+        g if g is not None else torch.zeros(()) for g in grads
+    ]
+
+
+def agree(grads, ref) -> bool:
+    return all(
+        float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
+        for a, b in zip(grads, ref, strict=True)
+    )
+
+
+def memory_worker(name: str, impl: str, tasks: int, first_order: bool) -> None:
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(build(name))
+    support, query = episodes(tasks)
+    meta = loop_meta if impl == "loop" else batched_meta
+    params = list(fmodel.params.values())
+    torch.autograd.grad(meta(fmodel, support, query, first_order), params, allow_unused=True)
+    with open("/proc/self/statm") as f:
+        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    torch.autograd.grad(meta(fmodel, support, query, first_order), params, allow_unused=True)
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"peak": hwm - base}))
+
+
+def peak_memory(name: str, impl: str, tasks: int, first_order: bool, threads: int) -> float:
+    """MiB, in a fresh process (see the module docstring)."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    command = [
+        sys.executable,
+        __file__,
+        "--threads",
+        str(threads),
+        "--memory-worker",
+        name,
+        impl,
+        str(tasks),
+        str(int(first_order)),
+    ]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"] / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, nargs="+", default=[4, 16, 32])
+    parser.add_argument("--models", nargs="+", default=["bert", "gpt2", "llama", "lstm", "gru"])
+    parser.add_argument("--orders", nargs="+", default=["second", "first"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="intra-op threads (default: every core; these models keep them busy)",
+    )
+    parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--memory-tasks", type=int, default=16)
+    parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*once per task.*")
+    if args.memory_worker:
+        name, impl, tasks, first = args.memory_worker
+        memory_worker(name, impl, int(tasks), bool(int(first)))
+        return
+    print(
+        f"CPU: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
+        f"{torch.__version__}, Python {platform.python_version()}"
+    )
+    print(
+        "model  order   T  agree  loop ms  batched ms  tuned ms  chunk  loop/batched  loop/tuned  batched"
+    )
+    for name in args.models:
+        for order in args.orders:
+            first = order == "first"
+            for tasks in args.tasks:
+                torch.manual_seed(0)
+                net = build(name)
+                support, query = episodes(tasks)
+                plain = fm.functional_model(net)
+                impls = {"loop": plain, "batched": fm.functional_model(net)}
+                tune_s, chunk = None, "-"
+                if not args.no_tune:
+                    tuned = fm.functional_model(net)
+                    start = time.perf_counter()
+                    fm.tune_task_chunk(
+                        tuned,
+                        tuned.params,
+                        loss_fn,
+                        support,
+                        fm.optim.sgd(lr=LR),
+                        steps=1,
+                        query=query,
+                        repeats=2,
+                        first_order=first,
+                    )
+                    tune_s, chunk = time.perf_counter() - start, tuned.task_chunk or "all"
+                    impls["tuned"] = tuned
+                params = list(net.parameters())
+                calls = {
+                    k: functools.partial(
+                        loop_meta if k == "loop" else batched_meta, m, support, query, first
+                    )
+                    for k, m in impls.items()
+                }
+                times: dict[str, list[float]] = {k: [] for k in impls}
+                grads = {}
+                for k in impls:  # warm-up, and the gradients to compare
+                    grads[k] = timed(calls[k], params)[1]
+                order_keys = list(impls)
+                for r in range(args.repeats):
+                    for k in order_keys[r % len(order_keys) :] + order_keys[: r % len(order_keys)]:
+                        times[k].append(timed(calls[k], params)[0])
+                med = {k: statistics.median(v) for k, v in times.items()}
+                ok = all(agree(grads[k], grads["loop"]) for k in impls)
+                mode = "loop" if impls["batched"].task_loop else "batched"
+                tuned_ms = f"{med['tuned']:9.1f}" if "tuned" in med else "        -"
+                tuned_ratio = (
+                    f"{med['loop'] / med['tuned']:10.2f}" if "tuned" in med else "         -"
+                )
+                print(
+                    f"{name:6} {order:6} {tasks:3}  {'yes' if ok else 'NO ':5} {med['loop']:8.1f} "
+                    f"{med['batched']:11.1f} {tuned_ms} {chunk!s:>6} {med['loop'] / med['batched']:13.2f} "
+                    f"{tuned_ratio}  {mode}"
+                    + (f"  (tuning took {tune_s:.1f} s)" if tune_s else ""),
+                    flush=True,
+                )
+    if args.skip_memory:
+        return
+    print(f"\npeak memory, T = {args.memory_tasks}, MiB above the start of the meta-iteration")
+    print("model  order   loop  batched  batched/loop")
+    for name in args.models:
+        for order in args.orders:
+            first = order == "first"
+            loop_mib = peak_memory(name, "loop", args.memory_tasks, first, args.threads)
+            batched_mib = peak_memory(name, "batched", args.memory_tasks, first, args.threads)
+            print(
+                f"{name:6} {order:6} {loop_mib:6.1f} {batched_mib:8.1f} {batched_mib / loop_mib:13.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
