@@ -33,6 +33,7 @@ from typing import Any
 
 import optree
 
+from funcmeta._deprecated import renamed
 from funcmeta._torch_private import torch_pytree
 
 __all__ = [
@@ -267,16 +268,4 @@ def combine(*trees: Tree) -> Tree:
     return optree.tree_map(first, *trees, none_is_leaf=True)
 
 
-def __getattr__(name: str) -> object:
-    """``map``, the deprecated name of :func:`tree_map`, kept for one release."""
-    if name == "map":
-        import warnings
-
-        warnings.warn(
-            "funcmeta.tree.map is renamed funcmeta.tree.tree_map (beside the builtin map); the "
-            "old name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return tree_map
-    raise AttributeError(f"module 'funcmeta.tree' has no attribute {name!r}")
+__getattr__ = renamed("funcmeta.tree", {"map": ("tree_map", "beside the builtin map")})

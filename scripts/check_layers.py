@@ -20,7 +20,17 @@ ROOT = Path(__file__).resolve().parents[1] / "funcmeta"
 
 LAYERS: list[list[str]] = [
     # 0: no funcmeta imports
-    ["_check", "_tempfiles", "_torch_private", "tree", "remat.replay", "models", "types", "data.*"],
+    [
+        "_check",
+        "_deprecated",
+        "_tempfiles",
+        "_torch_private",
+        "tree",
+        "remat.replay",
+        "models",
+        "types",
+        "data.*",
+    ],
     # 1: kernels, optimizers, hyperparameters, the module shadow
     ["remat.kernels", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
     # 2: the vmap glue and what runs on it

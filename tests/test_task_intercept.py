@@ -179,7 +179,7 @@ def test_attention_runs_with_the_tasks_in_the_batch(mask, causal, first_order, m
     _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
 
 
-def test_multihead_attention_layer_is_exact():
+def test_multihead_attention_layer_without_fallback(strict_warnings):
     torch.manual_seed(1)
     net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
 
@@ -200,6 +200,35 @@ def test_multihead_attention_layer_is_exact():
     batched = _grads(fmodel, F.mse_loss, inputs, y, True)
     assert fmodel.task_loop is False
     _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False))
+
+
+def test_transformer_encoder_layer_without_fallback(strict_warnings):
+    """nn.TransformerEncoderLayer calls its attention with need_weights=False: the stand-in
+    runs the batched path instead of vmap's per-example fallback, exact to rounding."""
+    torch.manual_seed(2)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+            self.head = nn.Linear(8, 2, dtype=DTYPE)
+
+        def forward(self, x, pad):
+            return self.head(self.layer(x, src_key_padding_mask=pad).mean(1))
+
+    fmodel = fm.functional_model(Encoder())
+    assert type(fmodel._task_runner.layer.self_attn).__name__ == "TaskAttention"
+    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
+    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
+    pad[:, :, -2:] = True
+    y = torch.randint(0, 2, (T, 4))
+    inputs = {"x": x, "pad": pad}
+    for first_order in (False, True):
+        batched = _grads(fmodel, F.cross_entropy, inputs, y, True, first_order=first_order)
+        _assert_same(
+            batched, _grads(fmodel, F.cross_entropy, inputs, y, False, first_order=first_order)
+        )
 
 
 # --- HuggingFace models ------------------------------------------------------------------------

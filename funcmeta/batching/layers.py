@@ -25,9 +25,13 @@ input of the next without a copy:
   stand-in looks the rows up without ``padding_idx`` and passes the padding positions' values
   on as constants, so the padding row gets no gradient, in first and second order, as in a
   per-task loop.
+- :class:`TaskAttention`: ``nn.MultiheadAttention`` called with ``need_weights=False`` runs
+  its batched-matrix-product path (the one of ``need_weights=True``) instead of vmap's
+  per-example fallback for the fused attention kernel.
 
 Each computes exactly what the layer computes per task (the same kernels on the same numbers
-per channel). A layer with hooks, and a call these do not cover (unbatched input, a
+per channel; :class:`TaskAttention` the same attention by the layer's other path, equal to
+rounding). A layer with hooks, and a call these do not cover (unbatched input, a
 single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``,
 ``return_indices=True``), runs the layer as it is.
 
@@ -56,6 +60,7 @@ from funcmeta._torch_private import (
 )
 from funcmeta.batching.recurrent import recurrent_standins
 from funcmeta.batching.vmap import (
+    any_batched,
     is_batched,
     maybe_get_level,
     physical,
@@ -63,6 +68,7 @@ from funcmeta.batching.vmap import (
 from funcmeta.remat.shadow import Standin, within
 
 __all__ = [
+    "TaskAttention",
     "TaskBatchNorm",
     "TaskConv",
     "TaskEmbedding",
@@ -245,6 +251,51 @@ class TaskEmbedding(Standin):
         return torch.where((x == pad).unsqueeze(-1), out.detach(), out)
 
 
+class TaskAttention(Standin):
+    """Stands in for ``nn.MultiheadAttention`` under task batching. Called with
+    ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` calls it), the layer would end in
+    ``F.scaled_dot_product_attention`` inside ``F.multi_head_attention_forward``, where vmap
+    falls back to a loop over every example; it runs the layer's other path instead, the
+    batched matrix products and softmax of ``need_weights=True``, and drops the weights: the
+    same attention, up to rounding, as one batched computation. A layer with hooks (which
+    would see the weights) and other calls run as they are."""
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        m = self.original
+        if need_weights or has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
+            return m(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                need_weights=need_weights,
+                attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights,
+                is_causal=is_causal,
+            )
+        out, _ = m(
+            query,
+            key,
+            value,
+            key_padding_mask=key_padding_mask,
+            need_weights=True,
+            attn_mask=attn_mask,
+            average_attn_weights=False,
+            is_causal=is_causal,
+        )
+        return out, None
+
+
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
     """The stand-ins of the task-batched runner, by submodule name: the recurrent layers'
     (:func:`funcmeta.batching.recurrent.recurrent_standins`, outermost), and outside them the fast paths of ``nn.Linear``
@@ -269,4 +320,6 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
             out[name] = TaskPool
         elif kind is nn.Embedding and m.padding_idx is not None:
             out[name] = TaskEmbedding
+        elif kind is nn.MultiheadAttention:
+            out[name] = TaskAttention
     return out

@@ -21,6 +21,7 @@ Example:
     True
 """
 
+from funcmeta._deprecated import renamed
 from funcmeta.optim.adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
 from funcmeta.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from funcmeta.optim.base import (
@@ -94,17 +95,4 @@ __all__ = [
     "with_descend",
 ]
 
-
-def __getattr__(name: str) -> object:
-    """``trace``, the deprecated name of :func:`momentum_trace`, kept for one release."""
-    if name == "trace":
-        import warnings
-
-        warnings.warn(
-            "fm.optim.trace is renamed fm.optim.momentum_trace (beside torch.trace); the old "
-            "name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return momentum_trace
-    raise AttributeError(f"module 'funcmeta.optim' has no attribute {name!r}")
+__getattr__ = renamed("funcmeta.optim", {"trace": ("momentum_trace", "beside torch.trace")})

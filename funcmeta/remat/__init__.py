@@ -30,22 +30,13 @@ Example:
     ['0', '2']
 """
 
-import warnings
-
+from funcmeta._deprecated import renamed
 from funcmeta.remat import kernels, replay
 from funcmeta.remat.layers import PRESETS, CheckpointSpec, select
 
 __all__ = ["PRESETS", "CheckpointSpec", "kernels", "replay", "select"]
 
-
-def __getattr__(name: str) -> object:
-    """``POLICIES``, the deprecated name of :data:`PRESETS`, kept for one release."""
-    if name == "POLICIES":
-        warnings.warn(
-            "fm.remat.POLICIES is renamed fm.remat.PRESETS (they choose layers; a "
-            "jax.checkpoint policy chooses what to save); the old name goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return PRESETS
-    raise AttributeError(f"module 'funcmeta.remat' has no attribute {name!r}")
+__getattr__ = renamed(
+    "funcmeta.remat",
+    {"POLICIES": ("PRESETS", "they choose layers; a jax.checkpoint policy chooses what to save")},
+)
