@@ -179,14 +179,12 @@ def per_task_run(
     """The per-task runner: ``fn`` once per task on that task's slice of each argument batched
     along ``in_dims`` (the others passed whole), the outputs stacked with a leading task
     axis. What :func:`fast_vmap` computes, one task at a time and without ``vmap``."""
+    # unbind, not select per task: one backward for all the slices, where select's would
+    # fill a zero tensor of the whole batch for every task
+    slices = [None if d is None else x.unbind(d) for x, d in zip(flat_args, in_dims, strict=True)]
     return _stack_outputs(
         [
-            fn(
-                *(
-                    x if d is None else x.select(d, t)
-                    for x, d in zip(flat_args, in_dims, strict=True)
-                )
-            )
+            fn(*(x if s is None else s[t] for x, s in zip(flat_args, slices, strict=True)))
             for t in range(size)
         ]
     )
@@ -213,12 +211,12 @@ def vmap_flat(
         return fast_vmap(unflat, tuple(flat), flat_dims, size)
     if chunk == 1:
         return per_task_run(unflat, tuple(flat), flat_dims, size)
+    # split, not narrow per chunk: one backward for all the chunks (as unbind above)
+    parts = [None if d is None else x.split(chunk, d) for x, d in zip(flat, flat_dims, strict=True)]
     outs = []
-    for start in range(0, size, chunk):
+    for i, start in enumerate(range(0, size, chunk)):
         n = min(chunk, size - start)
-        part = [
-            x if d is None else x.narrow(d, start, n) for x, d in zip(flat, flat_dims, strict=True)
-        ]
+        part = [x if p is None else p[i] for x, p in zip(flat, parts, strict=True)]
         outs.append(fast_vmap(unflat, tuple(part), flat_dims, n))
     return concat_outputs(outs)
 
