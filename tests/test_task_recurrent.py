@@ -277,3 +277,16 @@ def test_float32_kernel_choice_is_exact_both_ways(kind, passes):
         fused = kind == "lstm" and first_order and torch.backends.mkldnn.is_available()
         assert one_pass != fused, (kind, first_order, one_pass)
     assert fmodel.task_loop_layers == {}
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_a_wrong_hx_is_refused_as_the_layer_refuses_it(kind):
+    rnn = _layer(kind, num_layers=2).to(DTYPE)
+    fmodel = fm.functional_model(rnn)
+    x = torch.randn(T, L, N, IN, dtype=DTYPE)
+    h0 = torch.randn(T, 1, N, HID, dtype=DTYPE)  # one layer's state for a two-layer RNN
+    hx = (h0, h0) if kind == "lstm" else h0
+    with pytest.raises(RuntimeError, match="Expected hidden"):
+        fm.apply_tasks(fmodel, fmodel.params, fm.Args(x, hx))
+    with pytest.raises(RuntimeError, match=r"input.size\(-1\) must be equal to input_size"):
+        fm.apply_tasks(fmodel, fmodel.params, torch.randn(T, L, N, IN + 1, dtype=DTYPE))

@@ -166,6 +166,7 @@ class TaskRecurrent(TaskLoop):
             return super().forward(input, hx)
         if not in_twice_differentiable() and fused_rnn(m.mode, input):
             return super().forward(input, hx)  # the fused kernel, per task, is faster
+        _check_call(m, input, hx)
         level = innermost_level(values)
         assert level is not None
         tasks = _tasks(values, level)
@@ -208,6 +209,21 @@ def _why_not(m: nn.Module, x: Any, hxs: list[Any], values: list[Any]) -> str | N
     if len(levels) > 1:
         return "its tensors are batched at different vmap levels"
     return None
+
+
+def _check_call(m: nn.Module, x: Tensor, hx: Any) -> None:
+    """The layer's own checks of its input and ``hx`` (sizes, dtypes), on one task's shapes:
+    the one pass would otherwise broadcast a wrong ``hx`` silently."""
+    if x.dim() == 2:  # one sequence: checked as a batch of one, as the layer does
+        x = x.unsqueeze(1)
+        if isinstance(hx, tuple | list):
+            hx = tuple(h.unsqueeze(1) if h.dim() == 2 else h for h in hx)
+        elif hx is not None:
+            hx = hx.unsqueeze(1) if hx.dim() == 2 else hx
+    if hx is None:
+        m.check_input(x, None)
+    else:
+        m.check_forward_args(x, hx, None)
 
 
 def _weight_names(m: nn.Module) -> list[str]:
