@@ -227,13 +227,14 @@ def take_attributes(twin: nn.Module, original: nn.Module) -> None:
 
 def write_back_attributes(twin: nn.Module, original: nn.Module) -> None:
     """Set on ``original`` the attributes the shallow copy ``twin`` holds that ``original``
-    lacks or holds another object for (its child dict aside)."""
+    lacks or holds another object for (its child dict aside), tensors excepted: a tensor a
+    task-batched run keeps on a module is batched, and must not reach the user's module."""
     mine = original.__dict__
     mine.update(
         {
             k: v
             for k, v in twin.__dict__.items()
-            if k != "_modules" and (k not in mine or mine[k] is not v)
+            if k != "_modules" and (k not in mine or mine[k] is not v) and not isinstance(v, Tensor)
         }
     )
 

@@ -412,3 +412,25 @@ def test_attention_dropout_runs_batched_and_recomputes_its_masks():
         for a, b in zip(plain, other, strict=True):
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_what_a_forward_sets_on_its_module_reaches_the_module_but_no_batched_tensor():
+    """The task runner's shallow copies write back what a run sets on them (flags, counters),
+    but not tensors: those are batched, and would leak out of vmap into the user's module."""
+
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 1, dtype=DTYPE)
+
+        def forward(self, x):
+            out = self.lin(x)
+            self.last = out
+            self.calls = getattr(self, "calls", 0) + 1
+            return out
+
+    net = Keeps()
+    fmodel = fm.functional_model(net)
+    fm.apply_tasks(fmodel, fmodel.params, torch.randn(T, 4, 3, dtype=DTYPE))
+    assert net.calls == 2  # the probe and the run: written back
+    assert not hasattr(net, "last")
