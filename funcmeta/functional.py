@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
 from funcmeta.batching.fallback import describe_refusal
-from funcmeta.batching.intercept import TaskMode
+from funcmeta.batching.intercept import TaskMode, task_mode
 from funcmeta.batching.layers import task_standins
 from funcmeta.batching.recurrent import recurrent_layers, reporting
 from funcmeta.batching.vmap import any_batched, call_outside_vmap
@@ -231,7 +231,7 @@ class FunctionalModel:
                 self._report(refusal)
         if not self._task_loop:
             try:
-                with self._in_task_mode():
+                with task_mode() if self._task_mode else contextlib.nullcontext():
                     return self._execute(*task_run, params, buffers, args, kwargs)
             except RuntimeError as error:
                 if not is_vmap_refusal(error):
@@ -248,16 +248,6 @@ class FunctionalModel:
             (dict(params), dict(buffers), args, kwargs),
             per_task=True,
         )
-
-    def _in_task_mode(self) -> contextlib.AbstractContextManager:
-        """The :class:`~funcmeta.batching.intercept.TaskMode` for a task-batched forward that
-        needs it (recomputations of checkpointed parts enter it again), else nothing."""
-        if not self._task_mode:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(kernels.entered_again(TaskMode))
-        stack.enter_context(TaskMode())
-        return stack
 
     def _report(self, refusal: RuntimeError) -> None:
         """Record and say once which layer refused vmap, and why."""
@@ -281,7 +271,7 @@ class FunctionalModel:
         mode = TaskMode()
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
-                with kernels.entered_again(TaskMode), mode:
+                with task_mode(mode):
                     self._execute(*task_run, *inputs)
             except RuntimeError as error:
                 if is_vmap_refusal(error):

@@ -30,7 +30,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.nn.functional as F
@@ -39,8 +40,9 @@ from torch.overrides import TorchFunctionMode
 
 from funcmeta._torch_private import add_batch_dim
 from funcmeta.batching.vmap import is_batched, maybe_get_level, outside_level, physical
+from funcmeta.remat.kernels import entered_again
 
-__all__ = ["TaskMode"]
+__all__ = ["TaskMode", "task_mode"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -86,6 +88,15 @@ class TaskMode(TorchFunctionMode):
     def needed(self) -> bool:
         """Whether the mode changed anything (a model that needs it under task batching)."""
         return any(self.used.values())
+
+
+@contextlib.contextmanager
+def task_mode(mode: TaskMode | None = None) -> Iterator[TaskMode]:
+    """Enter ``mode`` (a new :class:`TaskMode` by default) for a task-batched forward, marked
+    so that recomputations of what it runs (checkpointed layers and steps) enter a new one."""
+    mode = TaskMode() if mode is None else mode
+    with entered_again(TaskMode), mode:
+        yield mode
 
 
 def _batched_here(x: Any) -> bool:
