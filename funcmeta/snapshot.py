@@ -6,7 +6,9 @@ resume a run.
 - the state of every module you name: the model (its initial parameters and buffers) and the
   learnable hyperparameters (``fm.hyper`` trees);
 - every outer optimizer (and scheduler);
-- every ``torch.Generator`` your task samplers draw from;
+- every generator your task samplers draw from: ``torch.Generator``, NumPy's
+  ``Generator`` (``np.random.default_rng``), its bit generators and ``RandomState``, and
+  Python's ``random.Random``;
 - the global random states (torch CPU and CUDA, Python's ``random``, NumPy's when NumPy is
   loaded);
 - the step and any extra picklable values.
@@ -53,6 +55,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._check import check_int
+from funcmeta._rng_state import check_state, get_state, set_state
 from funcmeta._tempfiles import make_temp, remove_stale
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
@@ -190,13 +193,15 @@ def save(
     step: int,
     modules: Mapping[str, nn.Module] | None = None,
     optimizers: Mapping[str, Any] | None = None,
-    generators: Mapping[str, torch.Generator] | None = None,
+    generators: Mapping[str, Any] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> None:
     """Write the training state to ``path`` atomically (see the module docstring).
 
     ``optimizers`` may hold anything with ``state_dict``/``load_state_dict`` (optimizers,
-    learning-rate schedulers, gradient scalers). ``extra`` holds tensors, numbers, strings,
+    learning-rate schedulers, gradient scalers). ``generators`` may hold ``torch.Generator``,
+    ``numpy.random.Generator`` (and its bit generators), ``numpy.random.RandomState`` and
+    ``random.Random``; anything else raises ``TypeError`` naming it. ``extra`` holds tensors, numbers, strings,
     ``None``, and lists, tuples and dicts (string keys) of them; anything else raises
     ``TypeError`` naming it.
     """
@@ -208,7 +213,9 @@ def save(
         "step": step,
         "modules": {k: m.state_dict() for k, m in (modules or {}).items()},
         "optimizers": {k: o.state_dict() for k, o in (optimizers or {}).items()},
-        "generators": {k: g.get_state() for k, g in (generators or {}).items()},
+        "generators": {
+            k: get_state(g, f"generators[{k!r}]") for k, g in (generators or {}).items()
+        },
         "random": _random_states(),
         "extra": extra,
     }
@@ -296,7 +303,7 @@ def load(
     *,
     modules: Mapping[str, nn.Module] | None = None,
     optimizers: Mapping[str, Any] | None = None,
-    generators: Mapping[str, torch.Generator] | None = None,
+    generators: Mapping[str, Any] | None = None,
     map_location: Any = None,
 ) -> Snapshot:
     """Restore what :func:`save` wrote into the given objects (and the global random
@@ -322,6 +329,11 @@ def load(
                 f"{kind} do not match the saved state: not given {missing}, not saved {unexpected}"
             )
     _check_shapes(path, given["modules"], payload["modules"])
+    for name, g in given["generators"].items():
+        try:
+            check_state(g, payload["generators"][name], f"generators[{name!r}]")
+        except TypeError as e:
+            raise SnapshotError(f"{path}: {e}; nothing was restored") from None
     restore = [
         *(
             _Restorer(f"modules[{n!r}]", m, payload["modules"][n])
@@ -332,7 +344,7 @@ def load(
             for n, o in given["optimizers"].items()
         ),
         *(
-            _Restorer(f"generators[{n!r}]", g, payload["generators"][n])
+            _Restorer(f"generators[{n!r}]", g, payload["generators"][n], generator=True)
             for n, g in given["generators"].items()
         ),
     ]
@@ -386,15 +398,15 @@ class _Restorer:
     """Restores one object from its saved state, keeping a copy of its state before, to put
     back if a later restore fails."""
 
-    def __init__(self, name: str, obj: Any, state: Any) -> None:
-        self.name, self.obj, self.state = name, obj, state
+    def __init__(self, name: str, obj: Any, state: Any, *, generator: bool = False) -> None:
+        self.name, self.obj, self.state, self.generator = name, obj, state, generator
         self.before: Any = None
 
     def apply(self) -> None:
         obj = self.obj
-        if isinstance(obj, torch.Generator):
-            self.before = obj.get_state()
-            obj.set_state(self.state)
+        if self.generator:
+            self.before = get_state(obj, self.name)
+            set_state(obj, self.state, self.name)
         elif isinstance(obj, nn.Module):
             self.before = {k: v.clone() for k, v in obj.state_dict().items()}
             obj.load_state_dict(self.state)
@@ -403,7 +415,7 @@ class _Restorer:
             obj.load_state_dict(self.state)
 
     def undo(self) -> None:
-        if isinstance(self.obj, torch.Generator):
-            self.obj.set_state(self.before)
+        if self.generator:
+            set_state(self.obj, self.before, self.name)
         else:
             self.obj.load_state_dict(self.before)

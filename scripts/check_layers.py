@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [
         "_check",
         "_deprecated",
         "_tempfiles",
+        "_rng_state",
         "_torch_private",
         "tree",
         "remat.replay",

@@ -159,3 +159,66 @@ def test_restores_numpy_random_state(tmp_path):
     numpy.random.standard_normal(7)
     fm.snapshot.load(tmp_path / "s.pt")
     assert (numpy.random.standard_normal(4) == expected).all()
+
+
+def _numpy_generators():
+    numpy = pytest.importorskip("numpy")
+    r = numpy.random
+    return {
+        "default_rng": r.default_rng(1),
+        "mt19937": r.Generator(r.MT19937(2)),
+        "philox": r.Generator(r.Philox(3)),
+        "sfc64": r.Generator(r.SFC64(4)),
+        "pcg64dxsm": r.Generator(r.PCG64DXSM(5)),
+        "bit_generator": r.PCG64(6),
+        "random_state": r.RandomState(7),
+    }
+
+
+def _draw(g):
+    import random as pyrandom
+
+    if isinstance(g, torch.Generator):
+        return torch.rand(3, generator=g).tolist()
+    if isinstance(g, pyrandom.Random):
+        return [g.random(), g.gauss(0, 1), g.random()]
+    if hasattr(g, "random_raw"):  # a bare bit generator
+        return g.random_raw(3).tolist()
+    if hasattr(g, "standard_normal"):
+        return [float(g.standard_normal()), *g.random(2).tolist()]
+    raise AssertionError(type(g))
+
+
+def test_numpy_and_python_generators_resume_exactly(tmp_path):
+    import random as pyrandom
+
+    gens = {**_numpy_generators(), "python": pyrandom.Random(8), "torch": torch.Generator()}
+    gens["torch"].manual_seed(9)
+    for g in gens.values():  # a state mid-stream: cached Gaussians, half-used 64-bit words
+        _draw(g)
+    if hasattr(gens["random_state"], "standard_normal"):
+        gens["random_state"].standard_normal()
+    fm.snapshot.save(tmp_path / "s.pt", step=5, generators=gens)
+    expected = {k: _draw(g) for k, g in gens.items()}
+    for g in gens.values():
+        _draw(g)
+    assert fm.snapshot.load(tmp_path / "s.pt", generators=gens).step == 5
+    assert {k: _draw(g) for k, g in gens.items()} == expected
+    # the file still loads safely: weights_only, no NumPy object in it
+    torch.load(tmp_path / "s.pt", weights_only=True)
+
+
+def test_generator_kinds_are_checked(tmp_path):
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"generators\['x'\] is a list; a generator is a"):
+        fm.snapshot.save(tmp_path / "s.pt", step=0, generators={"x": [1, 2]})
+    rng = numpy.random.default_rng(0)
+    fm.snapshot.save(tmp_path / "s.pt", step=0, generators={"g": rng})
+    before = torch.Generator().manual_seed(1)
+    state = before.get_state()
+    with pytest.raises(fm.snapshot.SnapshotError, match="is a torch.Generator, but the saved"):
+        fm.snapshot.load(tmp_path / "s.pt", generators={"g": before})
+    assert torch.equal(before.get_state(), state)  # untouched
+    other = numpy.random.Generator(numpy.random.MT19937(0))
+    with pytest.raises(fm.snapshot.SnapshotError, match="draws from MT19937, but the saved state"):
+        fm.snapshot.load(tmp_path / "s.pt", generators={"g": other})
