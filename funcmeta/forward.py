@@ -31,7 +31,13 @@ from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import CallInputs
 from funcmeta.types import LossFn
 
-__all__ = ["batch_dims", "forward_loss", "task_losses_of", "task_outputs_of"]
+__all__ = [
+    "batch_dims",
+    "forward_loss",
+    "forward_loss_outputs",
+    "task_losses_of",
+    "task_outputs_of",
+]
 
 
 def forward_loss(
@@ -43,6 +49,19 @@ def forward_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
     ``((args, kwargs), targets)`` made by :func:`funcmeta.inputs.check_adapt_call`."""
+    (loss, _), new_buffers = forward_loss_outputs(fmodel, loss_fn, batch, params, buffers)
+    return loss, new_buffers
+
+
+def forward_loss_outputs(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+) -> tuple[tuple[Tensor, Any], dict[str, Tensor]]:
+    """:func:`forward_loss` that also gives the model's outputs: ``((loss, outputs),
+    new_buffers)``."""
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
     out, new_buffers = fmodel.run_checked(params, buffers, args, kwargs)
@@ -53,7 +72,7 @@ def forward_loss(
     if not isinstance(loss, Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
-    return loss, new_buffers
+    return (loss, out), new_buffers
 
 
 def _describe(value: Any) -> str:
@@ -97,15 +116,19 @@ def task_losses_of(
     dims: dict[str, int | None],
     params: Mapping[str, Tensor],
     buffers: dict[str, Tensor],
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap.
+    *,
+    outputs: bool = False,
+) -> tuple[Any, dict[str, Tensor]]:
+    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
+    ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
 
     ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
     buffers carry it.
     """
+    forward = forward_loss_outputs if outputs else forward_loss
 
     def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
-        return forward_loss(fmodel, loss_fn, b, p, bufs)
+        return forward(fmodel, loss_fn, b, p, bufs)
 
     trees = (batch, dict(params), buffers)
     in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})

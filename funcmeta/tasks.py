@@ -77,12 +77,16 @@ def task_losses(
     batch: tuple[Any, Any],
     *,
     buffers: Mapping[str, Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    return_outputs: bool = False,
+) -> tuple[Any, ...]:
     """``(losses, new_buffers)``: ``loss_fn`` of each task's outputs and targets, shape ``(T,)``.
 
     ``batch = (inputs, targets)`` with a leading task axis (``inputs`` as in
     :func:`funcmeta.adapt`: a tuple, a dict of keyword inputs or ``fm.Args``); ``params`` and
     ``buffers`` (default: the module's) shared or per task, as in :func:`apply_tasks`.
+    With ``return_outputs=True``, ``(losses, new_buffers, outputs)``: the model's outputs that
+    the losses were computed from, with a task axis (the query logits, for accuracy), from
+    the same forward pass.
 
     Example:
         >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -91,11 +95,22 @@ def task_losses(
         >>> losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query))
         >>> losses.shape
         torch.Size([4])
+        >>> losses, _, outputs = fm.task_losses(
+        ...     fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query), return_outputs=True)
+        >>> outputs.shape
+        torch.Size([4, 5, 1])
     """
+    if not isinstance(return_outputs, bool):
+        raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
     checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
-    return task_losses_of(
-        fmodel, loss_fn, checked.batch, checked.param_dims, params, checked.buffers
+    if not return_outputs:
+        return task_losses_of(
+            fmodel, loss_fn, checked.batch, checked.param_dims, params, checked.buffers
+        )
+    (losses, outputs), new_buffers = task_losses_of(
+        fmodel, loss_fn, checked.batch, checked.param_dims, params, checked.buffers, outputs=True
     )
+    return losses, new_buffers, outputs
 
 
 @takes_options

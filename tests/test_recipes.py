@@ -406,3 +406,54 @@ def test_imaml_stops_at_non_positive_curvature_and_stays_finite():
     assert out.curvature_stop.all()
     assert torch.isfinite(net.weight.grad).all()
     assert torch.isfinite(out.residual).all()
+
+
+@pytest.mark.parametrize(
+    "name", ["maml", "fomaml", "anil", "metasgd", "mamlpp", "reptile", "imaml", "protonet"]
+)
+def test_every_recipe_returns_its_query_logits(name):
+    """``result.logits`` are the query outputs after adaptation, as a hand-written forward
+    of the adapted parameters gives them, and ``query_loss`` is their loss."""
+    net, support, query = net_and_tasks()
+    fmodel = fm.functional_model(net)
+    params = fmodel.params
+    own = {"steps": 2, "lr": 0.1}
+    if name == "anil":
+        own["trainable"] = "2"
+    elif name == "metasgd":
+        own["lr"] = fm.recipes.metasgd_rates(params, generator=torch.Generator().manual_seed(0))
+    elif name == "imaml":
+        own["lam"] = 2.0
+    elif name == "mamlpp":
+        own["lr"] = fm.hyper.per_layer(params, 0.1, steps=2)
+        own["step_weights"] = fm.recipes.mamlpp_step_weights(2, 0, msl_epochs=3)
+    elif name == "protonet":
+        own = {}
+        labels = torch.arange(2).repeat(2)  # 2 ways, 2 shots; 7 queries
+        support = (support[0][:, :4], labels.expand(T, 4))
+        query = (query[0], torch.tensor([0, 1] * 3 + [0]).expand(T, 7))
+    loss_fn = F.cross_entropy if name == "protonet" else F.mse_loss
+    out = getattr(fm.recipes, name)(fmodel, params, loss_fn, support, query, **own)
+    assert out.logits is not None
+    if name == "protonet":
+        z_s = torch.stack([hand_forward(params, x) for x in support[0]])
+        z_q = torch.stack([hand_forward(params, x) for x in query[0]])
+        proto = torch.stack([z_s[:, support[1][0] == c].mean(1) for c in range(2)], 1)
+        expected = -(z_q.unsqueeze(2) - proto.unsqueeze(1)).pow(2).sum(-1)
+        torch.testing.assert_close(out.logits, expected, rtol=1e-12, atol=1e-12)
+    else:
+        adapted = out.adapted.params
+        for t in range(T):
+            p = {k: v[t] if v.dim() > params[k].dim() else v for k, v in adapted.items()}
+            torch.testing.assert_close(
+                out.logits[t], hand_forward(p, query[0][t]), rtol=1e-12, atol=1e-12
+            )
+    losses = torch.stack([loss_fn(out.logits[t], query[1][t]) for t in range(T)])
+    torch.testing.assert_close(out.query_loss, losses.mean().detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_reptile_without_a_query_set_has_no_logits():
+    net, support, _ = net_and_tasks()
+    fmodel = fm.functional_model(net)
+    out = fm.recipes.reptile(fmodel, fmodel.params, F.mse_loss, support, steps=1, lr=0.1)
+    assert out.logits is None and out.query_loss is None

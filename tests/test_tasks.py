@@ -374,3 +374,27 @@ def test_under_no_grad_for_evaluation(first_order):
     for k, v in trained.params.items():
         assert not evaluated.params[k].requires_grad
         torch.testing.assert_close(evaluated.params[k], v.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_task_losses_return_the_outputs_of_the_same_forward():
+    net, support, query, loss_fn = make("conv4")
+    fmodel = fm.functional_model(net)
+    adapted = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, fm.optim.sgd(lr=0.1), steps=1)
+    plain, plain_buffers = fm.task_losses(
+        fmodel, adapted.params, loss_fn, query, buffers=adapted.buffers
+    )
+    losses, new_buffers, outputs = fm.task_losses(
+        fmodel, adapted.params, loss_fn, query, buffers=adapted.buffers, return_outputs=True
+    )
+    expected, _ = fm.apply_tasks(fmodel, adapted.params, query[0], buffers=adapted.buffers)
+    torch.testing.assert_close(outputs, expected, rtol=0, atol=0)
+    torch.testing.assert_close(losses, plain, rtol=0, atol=0)
+    per_task = torch.stack([loss_fn(outputs[t], query[1][t]) for t in range(T)])
+    torch.testing.assert_close(losses, per_task)
+    for k, v in plain_buffers.items():
+        torch.testing.assert_close(new_buffers[k], v, rtol=0, atol=0)
+    # the outputs carry the graph back to the initial parameters
+    (grad,) = torch.autograd.grad(outputs.sum(), [fmodel.params["0.0.weight"]])
+    assert grad.abs().sum() > 0
+    with pytest.raises(TypeError, match="return_outputs must be True or False"):
+        fm.task_losses(fmodel, fmodel.params, loss_fn, query, return_outputs=1)

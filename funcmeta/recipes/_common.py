@@ -40,7 +40,12 @@ class RecipeResult(NamedTuple):
             solution, one per task.
         curvature_stop: iMAML only: the tasks whose conjugate gradient met non-positive
             curvature and stopped there.
-        logits: Prototypical Networks only: the query logits ``(T, Q, ways)``.
+        logits: the model's outputs on the query set, with a task axis: ``(T, Q, ways)``
+            logits for a classifier, from the forward pass that gave ``query_loss`` (after
+            adaptation; MAML++: after the last step), to compute accuracy without a second
+            pass. Still part of the graph where ``loss`` is (MAML, ANIL, Meta-SGD, MAML++,
+            ProtoNets, R2D2); detach before keeping them. ``None`` for Reptile without a
+            query set.
     """
 
     loss: Tensor
@@ -83,7 +88,10 @@ def query_loss(
     loss_fn: LossFn,
     query: tuple[Any, Any],
     buffers: Mapping[str, Tensor] | None,
-) -> Tensor:
-    """The mean over tasks of each task's query loss."""
-    losses, _ = task_losses(fmodel, params, loss_fn, query, buffers=buffers)
-    return losses.mean()
+) -> tuple[Tensor, Any]:
+    """The mean over tasks of each task's query loss, and the query outputs it was computed
+    from (with a task axis)."""
+    losses, _, outputs = task_losses(
+        fmodel, params, loss_fn, query, buffers=buffers, return_outputs=True
+    )
+    return losses.mean(), outputs

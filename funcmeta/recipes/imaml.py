@@ -120,7 +120,7 @@ def imaml(
     }
     free = {k: v for k, v in phi.items() if k not in frozen}
     with torch.enable_grad():
-        q_losses, _ = task_losses(fmodel, phi, loss_fn, query)
+        q_losses, _, logits = task_losses(fmodel, phi, loss_fn, query, return_outputs=True)
         rhs = dict(zip(free, torch.autograd.grad(q_losses.sum(), list(free.values())), strict=True))
         # differentiated again by every Hessian-vector product: kernels that allow it
         with kernels.twice_differentiable():
@@ -149,6 +149,7 @@ def imaml(
         adapted,
         residual=residual,
         curvature_stop=solution.curvature_stop,
+        logits=logits.detach(),
     )
 
 

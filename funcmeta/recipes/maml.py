@@ -52,8 +52,8 @@ def maml(
     adapted = adapt_tasks(
         fmodel, params, loss_fn, support, resolve_opt(opt, lr), steps=steps, **options
     )
-    loss = query_loss(fmodel, adapted.params, loss_fn, query, adapted.buffers)
-    return RecipeResult(loss, loss.detach(), adapted)
+    loss, logits = query_loss(fmodel, adapted.params, loss_fn, query, adapted.buffers)
+    return RecipeResult(loss, loss.detach(), adapted, logits=logits)
 
 
 def fomaml(

@@ -63,8 +63,10 @@ def reptile(
         displacement = {
             k: p - (phi[k].mean(0) if phi[k].dim() > p.dim() else phi[k]) for k, p in params.items()
         }
-        evaluated = (
-            None if query is None else query_loss(fmodel, phi, loss_fn, query, adapted.buffers)
+        evaluated, logits = (
+            (None, None)
+            if query is None
+            else query_loss(fmodel, phi, loss_fn, query, adapted.buffers)
         )
     surrogate = sum((params[k] * d).sum() for k, d in displacement.items())
-    return RecipeResult(surrogate, evaluated, adapted)
+    return RecipeResult(surrogate, evaluated, adapted, logits=logits)
