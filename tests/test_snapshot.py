@@ -216,7 +216,7 @@ def test_generator_kinds_are_checked(tmp_path):
     fm.snapshot.save(tmp_path / "s.pt", step=0, generators={"g": rng})
     before = torch.Generator().manual_seed(1)
     state = before.get_state()
-    with pytest.raises(fm.snapshot.SnapshotError, match="is a torch.Generator, but the saved"):
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"is a torch\.Generator, but the saved"):
         fm.snapshot.load(tmp_path / "s.pt", generators={"g": before})
     assert torch.equal(before.get_state(), state)  # untouched
     other = numpy.random.Generator(numpy.random.MT19937(0))

@@ -109,9 +109,7 @@ def mamlpp(
         new_buffers.append(_across_tasks(adapted.buffers))
         step_loss, logits = query_loss(fmodel, params, loss_fn, query, adapted.buffers)
         total = total + weights[k].to(step_loss.dtype) * step_loss
-    return RecipeResult(
-        total, step_loss.detach(), adapted, step_buffers=new_buffers, logits=logits
-    )
+    return RecipeResult(total, step_loss.detach(), adapted, step_buffers=new_buffers, logits=logits)
 
 
 def _across_tasks(buffers: dict[str, Tensor]) -> dict[str, Tensor]:
