@@ -191,3 +191,53 @@ def test_omniglot_archives_are_checked_before_use(tmp_path):
     cut.write_bytes(fine.read_bytes()[:100])
     with pytest.raises(ValueError, match=r"cut\.zip is not a zip archive"):
         fm.data.load_omniglot(cut)
+
+
+def test_omniglot_several_splits_keep_a_shared_character_once(tmp_path):
+    import shutil
+
+    make_omniglot(tmp_path)
+    small = tmp_path / "images_background_small1"
+    shutil.copytree(tmp_path / "images_background" / "Alphabet_1", small / "Alphabet_1")
+    extra = small / "Alphabet_9" / "character01"
+    shutil.copytree(tmp_path / "images_background" / "Alphabet_0" / "character01", extra)
+    images, labels, names = fm.data.load_omniglot(tmp_path, ["background", "background_small1"])
+    assert names == [
+        "Alphabet_0/character01",
+        "Alphabet_0/character02",
+        "Alphabet_1/character01",
+        "Alphabet_1/character02",
+        "Alphabet_9/character01",
+    ]
+    one, _, _ = fm.data.load_omniglot(tmp_path, "background")
+    torch.testing.assert_close(images[:12], one, rtol=0, atol=0)
+    assert labels.tolist() == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3 + [4] * 3
+    # same order of splits or the other: the same classes, each once
+    _, _, again = fm.data.load_omniglot(tmp_path, ["background_small1", "background"])
+    assert again == names
+    # a character under the same name with other drawings is not the same character
+    from PIL import Image
+
+    png = sorted((small / "Alphabet_1" / "character02").glob("*.png"))[0]
+    Image.new("L", (105, 105), 0).save(png)
+    with pytest.raises(ValueError, match=r"Alphabet_1/character02 is in the splits 'background'"):
+        fm.data.load_omniglot(tmp_path, ["background", "background_small1"])
+    with pytest.raises(ValueError, match="split must be one of"):
+        fm.data.load_omniglot(tmp_path, ["background", "nope"])
+    with pytest.raises(TypeError, match="split must be a split's name or a list"):
+        fm.data.load_omniglot(tmp_path, [])
+
+
+def test_omniglot_resize_filter_is_pillows_by_name(tmp_path):
+    from PIL import Image
+
+    make_omniglot(tmp_path, alphabets=1, characters=1, drawings=1)
+    png = next((tmp_path / "images_background").glob("*/*/*.png"))
+    with Image.open(png) as img:  # Pillow's own default for a grayscale resize: bicubic
+        expected = torch.tensor(list(img.convert("L").resize((28, 28)).getdata())).float() / 255
+    bicubic, _, _ = fm.data.load_omniglot(tmp_path, size=28, invert=False, resample="bicubic")
+    torch.testing.assert_close(bicubic.flatten(), expected, rtol=0, atol=0)
+    lanczos, _, _ = fm.data.load_omniglot(tmp_path, size=28, invert=False)
+    assert not torch.equal(lanczos, bicubic)
+    with pytest.raises(ValueError, match="resample must be one of"):
+        fm.data.load_omniglot(tmp_path, resample="cubic")

@@ -129,6 +129,13 @@ def test_minimal_splits_by_name_from_a_folder_of_archives(tmp_path):
     assert a_names == b_names and torch.equal(a_images, b_images)
     _, _, names2 = fm.data.load_omniglot(tmp_path, "background_small2", size=14)
     assert len(names2) == 156 and len(set(a_names) & set(names2)) == 50  # Greek and Latin
+    both, labels, names = fm.data.load_omniglot(
+        tmp_path, ["background_small1", "background_small2"], size=14
+    )
+    assert names == sorted(set(a_names) | set(names2)) and len(names) == 242
+    assert len(both) == 20 * 242 and labels.max() == 241
+    first = names.index(a_names[0])
+    torch.testing.assert_close(both[labels == first], a_images[:20], rtol=0, atol=0)
 
 
 def runs_answers(archive: Path) -> list[list[tuple[str, str]]]:
