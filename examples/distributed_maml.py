@@ -17,6 +17,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _threads import add_threads_option, use_threads
 from torch import nn
 
 import funcmeta as fm
@@ -28,7 +29,13 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=500)
     parser.add_argument("--meta-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=1)
+    add_threads_option(
+        parser,
+        1,
+        "one per rank: the ranks share the cores, and the sinusoid MLP's operations are tiny",
+    )
     args = parser.parse_args()
+    use_threads(args)
 
     dist.init_process_group(args.backend)
     rank, world = fm.distributed.world()

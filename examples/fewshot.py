@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _threads import add_threads_option, available_cores, use_threads
 from torch import nn
 
 import funcmeta as fm
@@ -177,7 +178,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("examples/out/fewshot.png"))
     parser.add_argument("--no-progress", action="store_true")
+    add_threads_option(
+        parser,
+        available_cores(),
+        "the cores available: convolutions on 28x28 images gain from every core",
+    )
     args = parser.parse_args(argv)
+    use_threads(args)
 
     torch.manual_seed(args.seed)
     train_episodes, test_episodes = datasets(args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from _threads import add_threads_option, use_threads
 
 import funcmeta as fm
 
@@ -56,7 +57,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--solver", choices=sorted(SOLVERS), default="cg")
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    add_threads_option(
+        p,
+        1,
+        "a 50-feature linear problem: tiny operations, which more threads only slow down",
+    )
     args = p.parse_args(argv)
+    use_threads(args)
     data = make_data(args.seed)
     x, y = data["train"]
 

@@ -20,6 +20,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from _threads import add_threads_option, use_threads
 from torch import nn
 
 import funcmeta as fm
@@ -33,7 +34,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--tasks", type=int, default=25, help="tasks per meta-batch")
     p.add_argument("--eval-tasks", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
+    add_threads_option(
+        p,
+        1,
+        "the sinusoid MLP and a per-coordinate MLP: tiny operations, which more threads only slow down",
+    )
     args = p.parse_args(argv)
+    use_threads(args)
 
     torch.manual_seed(args.seed)
     net = nn.Sequential(nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1))

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _threads import add_threads_option, available_cores, use_threads
 
 import funcmeta as fm
 
@@ -277,7 +278,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, default=Path("examples/out/omniglot.json"))
     p.add_argument("--plot", type=Path, default=Path("examples/out/omniglot.png"))
     p.add_argument("--no-progress", action="store_true")
+    add_threads_option(
+        p,
+        available_cores(),
+        "the cores available: convolutions on 28x28 images gain from every core",
+    )
     args = p.parse_args(argv)
+    use_threads(args)
 
     torch.manual_seed(args.seed)
     images, labels, names = load_data(args)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _threads import add_threads_option, use_threads
 from torch import nn
 
 import funcmeta as fm
@@ -131,7 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", type=Path, default=Path("examples/out/sinusoid.png"))
     parser.add_argument("--no-progress", action="store_true")
+    add_threads_option(
+        parser,
+        1,
+        "a 1-40-40-1 MLP: tiny operations, which more threads only slow down, most of all when another process holds a core",
+    )
     args = parser.parse_args(argv)
+    use_threads(args)
 
     print(
         f"MAML vs Meta-SGD, sinusoid regression: {args.iterations} iterations, meta-batch "

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import shared_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.fixture(autouse=True)
+def keep_thread_count():
+    """The examples set torch's thread count for their work; the suite keeps its own."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def load(name):
+    if str(EXAMPLES) not in sys.path:  # as when run as a script: its helpers beside it
+        sys.path.insert(0, str(EXAMPLES))
     path = EXAMPLES / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -39,6 +51,7 @@ def test_sinusoid_comparison_runs_and_plots(tmp_path, capsys):
         after, before = results[(method, 10)]["after"][0], results[(method, 10)]["before"][0]
         assert after < before  # one inner step helps on held-out tasks
     assert (tmp_path / "s.png").exists()
+    assert torch.get_num_threads() == 1  # the sinusoid MLP's operations are tiny
 
 
 @pytest.mark.parametrize(
@@ -131,3 +144,19 @@ def test_learned_optimizer_example_runs(capsys):
     result = load("learned_optimizer").main(["--iterations", "3", "--eval-tasks", "20"])
     assert result["sgd_lr"] > 0 and result["learned"] == result["learned"]  # finite
     assert "learned optimizer" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "name, default",
+    [("sinusoid", 1), ("learned_optimizer", 1), ("hyperparameters", 1), ("omniglot", None)],
+)
+def test_examples_choose_their_thread_count_and_say_why(name, default, capsys):
+    threads = load("_threads")
+    expected = threads.available_cores() if default is None else default
+    with pytest.raises(SystemExit):
+        load(name).main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"--threads THREADS intra-op threads (torch.set_num_threads); default {expected}:" in text
+    with pytest.raises(SystemExit):
+        load(name).main(["--threads", "0"])
+    assert "--threads must be at least 1, got 0" in capsys.readouterr().err
