@@ -156,7 +156,9 @@ def test_examples_choose_their_thread_count_and_say_why(name, default, capsys):
     with pytest.raises(SystemExit):
         load(name).main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert f"--threads THREADS intra-op threads (torch.set_num_threads); default {expected}:" in text
+    assert (
+        f"--threads THREADS intra-op threads (torch.set_num_threads); default {expected}:" in text
+    )
     with pytest.raises(SystemExit):
         load(name).main(["--threads", "0"])
     assert "--threads must be at least 1, got 0" in capsys.readouterr().err

@@ -321,9 +321,7 @@ def load_omniglot_runs(
                 raise ValueError(
                     f"{where}{labels_name} names images that are absent: {missing[:3]}"
                 )
-            support = torch.stack(
-                [_decode(where + n, files[n], size, resample) for n in training]
-            )
+            support = torch.stack([_decode(where + n, files[n], size, resample) for n in training])
             query = torch.stack(
                 [_decode(where + t, files[t], size, resample) for t, _ in sorted(lines)]
             )
