@@ -457,3 +457,48 @@ def test_reptile_without_a_query_set_has_no_logits():
     fmodel = fm.functional_model(net)
     out = fm.recipes.reptile(fmodel, fmodel.params, F.mse_loss, support, steps=1, lr=0.1)
     assert out.logits is None and out.query_loss is None
+
+
+def test_reptile_with_inner_minibatches_against_a_hand_loop():
+    """inner_batch=b: step k of task t takes the next b examples of t's random order (a new
+    order when one runs out), as Nichol et al.'s mini-batches do."""
+    net, support, query = net_and_tasks()
+    fmodel = fm.functional_model(net)
+    steps, b, n = 4, 2, support[0].shape[1]  # 4 steps of 2 of 5 examples: wraps once
+    out = fm.recipes.reptile(
+        fmodel,
+        fmodel.params,
+        F.mse_loss,
+        support,
+        query,
+        steps=steps,
+        lr=0.1,
+        inner_batch=b,
+        generator=torch.Generator().manual_seed(3),
+    )
+    g = torch.Generator().manual_seed(3)
+    orders = torch.cat([torch.rand(T, n, generator=g).argsort(1) for _ in range(2)], 1)
+    params = {k: v.detach() for k, v in fmodel.params.items()}
+    for t in range(T):
+        p = {k: v.clone().requires_grad_() for k, v in params.items()}
+        for k in range(steps):
+            idx = orders[t, k * b : (k + 1) * b]
+            loss = F.mse_loss(hand_forward(p, support[0][t][idx]), support[1][t][idx])
+            grads = torch.autograd.grad(loss, list(p.values()))
+            p = {
+                name: (v - 0.1 * gr).detach().requires_grad_()
+                for (name, v), gr in zip(p.items(), grads, strict=True)
+            }
+        for name, v in p.items():
+            torch.testing.assert_close(
+                out.adapted.params[name][t], v.detach(), rtol=1e-12, atol=1e-12
+            )
+    assert out.adapted.losses.shape == (steps, T)
+    out.loss.backward()
+    phi_mean = {k: v.mean(0) for k, v in out.adapted.params.items()}
+    for name, prm in net.named_parameters():
+        torch.testing.assert_close(prm.grad, prm.detach() - phi_mean[name], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="inner_batch must be an int in"):
+        fm.recipes.reptile(
+            fmodel, fmodel.params, F.mse_loss, support, steps=1, lr=0.1, inner_batch=9
+        )

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta.functional import FunctionalModel
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import takes_options
@@ -44,6 +45,8 @@ def reptile(
     steps: int,
     lr: Any = None,
     opt: GradientTransformation | None = None,
+    inner_batch: int | None = None,
+    generator: torch.Generator | None = None,
     **options: Any,
 ) -> RecipeResult:
     """Reptile: ``loss`` is a surrogate with gradient ``theta - mean_t(phi_t)`` for every
@@ -53,12 +56,21 @@ def reptile(
     ``t``'s ``support`` batch, taken without a graph. Reptile trains on the support set
     alone; a ``query`` set, if given, is only evaluated (``result.query_loss``). ``options``
     are the inner-loop options of :class:`funcmeta.AdaptOptions`.
+
+    With ``inner_batch=b``, each step takes a mini-batch of ``b`` support examples instead
+    of the whole set, as Nichol et al. do: each task's examples in a random order (drawn
+    from ``generator``), consecutive batches of it, a new order when one runs out. The
+    support targets and inputs must then be tensors with an example axis after the task axis.
     """
     check_recipe(fmodel, support, query)
+    opt = resolve_opt(opt, lr)
     with torch.no_grad():
-        adapted = adapt_tasks(
-            fmodel, params, loss_fn, support, resolve_opt(opt, lr), steps=steps, **options
-        )
+        if inner_batch is None:
+            adapted = adapt_tasks(fmodel, params, loss_fn, support, opt, steps=steps, **options)
+        else:
+            adapted = _minibatch_steps(
+                fmodel, params, loss_fn, support, opt, steps, inner_batch, generator, options
+            )
         phi = adapted.params
         displacement = {
             k: p - (phi[k].mean(0) if phi[k].dim() > p.dim() else phi[k]) for k, p in params.items()
@@ -70,3 +82,48 @@ def reptile(
         )
     surrogate = sum((params[k] * d).sum() for k, d in displacement.items())
     return RecipeResult(surrogate, evaluated, adapted, logits=logits)
+
+
+def _minibatch_steps(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    support: tuple[Any, Any],
+    opt: GradientTransformation,
+    steps: int,
+    inner_batch: int,
+    generator: torch.Generator | None,
+    options: dict[str, Any],
+) -> Any:
+    """``steps`` steps, each on the next ``inner_batch`` examples of every task's support set
+    in a random order (one order per task, renewed when it runs out)."""
+    check_int(steps, "steps", low=1)
+    x, y = support
+    if not (isinstance(x, Tensor) and isinstance(y, Tensor)) or x.dim() < 2 or y.dim() < 2:
+        raise TypeError(
+            "reptile(inner_batch=...) needs support (inputs, targets) as tensors of shape "
+            "(tasks, examples, ...)"
+        )
+    tasks, examples = y.shape[:2]
+    if x.shape[:2] != (tasks, examples):
+        raise ValueError(
+            f"support inputs {tuple(x.shape[:2])} and targets {tuple(y.shape[:2])} differ in "
+            "their (tasks, examples) axes"
+        )
+    check_int(inner_batch, "inner_batch", low=1, high=examples)
+    device = y.device
+    rows = torch.arange(tasks, device=device).unsqueeze(1)
+    order = torch.empty(tasks, 0, dtype=torch.long, device=device)
+    state, adapted, losses = None, None, []
+    for _ in range(steps):
+        while order.shape[1] < inner_batch:
+            fresh = torch.rand(tasks, examples, generator=generator).argsort(1).to(device)
+            order = torch.cat([order, fresh], 1)
+        take, order = order[:, :inner_batch], order[:, inner_batch:]
+        batch = (x[rows, take], y[rows, take])
+        adapted = adapt_tasks(
+            fmodel, params, loss_fn, batch, opt, steps=1, state=state, **options
+        )
+        params, state = adapted.params, adapted.state
+        losses.append(adapted.losses)
+    return adapted._replace(losses=torch.cat(losses))
