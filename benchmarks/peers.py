@@ -169,9 +169,9 @@ def funcmeta_tuned(net, rates, support, query, loss_fn, steps):
     ).loss
 
 
-def with_higher(net, rates, support, query, loss_fn, steps):
+def with_higher(net, rates, support, query, loss_fn, steps, lr=LR):
     # one parameter group per tensor, so that a per-element rate can be given to each
-    opt = torch.optim.SGD([{"params": [p]} for p in net.parameters()], lr=LR)
+    opt = torch.optim.SGD([{"params": [p]} for p in net.parameters()], lr=lr)
     losses = []
     for t in range(support[0].shape[0]):
         with higher.innerloop_ctx(net, opt, copy_initial_weights=False) as (fnet, diffopt):
@@ -184,11 +184,11 @@ def with_higher(net, rates, support, query, loss_fn, steps):
     return torch.stack(losses).mean()
 
 
-def with_torchopt(net, rates, support, query, loss_fn, steps):
+def with_torchopt(net, rates, support, query, loss_fn, steps, lr=LR):
     state = torchopt.extract_state_dict(net)
     losses = []
     for t in range(support[0].shape[0]):
-        inner = torchopt.MetaSGD(net, lr=LR)
+        inner = torchopt.MetaSGD(net, lr=lr)
         for _ in range(steps):
             inner.step(loss_fn(net(support[0][t]), support[1][t]))
         losses.append(loss_fn(net(query[0][t]), query[1][t]))
@@ -196,12 +196,12 @@ def with_torchopt(net, rates, support, query, loss_fn, steps):
     return torch.stack(losses).mean()
 
 
-def with_learn2learn(net, rates, support, query, loss_fn, steps):
+def with_learn2learn(net, rates, support, query, loss_fn, steps, lr=LR):
     l2l = learn2learn.algorithms
     if rates is None:
-        meta = l2l.MAML(net, lr=LR, first_order=False)
+        meta = l2l.MAML(net, lr=lr, first_order=False)
     else:
-        meta = l2l.MetaSGD(net, lr=LR, first_order=False)
+        meta = l2l.MetaSGD(net, lr=lr, first_order=False)
         meta.lrs = nn.ParameterList([rates[k] for k, _ in net.named_parameters()])
     losses = []
     for t in range(support[0].shape[0]):

@@ -70,11 +70,84 @@ def split_characters(
     return (x_rot, y_rot), (images[held], labels[held])
 
 
+# Each method's own settings for 20-way 1-shot Omniglot (the official runs are 20-way), as
+# published; ``--settings shared`` gives every recipe the one shared set instead.
+PUBLISHED: dict[str, dict] = {
+    # Finn et al. (2017), section 5.2: 20-way, 5 steps at 0.1 in training and test,
+    # meta-batch 16, Adam at 1e-3; one query per class (their code's K query examples)
+    "maml": dict(steps=5, inner_lr=0.1, meta_batch=16),
+    # the same, first order (Finn et al. 2017, section 5.2)
+    "fomaml": dict(steps=5, inner_lr=0.1, meta_batch=16),
+    # Raghu et al. (2020) follow MAML's settings, adapting the head alone
+    "anil": dict(steps=5, inner_lr=0.1, meta_batch=16),
+    # Li et al. (2017): one step with per-element rates from U[0.005, 0.1]; MAML's rest
+    "metasgd": dict(steps=1, meta_batch=16, rates=(0.005, 0.1)),
+    # Antoniou et al. (2019), the authors' 20-way 1-shot configuration: 5 steps, per-layer
+    # per-step rates from 0.1, meta-batch 16, multi-step loss over the first 8% of training,
+    # second order from the start, meta lr cosine-annealed from 1e-3 to 1e-5
+    "mamlpp": dict(
+        steps=5,
+        inner_lr=0.1,
+        meta_batch=16,
+        msl_fraction=0.08,
+        first_order_fraction=0.0,
+        cosine_to=1e-5,
+    ),
+    # Rajeswaran et al. (2019), the authors' command for 1-shot Omniglot: 16 steps at 0.1,
+    # lambda 2, 5 CG steps, meta-batch 32
+    "imaml": dict(steps=16, inner_lr=0.1, lam=2.0, cg_steps=5, meta_batch=32),
+    # Nichol et al. (2018), the authors' command for 1-shot 20-way Omniglot: 9 examples per
+    # class, 12 inner Adam steps (beta1 = 0, lr 4.6e-4) on 15 at a time, meta-batch 3,
+    # outer step 1 annealed linearly to 0; tested with 97 steps on 10 at a time
+    "reptile": dict(
+        steps=12,
+        inner_lr=4.6e-4,
+        inner_adam=True,
+        inner_batch=15,
+        train_shots=9,
+        meta_batch=3,
+        eps=1.0,
+        eps_final=0.0,
+        test_steps=97,
+        test_batch=10,
+    ),
+    # Snell et al. (2017), section 3.2: 60-way training episodes with 5 queries per class,
+    # one episode per iteration, Adam at 1e-3 halved every 2000 episodes
+    "protonet": dict(ways=60, query=5, meta_batch=1, halve_every=2000),
+    # Bertinetto et al. (2019) publish their own 4-block network: the shared set here
+    "r2d2": dict(),
+}
+
+
+def settings(name: str, args: argparse.Namespace) -> dict:
+    """One recipe's settings: the shared ones (from the command line), overridden by its
+    published ones unless ``--settings shared``."""
+    shared = {
+        "steps": {
+            "fomaml": args.fomaml_steps,
+            "reptile": args.reptile_steps,
+            "imaml": args.imaml_steps,
+        }.get(name, args.steps),
+        "inner_lr": args.inner_lr,
+        "meta_batch": args.meta_batch,
+        "meta_lr": args.meta_lr,
+        "ways": args.ways,
+        "query": args.query,
+        "lam": args.imaml_lam,
+        "eps": args.reptile_eps,
+        "rates": (0.1, 0.4),
+    }
+    own = PUBLISHED[name] if args.settings == "published" else {}
+    return {**shared, **own}
+
+
 class Recipe:
     """One recipe's model, learnable extras, outer optimizer, outer loss and evaluation."""
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
-        self.name, self.args = name, args
+        self.name = self.method = name  # name: the label; method: the recipe
+        self.args = args
+        self.cfg = cfg = settings(name, args)
         head = None if name in EMBEDDINGS else args.ways
         self.net = fm.models.conv4_omniglot(head, hidden=args.hidden)
         self.fmodel = fm.functional_model(self.net)
@@ -82,65 +155,90 @@ class Recipe:
         self.rates = None
         if name == "metasgd":
             self.rates = fm.recipes.metasgd_rates(
-                params, 0.1, 0.4, generator=torch.Generator().manual_seed(args.seed)
+                params, *cfg["rates"], generator=torch.Generator().manual_seed(args.seed)
             )
         elif name == "mamlpp":
-            self.rates = fm.hyper.per_layer(params, args.inner_lr, steps=args.steps)
+            self.rates = fm.hyper.per_layer(params, cfg["inner_lr"], steps=cfg["steps"])
         extra = list(self.rates.parameters()) if self.rates is not None else []
         # R2D2's ridge-regression head, with its learnable regulariser, scale and bias
         self.ridge = fm.heads.RidgeHead(lam=1.0, scale=5.0) if name == "r2d2" else None
         if self.ridge is not None:
             extra = list(self.ridge.parameters())
         if name == "reptile":  # theta += eps (phi - theta)
-            self.outer = torch.optim.SGD(self.net.parameters(), lr=args.reptile_eps)
+            self.outer = torch.optim.SGD(self.net.parameters(), lr=cfg["eps"])
         else:
-            self.outer = torch.optim.Adam([*self.net.parameters(), *extra], lr=args.meta_lr)
-        own_steps = {
-            "fomaml": args.fomaml_steps,
-            "reptile": args.reptile_steps,
-            "imaml": args.imaml_steps,
-        }
-        self.steps = own_steps.get(name, args.steps)
+            self.outer = torch.optim.Adam([*self.net.parameters(), *extra], lr=cfg["meta_lr"])
+        self.steps = cfg["steps"]
+        self.episode_rng = torch.Generator().manual_seed(args.seed + 1)
         self.residuals: list[float] = []
         self.curvature_stops = 0
         self.warnings = 0
 
+    def schedule(self, progress: float, episodes: int) -> None:
+        """The outer step size at ``progress`` (0 to 1) of the budget: Reptile's linear
+        annealing, MAML++'s cosine annealing, ProtoNets' halving."""
+        cfg, group = self.cfg, self.outer.param_groups[0]
+        if "eps_final" in cfg:
+            group["lr"] = cfg["eps"] + (cfg["eps_final"] - cfg["eps"]) * progress
+        elif "cosine_to" in cfg:
+            low, high = cfg["cosine_to"], cfg["meta_lr"]
+            group["lr"] = low + 0.5 * (high - low) * (1 + math.cos(math.pi * progress))
+        elif "halve_every" in cfg:
+            group["lr"] = cfg["meta_lr"] * 0.5 ** (episodes // cfg["halve_every"])
+
     def inner_opt(self) -> fm.optim.GradientTransformation:
-        sgd = fm.optim.sgd(lr=self.args.inner_lr if self.rates is None else self.rates)
-        if self.name == "imaml":
+        cfg = self.cfg
+        if cfg.get("inner_adam"):
+            return fm.optim.adam(lr=cfg["inner_lr"], betas=(0.0, 0.999))
+        sgd = fm.optim.sgd(lr=cfg["inner_lr"] if self.rates is None else self.rates)
+        if self.method == "imaml":
             anchor = {k: v.detach() for k, v in self.fmodel.params.items()}
-            return fm.optim.chain(fm.optim.add_proximal(self.args.imaml_lam, anchor), sgd)
+            return fm.optim.chain(fm.optim.add_proximal(cfg["lam"], anchor), sgd)
         return sgd
 
-    def loss(self, batch: fm.data.EpisodeBatch, progress: float) -> torch.Tensor:
-        a, fmodel = self.args, self.fmodel
+    def loss(self, batch: fm.data.EpisodeBatch, progress: float) -> fm.recipes.RecipeResult:
+        cfg, fmodel = self.cfg, self.fmodel
         args = (fmodel, self.fmodel.params, F.cross_entropy, batch.support, batch.query)
-        if self.name == "protonet":
-            return fm.recipes.protonet(*args).loss
-        if self.name == "r2d2":
-            return fm.recipes.r2d2(*args, head=self.ridge).loss
+        if self.method == "protonet":
+            return fm.recipes.protonet(*args)
+        if self.method == "r2d2":
+            return fm.recipes.r2d2(*args, head=self.ridge)
         own: dict = {"steps": self.steps}
-        own["lr"] = a.inner_lr if self.rates is None else self.rates
-        if self.name == "anil":
+        if self.method == "reptile":
+            own["opt"] = self.inner_opt()
+            if "inner_batch" in cfg:
+                own["inner_batch"] = cfg["inner_batch"]
+                own["generator"] = self.episode_rng
+        else:
+            own["lr"] = cfg["inner_lr"] if self.rates is None else self.rates
+        if self.method == "anil":
             own["trainable"] = "head"
-        elif self.name == "imaml":
-            own["lam"] = a.imaml_lam
-        elif self.name == "mamlpp":
-            epoch = int(10 * progress)  # ten "epochs" over the budget
-            own["step_weights"] = fm.recipes.mamlpp_step_weights(a.steps, epoch, msl_epochs=3)
-            own["first_order"] = epoch < 3  # derivative-order annealing
+        elif self.method == "imaml":
+            own["lam"] = cfg["lam"]
+            own["cg_steps"] = cfg.get("cg_steps", 5)
+        elif self.method == "mamlpp":
+            epoch = int(100 * progress)  # a hundred "epochs" over the budget
+            msl = max(1, round(100 * cfg.get("msl_fraction", 0.3)))
+            own["step_weights"] = fm.recipes.mamlpp_step_weights(self.steps, epoch, msl_epochs=msl)
+            own["first_order"] = epoch < round(100 * cfg.get("first_order_fraction", 0.3))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", fm.recipes.ConvergenceWarning)
-            out = getattr(fm.recipes, self.name)(*args, **own)
+            out = getattr(fm.recipes, self.method)(*args, **own)
         self.warnings += len(caught)
         if out.residual is not None:
             self.residuals.append(out.residual.max().item())
             self.curvature_stops += int(out.curvature_stop.sum())
-        return out.loss
+        return out
 
-    def evaluate(self, episodes: fm.data.Episodes | fm.data.EpisodeBatch, n: int) -> fm.Evaluation:
+    def test_steps(self) -> int:
+        return self.cfg.get("test_steps", self.steps)
+
+    def evaluate(
+        self, episodes: fm.data.Episodes | fm.data.EpisodeBatch, n: int, seed: int | None = None
+    ) -> fm.Evaluation:
         fmodel = self.fmodel
-        if self.name in EMBEDDINGS:
+        seed = self.args.seed if seed is None else seed
+        if self.method in EMBEDDINGS:
             return fm.evaluate(
                 fmodel,
                 fmodel.params,
@@ -148,56 +246,94 @@ class Recipe:
                 episodes,
                 method="prototypes" if self.ridge is None else self.ridge,
                 num_episodes=n,
-                seed=self.args.seed,
+                seed=seed,
             )
-        own = {"trainable": "head"} if self.name == "anil" else {}
+        own = {"trainable": "head"} if self.method == "anil" else {}
         return fm.evaluate(
             fmodel,
             fmodel.params,
             F.cross_entropy,
             episodes,
             self.inner_opt(),
-            steps=self.steps,
+            steps=self.test_steps(),
             num_episodes=n,
-            seed=self.args.seed,
+            seed=seed,
             **own,
         )
 
 
-def meta_train(recipe: Recipe, episodes: fm.data.Episodes, args: argparse.Namespace) -> dict:
-    """Meta-train until the budget is spent (or ``--iterations``); returns the log."""
+def training_episodes(recipe: Recipe, x: torch.Tensor, y: torch.Tensor) -> fm.data.Episodes:
+    """The recipe's meta-training episodes: its ways, shots (Reptile trains on more) and
+    queries per class."""
+    cfg = recipe.cfg
+    return fm.data.Episodes(
+        x, y, ways=cfg["ways"], shots=cfg.get("train_shots", 1), query=cfg["query"]
+    )
+
+
+def meta_train(
+    recipe: Recipe,
+    episodes: fm.data.Episodes,
+    args: argparse.Namespace,
+    curve_sets: dict[str, fm.data.Episodes] | None = None,
+) -> dict:
+    """Meta-train until the budget is spent (or ``--iterations``); returns the log.
+
+    Every ``args.curve_every`` seconds of training, and at the end, the recipe is scored on
+    each of ``curve_sets`` (the same seeded episodes every time); the clock stops meanwhile,
+    so the budget is training time alone."""
     rng = torch.Generator().manual_seed(args.seed)
     bar = None
     if tqdm is not None and not args.no_progress:
         bar = tqdm(total=round(args.budget), desc=recipe.name, unit="s", leave=False)
-    start = last = time.perf_counter()
-    losses, iteration = [], 0
-    while iteration < args.iterations:
-        elapsed = time.perf_counter() - start
-        if elapsed >= args.budget:
-            break
-        batch = episodes.sample(args.meta_batch, generator=rng)
-        loss = recipe.loss(batch, elapsed / args.budget)
+    trained = 0.0  # seconds of training so far
+    last_print = last_curve = 0.0
+    losses, curve, iteration, accuracies = [], [], 0, []
+    meta_batch = recipe.cfg["meta_batch"]
+
+    def score() -> None:
+        point = {"seconds": round(trained, 2), "iterations": iteration}
+        for label, eps in (curve_sets or {}).items():
+            point[label] = recipe.evaluate(eps, args.curve_episodes, seed=args.seed + 7).accuracy
+        curve.append(point)
+
+    if curve_sets:
+        score()
+    while iteration < args.iterations and trained < args.budget:
+        start = time.perf_counter()
+        batch = episodes.sample(meta_batch, generator=rng)
+        recipe.schedule(trained / args.budget, iteration * meta_batch)
+        out = recipe.loss(batch, trained / args.budget)
         recipe.outer.zero_grad()
-        loss.backward()
+        out.loss.backward()
         recipe.outer.step()
-        losses.append(loss.item())
+        losses.append(out.query_loss.item() if out.query_loss is not None else out.loss.item())
+        if out.logits is not None:
+            accuracies.append((out.logits.argmax(-1) == batch.y_query).float().mean().item())
         iteration += 1
-        now = time.perf_counter()
+        trained += time.perf_counter() - start
         if bar is not None:
-            bar.update(round(now - start) - bar.n)
+            bar.update(round(trained) - bar.n)
             bar.set_postfix(it=iteration, loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-        elif args.no_progress is False and now - last > 30:
+        elif not args.no_progress and trained - last_print > 30:
             print(
-                f"  {recipe.name}: {now - start:.0f} s, {iteration} iterations, loss {loss.item():.3f}"
+                f"  {recipe.name}: {trained:.0f} s, {iteration} iterations, loss {losses[-1]:.3f}"
             )
-            last = now
+            last_print = trained
+        if curve_sets and trained - last_curve >= args.curve_every:
+            score()
+            last_curve = trained
+    if curve_sets and (not curve or curve[-1]["iterations"] != iteration):
+        score()
     if bar is not None:
         bar.close()
+    tail = losses[-50:]
     return {
         "iterations": iteration,
-        "train_seconds": time.perf_counter() - start,
-        "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+        "train_seconds": trained,
+        "final_loss": sum(tail) / max(len(tail), 1),
+        "train_query_accuracy": sum(accuracies[-50:]) / max(len(accuracies[-50:]), 1),
+        "curve": curve,
     }
 
 
@@ -226,6 +362,8 @@ def modified_hausdorff_error(runs_root: Path) -> float:
 
 
 def plot(results: dict, mhd: float, path: Path) -> None:
+    """Two panels: each recipe's error on the official runs, and its held-out accuracy
+    against seconds of meta-training (the learning curves)."""
     try:
         import matplotlib
 
@@ -235,28 +373,102 @@ def plot(results: dict, mhd: float, path: Path) -> None:
         print("matplotlib is not installed: no plot (pip install -e .[examples])")
         return
     names = list(results)
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.2))
     err = [100 * results[n]["official_runs"]["error"] for n in names]
     ci = [100 * results[n]["official_runs"]["ci95"] for n in names]
-    ax.bar(names, err, yerr=ci, capsize=3, color="tab:blue", alpha=0.8)
-    ax.axhline(100 * mhd, color="tab:red", ls="--", label=f"MHD baseline ({100 * mhd:.1f}%)")
-    ax.axhline(20, color="gray", ls=":", label="20% target")
-    ax.set_ylabel("error on the 20 official runs (%)")
-    ax.set_title("Omniglot one-shot, 20-way within alphabet (95% interval)")
-    ax.legend(loc="upper right", fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    bars.bar(names, err, yerr=ci, capsize=3, color="tab:blue", alpha=0.8)
+    bars.axhline(100 * mhd, color="tab:red", ls="--", label=f"MHD baseline ({100 * mhd:.1f}%)")
+    bars.set_ylabel("error on the 20 official runs (%)")
+    bars.set_title("official one-shot runs, 20-way (95% interval)")
+    bars.tick_params(axis="x", rotation=45)
+    bars.legend(loc="upper left", fontsize=8)
+    bars.grid(axis="y", alpha=0.3)
+    for i, n in enumerate(names):
+        curve = results[n].get("curve") or []
+        if not curve:
+            continue
+        t = [c["seconds"] for c in curve]
+        color = f"C{i % 10}"
+        curves.plot(t, [100 * c["5-way"] for c in curve], "-o", ms=3, color=color, label=n)
+        curves.plot(t, [100 * c["20-way"] for c in curve], "--", color=color)
+    curves.set_xlabel("seconds of meta-training")
+    curves.set_ylabel("held-out accuracy (%): 5-way solid, 20-way dashed")
+    curves.set_title("learning curves, 1-shot, fixed seeded episodes")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=7, ncol=2, loc="lower right")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     print(f"plot: {path}")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def prepare(args: argparse.Namespace) -> dict:
+    """The data, the held-out episode sets, the official runs and the baseline."""
+    torch.manual_seed(args.seed)
+    images, labels, names = load_data(args)
+    (x_train, y_train), (x_held, y_held) = split_characters(
+        images, labels, args.held_out, args.seed
+    )
+    runs = fm.data.load_omniglot_runs(args.data, download=args.download)
+    mhd = modified_hausdorff_error(args.data)
+    print(
+        f"{len(names)} characters: {len(names) - args.held_out} for meta-training "
+        f"(x4 rotations: {len(y_train.unique())} classes), {args.held_out} held out; "
+        f"MHD baseline on the official runs: {100 * mhd:.2f}% error (stated: {100 * MHD_STATED:.1f}%)"
+    )
+    return {
+        "train": (x_train, y_train),
+        "held5": fm.data.Episodes(x_held, y_held, ways=5, shots=1, query=5),
+        "held20": fm.data.Episodes(x_held, y_held, ways=20, shots=1, query=5),
+        "runs": runs,
+        "mhd": mhd,
+    }
+
+
+def run_recipe(recipe: Recipe, data: dict, args: argparse.Namespace) -> dict:
+    """Meta-train one recipe (with its learning curve), then evaluate it in full."""
+    episodes = training_episodes(recipe, *data["train"])
+    curve_sets = {"5-way": data["held5"], "20-way": data["held20"]}
+    log = meta_train(recipe, episodes, args, curve_sets if args.curve_episodes > 0 else None)
+    start = time.perf_counter()
+    official = recipe.evaluate(data["runs"], 20)
+    five = recipe.evaluate(data["held5"], args.eval_episodes)
+    twenty = recipe.evaluate(data["held20"], args.eval_episodes)
+    log["eval_seconds"] = time.perf_counter() - start
+    log["inner_steps"] = 0 if recipe.method in EMBEDDINGS else recipe.steps
+    log["settings"] = {k: v for k, v in recipe.cfg.items() if not isinstance(v, tuple)}
+    log["official_runs"] = {"error": official.error, "ci95": official.ci95}
+    log["5way_1shot"] = {"accuracy": five.accuracy, "ci95": five.ci95}
+    log["20way_1shot"] = {"accuracy": twenty.accuracy, "ci95": twenty.ci95}
+    if recipe.residuals:
+        r = sorted(recipe.residuals)
+        log["cg_residual"] = {"median": r[len(r) // 2], "max": r[-1]}
+        log["convergence_warnings"] = recipe.warnings
+        log["curvature_stops"] = recipe.curvature_stops
+    print(
+        f"{recipe.name:9s} {log['iterations']:5d} it in {log['train_seconds']:4.0f} s | official "
+        f"runs error {100 * official.error:5.1f}% ± {100 * official.ci95:4.1f} | 5-way "
+        f"{100 * five.accuracy:5.1f}% ± {100 * five.ci95:3.1f} | 20-way "
+        f"{100 * twenty.accuracy:5.1f}% ± {100 * twenty.ci95:3.1f} | eval {log['eval_seconds']:.0f} s"
+        + (f" | CG residual max {log['cg_residual']['max']:.1e}" if recipe.residuals else "")
+    )
+    return log
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", type=Path, default=Path("data/omniglot"))
     p.add_argument("--download", action="store_true", help="fetch missing official files")
     p.add_argument("--recipes", nargs="+", choices=RECIPES, default=list(RECIPES))
-    p.add_argument("--budget", type=float, default=300, help="meta-training seconds per recipe")
+    p.add_argument(
+        "--settings",
+        choices=("published", "shared"),
+        default="published",
+        help="each method's published settings (PUBLISHED in this file), or the shared set "
+        "given by the options below for every recipe",
+    )
+    p.add_argument("--budget", type=float, default=240, help="meta-training seconds per recipe")
     p.add_argument("--iterations", type=int, default=10**9, help="at most this many")
     p.add_argument("--hidden", type=int, default=64, help="conv4's filters per layer")
     p.add_argument("--ways", type=int, default=20, help="ways in meta-training episodes")
@@ -274,6 +486,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--imaml-lam", type=float, default=0.5)
     p.add_argument("--held-out", type=int, default=42, help="characters kept for evaluation (b)")
     p.add_argument("--eval-episodes", type=int, default=600)
+    p.add_argument(
+        "--curve-every", type=float, default=30, help="seconds of training between curve points"
+    )
+    p.add_argument(
+        "--curve-episodes",
+        type=int,
+        default=100,
+        help="seeded held-out episodes per curve point and way (0: no curve)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("examples/out/omniglot.json"))
     p.add_argument("--plot", type=Path, default=Path("examples/out/omniglot.png"))
@@ -283,61 +504,26 @@ def main(argv: list[str] | None = None) -> dict:
         available_cores(),
         "the cores available: convolutions on 28x28 images gain from every core",
     )
-    args = p.parse_args(argv)
-    use_threads(args)
+    return p
 
-    torch.manual_seed(args.seed)
-    images, labels, names = load_data(args)
-    (x_train, y_train), (x_held, y_held) = split_characters(
-        images, labels, args.held_out, args.seed
-    )
-    train = fm.data.Episodes(x_train, y_train, ways=args.ways, shots=1, query=args.query)
-    held5 = fm.data.Episodes(x_held, y_held, ways=5, shots=1, query=5)
-    held20 = fm.data.Episodes(x_held, y_held, ways=20, shots=1, query=5)
-    runs_root = args.data
-    runs = fm.data.load_omniglot_runs(runs_root, download=args.download)
-    mhd = modified_hausdorff_error(runs_root)
-    print(
-        f"{len(names)} characters: {len(names) - args.held_out} for meta-training "
-        f"(x4 rotations: {len(y_train.unique())} classes), {args.held_out} held out; "
-        f"MHD baseline on the official runs: {100 * mhd:.2f}% error (stated: {100 * MHD_STATED:.1f}%)"
-    )
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    use_threads(args)
+    data = prepare(args)
     results: dict = {}
     for name in args.recipes:
         torch.manual_seed(args.seed)
-        recipe = Recipe(name, args)
-        log = meta_train(recipe, train, args)
-        start = time.perf_counter()
-        official = recipe.evaluate(runs, 20)
-        five = recipe.evaluate(held5, args.eval_episodes)
-        twenty = recipe.evaluate(held20, args.eval_episodes)
-        log["eval_seconds"] = time.perf_counter() - start
-        log["inner_steps"] = 0 if name in EMBEDDINGS else recipe.steps
-        log["official_runs"] = {"error": official.error, "ci95": official.ci95}
-        log["5way_1shot"] = {"accuracy": five.accuracy, "ci95": five.ci95}
-        log["20way_1shot"] = {"accuracy": twenty.accuracy, "ci95": twenty.ci95}
-        if recipe.residuals:
-            r = sorted(recipe.residuals)
-            log["cg_residual"] = {"median": r[len(r) // 2], "max": r[-1]}
-            log["convergence_warnings"] = recipe.warnings
-            log["curvature_stops"] = recipe.curvature_stops
-        results[name] = log
-        print(
-            f"{name:9s} {log['iterations']:5d} it in {log['train_seconds']:4.0f} s | official runs "
-            f"error {100 * official.error:5.1f}% ± {100 * official.ci95:4.1f} | 5-way "
-            f"{100 * five.accuracy:5.1f}% ± {100 * five.ci95:3.1f} | 20-way "
-            f"{100 * twenty.accuracy:5.1f}% ± {100 * twenty.ci95:3.1f} | eval {log['eval_seconds']:.0f} s"
-            + (f" | CG residual max {log['cg_residual']['max']:.1e}" if recipe.residuals else "")
-        )
+        results[name] = run_recipe(Recipe(name, args), data, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
-        "mhd_error": mhd,
+        "mhd_error": data["mhd"],
         "settings": {k: str(v) for k, v in vars(args).items()},
         "recipes": results,
     }
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"results: {args.out}")
-    plot(results, mhd, args.plot)
+    plot(results, data["mhd"], args.plot)
     if not all(math.isfinite(r["final_loss"]) for r in results.values()):
         raise SystemExit("a recipe's meta-training loss is not finite")
     return summary

@@ -4,7 +4,7 @@ under ``vmap``, and the outputs of T tasks (:func:`funcmeta.apply_tasks`).
 :func:`forward_loss` is one task's ``loss_fn(fmodel(params, *args, **kwargs), targets)``;
 a failing ``loss_fn`` is re-raised with what it was given. :func:`task_losses_of` and
 :func:`task_outputs_of` run the model once for T tasks, the task axis taken by ``vmap``
-(:func:`funcmeta.batching.vmap.vmap_flat`, in chunks of ``fmodel.task_chunk``). The inputs
+(:func:`funcmeta.batching.vmap.vmap_flat`, in chunks of ``fmodel.chunk_now()``). The inputs
 were checked before (:func:`funcmeta.inputs.check_batch_call`).
 
 Example:
@@ -118,12 +118,13 @@ def task_losses_of(
     buffers: dict[str, Tensor],
     *,
     outputs: bool = False,
+    chunk: int | str | None = "model",
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
     ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
 
     ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
-    buffers carry it.
+    buffers carry it. ``chunk``: the tasks run at once (``"model"``: the model's choice now).
     """
     forward = forward_loss_outputs if outputs else forward_loss
 
@@ -132,7 +133,7 @@ def task_losses_of(
 
     trees = (batch, dict(params), buffers)
     in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
-    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
+    return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now() if chunk == "model" else chunk)
 
 
 def task_outputs_of(
@@ -150,4 +151,4 @@ def task_outputs_of(
 
     trees = (dict(params), buffers, call)
     in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))
-    return vmap_flat(one_task, trees, in_dims, fmodel.task_chunk)
+    return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now())

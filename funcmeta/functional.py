@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
+from funcmeta.batching.auto import ChunkTuner
 from funcmeta.batching.fallback import describe_refusal
 from funcmeta.batching.intercept import TaskMode, task_mode
 from funcmeta.batching.layers import task_standins
@@ -48,7 +49,10 @@ class FunctionalModel:
         module: the wrapped module; never mutated by calls.
         checkpointed: names of the submodules run under per-layer checkpointing.
         task_chunk: how many tasks a task-batched call runs at once (see
-            :func:`functional_model`); settable, ``None`` for all of them.
+            :func:`functional_model`); settable: ``"auto"`` (measured), ``None`` for all of
+            them, or a number.
+        task_chunk_choices: under ``"auto"``, what was measured and chosen, per kind of call:
+            ``{"chunk": c, "seconds": {candidate: seconds}}``.
         params: ``dict[str, Tensor]`` of the module's own Parameters, by reference (tied
             weights appear once, under their first name), so meta-gradients reach
             ``param.grad`` and an outer ``torch.optim`` optimizer over
@@ -60,7 +64,7 @@ class FunctionalModel:
         self,
         module: nn.Module,
         checkpoint_layers: CheckpointSpec = None,
-        task_chunk: int | None = None,
+        task_chunk: int | str | None = "auto",
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
@@ -93,14 +97,26 @@ class FunctionalModel:
         return dict(self._own_params)
 
     @property
-    def task_chunk(self) -> int | None:
+    def task_chunk(self) -> int | str | None:
         return self._task_chunk
 
     @task_chunk.setter
-    def task_chunk(self, value: int | None) -> None:
-        if value is not None:
-            check_int(value, "task_chunk", low=1, what="None or a positive int")
+    def task_chunk(self, value: int | str | None) -> None:
+        if value is not None and value != "auto":
+            check_int(value, "task_chunk", low=1, what='"auto", None or a positive int')
         self._task_chunk = value
+        self._chunk_tuner = ChunkTuner()  # measured afresh
+
+    @property
+    def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
+        return {k: dict(v) for k, v in self._chunk_tuner.choices.items()}
+
+    def chunk_now(self) -> int | None:
+        """The chunk a task-batched call runs with now: ``task_chunk``, or under ``"auto"``
+        the chunk of the latest task-batched inner loop (all tasks until there is one)."""
+        if self._task_chunk == "auto":
+            return self._chunk_tuner.hint
+        return self._task_chunk  # type: ignore[return-value]
 
     @property
     def param_shapes(self) -> dict[str, torch.Size]:
@@ -371,7 +387,10 @@ def _check_layers(module: nn.Module) -> None:
 
 
 def functional_model(
-    module: nn.Module, *, checkpoint_layers: CheckpointSpec = None, task_chunk: int | None = None
+    module: nn.Module,
+    *,
+    checkpoint_layers: CheckpointSpec = None,
+    task_chunk: int | str | None = "auto",
 ) -> FunctionalModel:
     """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
@@ -388,10 +407,12 @@ def functional_model(
 
     ``task_chunk`` sets how many tasks the task-batched functions (:func:`funcmeta.adapt_tasks`,
     :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`) run in one vmapped call:
-    ``None`` (all), or ``c``, for chunks of ``c`` tasks one after another (``1``: each task
-    on its own, without vmap). The results are the same (random draws such as dropout masks
-    aside); only speed and the size of the largest intermediate tensors change.
-    :func:`funcmeta.tune_task_chunk` measures the choices and sets the fastest.
+    ``"auto"`` (the default: on the CPU, measured on the first calls of each kind, see
+    :mod:`funcmeta.batching.auto`), ``None`` (all), or ``c``, for chunks of ``c`` tasks one
+    after another (``1``: each task on its own, without vmap). The results are the same up to
+    float rounding (random draws such as dropout masks aside); only speed and the size of the
+    largest intermediate tensors change. Pin it (``None`` or a number) for float32 runs that
+    must repeat bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices up front.
 
     Example:
         >>> import torch, funcmeta as fm

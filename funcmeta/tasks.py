@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta import tree
 from funcmeta._loop import run_inner_loop
 from funcmeta.forward import task_losses_of, task_outputs_of
 from funcmeta.functional import FunctionalModel
@@ -145,23 +146,33 @@ def adapt_tasks(
         fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
     )
     tasks, dims = checked.tasks, checked.param_dims
+    tuner, chunk, trial = _chunk_trial(fmodel, checked, params, steps, opts)
+    marked: list[str] = []  # the adapted parameters whose backward the trial times
 
     def prepare(adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
         # Every task adapts its own copy: shared initial parameters get a task axis (a view).
         # The view is made with grad enabled: a view made under no_grad reports
         # requires_grad but is no graph node of its own, so gradients would skip it.
         with torch.enable_grad():
-            return {
+            out = {
                 k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
                 for k, v in adapted.items()
             }
+            if trial is not None and trial.expect_backward:
+                for k, v in out.items():
+                    if v is not None and v.requires_grad:
+                        out[k] = tuner.mark_inputs(trial, v)
+                        marked.append(k)
+        return out
 
     def forward_for(adapted: dict[str, Tensor | None]) -> Any:
         # adapted parameters carry the task axis now; fixed ones keep their dims
         step_dims = {k: 0 if adapted[k] is not None else dims[k] for k in dims}
-        return functools.partial(task_losses_of, fmodel, loss_fn, checked.batch, step_dims)
+        return functools.partial(
+            task_losses_of, fmodel, loss_fn, checked.batch, step_dims, chunk=chunk
+        )
 
-    return run_inner_loop(
+    result = run_inner_loop(
         params,
         opt,
         steps,
@@ -173,3 +184,49 @@ def adapt_tasks(
         tasks=tasks,
         state=state,
     )
+    if trial is None:  # not timed
+        return result
+    tuner.finish_forward(trial)
+    if not marked:
+        return result
+    with torch.enable_grad():
+        adapted = dict(result.params)
+        for k in marked:
+            if adapted[k].requires_grad:
+                adapted[k] = tuner.mark_outputs(trial, adapted[k])
+    return result._replace(params=adapted)
+
+
+def _chunk_trial(
+    fmodel: FunctionalModel,
+    checked: Any,
+    params: Mapping[str, Tensor],
+    steps: int,
+    opts: AdaptOptions,
+) -> tuple[Any, int | None, Any]:
+    """``(tuner, chunk, trial)``: the model's chunk tuner, this call's chunk, and its
+    :class:`~funcmeta.batching.auto.Trial` when the call is timed (else ``None``)."""
+    if fmodel.task_chunk != "auto":
+        return None, fmodel.chunk_now(), None
+    tuner = fmodel._chunk_tuner
+    leaves = [x for x in tree.leaves(checked.batch) if isinstance(x, Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    expect_backward = torch.is_grad_enabled() and any(
+        isinstance(v, Tensor) and v.requires_grad for v in params.values()
+    )
+    key = (
+        checked.tasks,
+        tuple((tuple(x.shape), x.dtype) for x in leaves),
+        tuple(sorted(checked.param_dims.items())),
+        steps,
+        tuple(v for v in vars(opts).values() if isinstance(v, bool | int | str | type(None))),
+        expect_backward,
+        str(device),
+    )
+    shapes = ", ".join(str(tuple(x.shape)) for x in leaves)
+    label = (
+        f"{checked.tasks} tasks, {steps} steps, batch {shapes}, "
+        f"{'with' if expect_backward else 'without'} backward, {device}"
+    )
+    trial = tuner.start(key, label, checked.tasks, device, expect_backward)
+    return tuner, trial.chunk, (trial if tuner.timed(trial) else None)

@@ -37,6 +37,7 @@ LAYERS: list[list[str]] = [
     # 2: the vmap glue and what runs on it
     [
         "batching.vmap",
+        "batching.auto",
         "batching.fallback",
         "batching.intercept",
         "batching.recurrent",

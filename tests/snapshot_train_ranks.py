@@ -28,7 +28,7 @@ def main(rank: int, rendezvous: str, folder: Path, steps: int, kill_at: int | No
     init_gloo(rank, rendezvous)
     torch.manual_seed(0)  # the same initialisation on every rank
     net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
-    fmodel = fm.functional_model(net)
+    fmodel = fm.functional_model(net, task_chunk=None)  # pinned: a resumed run repeats bit for bit
     rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(1))
     outer = torch.optim.Adam([*net.parameters(), *rates.parameters()], lr=1e-3)
     tasks_rng = torch.Generator().manual_seed(2)  # the same meta-batches on every rank

@@ -100,6 +100,12 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
             "2",
             "--eval-episodes",
             "8",
+            "--curve-episodes",
+            "4",
+            "--curve-every",
+            "0",
+            "--settings",
+            "shared",
             "--no-progress",
             "--out",
             str(tmp_path / "o.json"),
@@ -128,8 +134,41 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
         "protonet": 0,
         "r2d2": 0,
     }
-    assert (tmp_path / "o.json").exists()
+    for name, r in summary["recipes"].items():  # a curve point before training, then each it
+        assert [c["iterations"] for c in r["curve"]] == [0, 1, 2, 3], name
+        assert all(0 <= c["5-way"] <= 1 and 0 <= c["20-way"] <= 1 for c in r["curve"])
+    assert (tmp_path / "o.json").exists() and (tmp_path / "o.png").exists()
     assert "official runs error" in capsys.readouterr().out
+
+
+def test_omniglot_published_settings_are_each_methods_own():
+    omniglot = load("omniglot")
+    args = omniglot.parser().parse_args([])
+    assert args.settings == "published"
+    got = {name: omniglot.settings(name, args) for name in omniglot.RECIPES}
+    assert (got["maml"]["steps"], got["maml"]["inner_lr"], got["maml"]["meta_batch"]) == (
+        5,
+        0.1,
+        16,
+    )
+    assert got["metasgd"]["steps"] == 1 and got["metasgd"]["rates"] == (0.005, 0.1)
+    assert got["reptile"]["inner_adam"] and got["reptile"]["train_shots"] == 9
+    assert (got["reptile"]["eps"], got["reptile"]["eps_final"]) == (1.0, 0.0)
+    assert (got["imaml"]["steps"], got["imaml"]["lam"], got["imaml"]["meta_batch"]) == (16, 2.0, 32)
+    assert (got["protonet"]["ways"], got["protonet"]["query"]) == (60, 5)
+    shared = omniglot.parser().parse_args(["--settings", "shared"])
+    assert omniglot.settings("maml", shared)["steps"] == 1
+    assert omniglot.settings("reptile", shared)["inner_lr"] == 0.4
+    # the schedules: Reptile's outer step annealed linearly to 0, MAML++'s cosine to 1e-5
+    reptile = omniglot.Recipe("reptile", args)
+    reptile.schedule(0.5, 0)
+    assert reptile.outer.param_groups[0]["lr"] == pytest.approx(0.5)
+    mamlpp = omniglot.Recipe("mamlpp", args)
+    mamlpp.schedule(1.0, 0)
+    assert mamlpp.outer.param_groups[0]["lr"] == pytest.approx(1e-5)
+    proto = omniglot.Recipe("protonet", args)
+    proto.schedule(0.1, 4000)
+    assert proto.outer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
 
 
 def test_hyperparameter_example_learns_per_feature_penalties(capsys):

@@ -280,7 +280,7 @@ def test_task_chunks_equal_the_loop(chunk, monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_task_chunk_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match="task_chunk must be None or a positive int"):
+    with pytest.raises(ValueError, match='task_chunk must be "auto", None or a positive int'):
         fm.functional_model(nn.Linear(1, 1), task_chunk=bad)
     fmodel = fm.functional_model(nn.Linear(1, 1))
     with pytest.raises(ValueError, match="task_chunk"):

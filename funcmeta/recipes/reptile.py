@@ -121,9 +121,7 @@ def _minibatch_steps(
             order = torch.cat([order, fresh], 1)
         take, order = order[:, :inner_batch], order[:, inner_batch:]
         batch = (x[rows, take], y[rows, take])
-        adapted = adapt_tasks(
-            fmodel, params, loss_fn, batch, opt, steps=1, state=state, **options
-        )
+        adapted = adapt_tasks(fmodel, params, loss_fn, batch, opt, steps=1, state=state, **options)
         params, state = adapted.params, adapted.state
         losses.append(adapted.losses)
     return adapted._replace(losses=torch.cat(losses))

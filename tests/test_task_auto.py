@@ -1,0 +1,160 @@
+"""task_chunk="auto": the first calls of each kind measure all tasks at once, one at a time and
+a quarter at a time, and later calls take the fastest; every call's results are the pinned
+chunk's (float64), the measurement marks change no gradient, and the choice is reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+from funcmeta.batching.auto import ChunkTuner
+
+DTYPE = torch.float64
+CPU = torch.device("cpu")
+
+
+def finish(trial, forward, backward=None):
+    """Give a trial the times it would have measured."""
+    trial.forward = forward
+    if backward is not None:
+        trial.backward_out, trial.backward_in = 10.0, 10.0 + backward
+
+
+def test_the_tuner_warms_up_tries_every_candidate_and_keeps_the_fastest():
+    tuner = ChunkTuner()
+    first = tuner.start("k", "kind", 16, CPU, True)
+    assert first.chunk is None and not tuner.timed(first)  # the warm-up
+    times = {None: 3.0, 1: 1.0, 4: 2.0}
+    for want in (None, 1, 4):
+        trial = tuner.start("k", "kind", 16, CPU, True)
+        assert trial.chunk == want and tuner.timed(trial)
+        assert tuner.hint == want  # the query passes follow the inner loop's chunk
+        finish(trial, 0.5, times[want] - 0.5)
+    later = tuner.start("k", "kind", 16, CPU, True)
+    assert later.chunk == 1 and not tuner.timed(later)
+    assert tuner.choices["kind"] == {"chunk": 1, "seconds": times}
+    # another kind of call is measured on its own
+    assert tuner.start("other", "other kind", 16, CPU, True).chunk is None
+
+
+def test_trials_waiting_for_their_backward_are_not_issued_twice():
+    """Several calls of one kind before one backward (MAML++'s steps): each candidate is
+    issued once, the rest run all at once until the backward gives the times."""
+    tuner = ChunkTuner()
+    tuner.start("k", "kind", 4, CPU, True)  # warm-up
+    a = tuner.start("k", "kind", 4, CPU, True)
+    b = tuner.start("k", "kind", 4, CPU, True)
+    c = tuner.start("k", "kind", 4, CPU, True)
+    assert (a.chunk, b.chunk, c.chunk) == (None, 1, None) and not tuner.timed(c)
+    finish(a, 0.1, 0.1)
+    finish(b, 0.1, 0.5)
+    assert tuner.start("k", "kind", 4, CPU, True).chunk is None  # all at once: 0.2 s < 0.6 s
+
+
+def test_a_trial_whose_backward_never_comes_is_retried_then_given_up():
+    tuner = ChunkTuner()
+    tuner.start("k", "kind", 4, CPU, True)
+    for _ in range(60):
+        tuner.start("k", "kind", 4, CPU, True)  # no backward ever
+    assert tuner.choices["kind"]["chunk"] is None
+    assert "did not come" in tuner.choices["kind"]["note"]
+
+
+def test_calls_without_backward_are_timed_by_their_forward():
+    tuner = ChunkTuner()
+    tuner.start("k", "kind", 2, CPU, False)
+    for forward in (2.0, 1.0):
+        finish(tuner.start("k", "kind", 2, CPU, False), forward)
+    assert tuner.start("k", "kind", 2, CPU, False).chunk == 1
+
+
+def test_one_task_and_accelerators_run_all_at_once():
+    tuner = ChunkTuner()
+    for _ in range(4):
+        assert tuner.start("one", "one", 1, CPU, True).chunk is None
+        assert tuner.start("gpu", "gpu", 8, torch.device("cuda"), True).chunk is None
+    assert tuner.choices == {}
+
+
+def problem(tasks=4):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1)).to(DTYPE)
+    b = fm.data.Sinusoid().sample(
+        tasks, 5, 5, generator=torch.Generator().manual_seed(1), dtype=DTYPE
+    )
+    return net, b
+
+
+def meta_gradients(fmodel, b, **kwargs):
+    out = fm.recipes.maml(
+        fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=2, lr=0.1, **kwargs
+    )
+    grads = torch.autograd.grad(out.loss, list(fmodel.params.values()))
+    return out, grads
+
+
+@pytest.mark.parametrize("first_order", [False, True])
+def test_every_auto_call_gives_the_pinned_results(first_order):
+    net, b = problem(tasks=8)
+    auto = fm.functional_model(net)
+    pinned = fm.functional_model(net, task_chunk=None)
+    assert auto.task_chunk == "auto"
+    chunks = []
+    for _ in range(6):
+        out, grads = meta_gradients(auto, b, first_order=first_order)
+        chunks.append(auto.chunk_now())
+        ref, ref_grads = meta_gradients(pinned, b, first_order=first_order)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-12, atol=1e-14)
+        for g, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+    assert chunks[:4] == [None, None, 1, 2]  # warm-up, then every candidate once
+    (choice,) = auto.task_chunk_choices.values()
+    assert sorted(choice["seconds"], key=str) == sorted([None, 1, 2], key=str)
+    assert all(s > 0 for s in choice["seconds"].values())
+    best = min(choice["seconds"], key=choice["seconds"].get)
+    assert choice["chunk"] == best and chunks[4:] == [best, best]
+    label = next(iter(auto.task_chunk_choices))
+    assert label.startswith("8 tasks, 2 steps, batch (8, 5, 1), (8, 5, 1), with backward")
+
+
+def test_the_backward_is_timed_when_it_runs():
+    net, b = problem()
+    fmodel = fm.functional_model(net)
+    tuner = fmodel._chunk_tuner
+    for _ in range(2):
+        meta_gradients(fmodel, b)
+    (kind,) = tuner.kinds.values()
+    (trial,) = kind.pending  # the all-at-once trial, its times taken at the next call
+    assert trial.chunk is None and trial.forward > 0
+    assert trial.backward_out is not None and trial.backward_in >= trial.backward_out
+    meta_gradients(fmodel, b)
+    assert kind.measured[None] == pytest.approx(
+        trial.forward + trial.backward_in - trial.backward_out
+    )
+    # evaluation under no_grad is another kind, timed by its forward
+    with torch.no_grad():
+        for _ in range(4):  # warm-up, two trials, and the call that decides
+            fm.adapt_tasks(
+                fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.1), steps=2
+            )
+    labels = list(fmodel.task_chunk_choices)
+    assert any("without backward" in label for label in labels)
+
+
+def test_pinning_the_chunk_stops_the_measuring():
+    net, b = problem()
+    fmodel = fm.functional_model(net)
+    for _ in range(4):
+        meta_gradients(fmodel, b)
+    assert fmodel.task_chunk_choices
+    fmodel.task_chunk = 2
+    assert fmodel.task_chunk_choices == {} and fmodel.chunk_now() == 2
+    meta_gradients(fmodel, b)
+    assert fmodel._chunk_tuner.kinds == {}
+    fmodel.task_chunk = "auto"  # measured afresh
+    meta_gradients(fmodel, b)
+    assert len(fmodel._chunk_tuner.kinds) == 1
