@@ -156,7 +156,7 @@ def agree(grads, ref) -> bool:
 
 def memory_worker(name: str, impl: str, tasks: int, first_order: bool) -> None:
     torch.manual_seed(0)
-    fmodel = fm.functional_model(build(name))
+    fmodel = fm.functional_model(build(name), task_chunk=None)
     support, query = episodes(tasks)
     meta = loop_meta if impl == "loop" else batched_meta
     params = list(fmodel.params.values())
@@ -230,7 +230,7 @@ def main() -> None:
                 net = build(name)
                 support, query = episodes(tasks)
                 plain = fm.functional_model(net)
-                impls = {"loop": plain, "batched": fm.functional_model(net)}
+                impls = {"loop": plain, "batched": fm.functional_model(net, task_chunk=None)}
                 tune_s, chunk = None, "-"
                 if not args.no_tune:
                     tuned = fm.functional_model(net)
