@@ -178,6 +178,9 @@ def main() -> None:
     parser.add_argument("--conv-steps", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--memory-tasks", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument(
+        "--skip-tuned", action="store_true", help="no fm.tune_task_chunk column (it is slow)"
+    )
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_worker:
@@ -210,7 +213,11 @@ def main() -> None:
         for steps in args.conv_steps if workload == "conv4" else [STEPS]:
             for tasks in args.meta_batch:
                 support, query, loss_fn = make_data(workload, tasks, device)
-                tuned = tuned_model(net, loss_fn, support, query, steps)
+                tuned = (
+                    fm.functional_model(net, task_chunk=None)
+                    if args.skip_tuned
+                    else tuned_model(net, loss_fn, support, query, steps)
+                )
                 chunks[(tasks, steps)] = tuned.task_chunk
                 impls = {
                     "loop": functools.partial(loop_meta, fmodel, loss_fn, support, query, steps),
@@ -222,6 +229,8 @@ def main() -> None:
                         batched_meta, fm.functional_model(net), loss_fn, support, query, steps
                     ),
                 }
+                if args.skip_tuned:
+                    del impls["tuned"]
                 if workload == "sinusoid":
                     impls["bmm"] = functools.partial(bmm_meta, net, support, query)
                 grads = {k: timed(f, params, device)[1] for k, f in impls.items()}
@@ -237,13 +246,15 @@ def main() -> None:
                 med = {k: statistics.median(v) for k, v in times.items()}
                 bmm = med.get("bmm")
                 ratio_bmm = med["batched"] / bmm if bmm else None
-                chunk = tuned.task_chunk or "all"
+                chunk = "-" if args.skip_tuned else tuned.task_chunk or "all"
                 auto = impls["default"].args[0].chunk_now() or "all"
+                tuned_ms = med.get("tuned")
                 print(
                     f"{workload:<9} {steps:>2} {tasks:>3} {'yes' if ok else 'NO':>5} "
-                    f"{med['loop']:9.1f} {med['batched']:11.1f} {med['tuned']:9.1f} "
+                    f"{med['loop']:9.1f} {med['batched']:11.1f} {fmt(tuned_ms, 9, 1)} "
                     f"{chunk!s:>5} {med['default']:10.1f} {auto!s:>5} {fmt(bmm, 8, 1)} "
-                    f"{med['loop'] / med['batched']:13.2f} {med['loop'] / med['tuned']:11.2f} "
+                    f"{med['loop'] / med['batched']:13.2f} "
+                    f"{fmt(tuned_ms and med['loop'] / tuned_ms, 11, 2)} "
                     f"{med['loop'] / med['default']:13.2f} {fmt(ratio_bmm, 12, 2)}",
                     flush=True,
                 )
