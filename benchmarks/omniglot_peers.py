@@ -17,7 +17,6 @@ A peer that does not import is reported and skipped (``pip install -e .[bench]``
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -78,15 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         if peer is None:
             recipe.name = "maml/funcmeta"
         results[recipe.name] = omniglot.run_recipe(recipe, data, args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    summary = {
-        "mhd_error": data["mhd"],
-        "settings": {k: str(v) for k, v in vars(args).items()},
-        "recipes": results,
-    }
-    args.out.write_text(json.dumps(summary, indent=2))
-    print(f"results: {args.out}")
-    omniglot.plot(results, data["mhd"], args.plot)
+    summary = omniglot.save_results(results, data, args)
     print("\nimplementation | iterations | official runs error % | held-out 5-way % | 20-way %")
     for name, r in results.items():
         print(

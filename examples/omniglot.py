@@ -518,14 +518,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parser().parse_args(argv)
-    use_threads(args)
-    data = prepare(args)
-    results: dict = {}
-    for name in args.recipes:
-        torch.manual_seed(args.seed)
-        results[name] = run_recipe(Recipe(name, args), data, args)
+def save_results(results: dict, data: dict, args: argparse.Namespace) -> dict:
+    """Write the results and the settings to ``args.out`` (JSON) and plot them."""
     args.out.parent.mkdir(parents=True, exist_ok=True)
     summary = {
         "mhd_error": data["mhd"],
@@ -535,6 +529,18 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"results: {args.out}")
     plot(results, data["mhd"], args.plot)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    use_threads(args)
+    data = prepare(args)
+    results: dict = {}
+    for name in args.recipes:
+        torch.manual_seed(args.seed)
+        results[name] = run_recipe(Recipe(name, args), data, args)
+    summary = save_results(results, data, args)
     if not all(math.isfinite(r["final_loss"]) for r in results.values()):
         raise SystemExit("a recipe's meta-training loss is not finite")
     return summary
