@@ -40,6 +40,7 @@ from torch import Tensor
 
 from funcmeta import tree
 from funcmeta._loop import run_inner_loop
+from funcmeta._torch_private import peek_interpreter_stack
 from funcmeta.forward import task_losses_of, task_outputs_of
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import check_adapt_call, check_batch_call, task_count
@@ -208,6 +209,8 @@ def _chunk_trial(
     :class:`~funcmeta.batching.auto.Trial` when the call is timed (else ``None``)."""
     if fmodel.task_chunk != "auto":
         return None, fmodel.chunk_now(), None
+    if peek_interpreter_stack is None or peek_interpreter_stack() is not None:
+        return None, None, None  # inside a torch.func transform: all at once, not timed
     tuner = fmodel._chunk_tuner
     leaves = [x for x in tree.leaves(checked.batch) if isinstance(x, Tensor)]
     device = leaves[0].device if leaves else torch.device("cpu")

@@ -158,3 +158,20 @@ def test_pinning_the_chunk_stops_the_measuring():
     fmodel.task_chunk = "auto"  # measured afresh
     meta_gradients(fmodel, b)
     assert len(fmodel._chunk_tuner.kinds) == 1
+
+
+def test_inside_a_torch_func_transform_all_tasks_run_at_once_untimed():
+    net, b = problem()
+    fmodel = fm.functional_model(net)
+    params = fmodel.params
+
+    def meta_loss(p):
+        out = fm.recipes.maml(fmodel, p, F.mse_loss, b.support, b.query, steps=1, lr=0.1)
+        return out.loss
+
+    for _ in range(3):
+        grads = torch.func.grad(meta_loss)(params)
+    assert fmodel._chunk_tuner.kinds == {}
+    ref = torch.autograd.grad(meta_loss(params), list(params.values()))
+    for g, r in zip(grads.values(), ref, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
