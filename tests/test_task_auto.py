@@ -26,7 +26,7 @@ def finish(trial, forward, backward=None):
 def test_the_tuner_warms_up_tries_every_candidate_and_keeps_the_fastest():
     tuner = ChunkTuner()
     first = tuner.start("k", "kind", 16, CPU, True)
-    assert first.chunk == 1 and not tuner.timed(first)  # the warm-up, at a loop's cost
+    assert first.chunk is None and not tuner.timed(first)  # the warm-up
     times = {None: 3.0, 1: 1.0, 4: 2.0}
     for want in (None, 1, 4):
         trial = tuner.start("k", "kind", 16, CPU, True)
@@ -37,7 +37,7 @@ def test_the_tuner_warms_up_tries_every_candidate_and_keeps_the_fastest():
     assert later.chunk == 1 and not tuner.timed(later)
     assert tuner.choices["kind"] == {"chunk": 1, "seconds": times}
     # another kind of call is measured on its own
-    assert tuner.start("other", "other kind", 16, CPU, True).chunk == 1  # its warm-up
+    assert tuner.start("other", "other kind", 16, CPU, True).chunk is None  # its warm-up
 
 
 def test_trials_waiting_for_their_backward_are_not_issued_twice():
@@ -111,7 +111,7 @@ def test_every_auto_call_gives_the_pinned_results(first_order):
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-12, atol=1e-14)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
-    assert chunks[:4] == [1, None, 1, 2]  # warm-up, then every candidate once
+    assert chunks[:4] == [None, None, 1, 2]  # warm-up, then every candidate once
     (choice,) = auto.task_chunk_choices.values()
     assert sorted(choice["seconds"], key=str) == sorted([None, 1, 2], key=str)
     assert all(s > 0 for s in choice["seconds"].values())

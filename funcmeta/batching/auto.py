@@ -5,9 +5,9 @@ second-order MAML through conv4 at 20 ways ran 2.3x slower batched than task by 
 (``benchmarks/RESULTS.md``), while a small MLP runs 8-26x faster batched. So a task-batched
 call (:func:`funcmeta.adapt_tasks`) with ``task_chunk="auto"`` measures: per kind of call
 (the number of tasks, the shapes of the batch, steps, order, whether a backward follows), its
-first call runs the tasks one at a time (a warm-up, at the cost of a loop), the next calls
-try all at once, one at a time and, from 8 tasks, a quarter of them at a time, and every
-later call takes the fastest.
+first call runs all tasks at once (a warm-up, the call that probes the model), the next
+calls try all at once, one at a time and, from 8 tasks, a quarter of them at a time, and
+every later call takes the fastest.
 
 What is measured is the inner loop's own time: its forward, and its share of the backward
 that follows (from the moment the backward reaches the adapted parameters to the moment it
@@ -135,9 +135,9 @@ class ChunkTuner:
             trial.chunk = kind.chosen  # type: ignore[assignment]
             trial.expect_backward = False
             trial.started = -1.0  # not timed
-        elif not kind.warmed:  # one task at a time: a warm-up that costs what a loop costs
+        elif not kind.warmed:  # all at once, as without measuring (the first call probes)
             kind.warmed = True
-            trial.chunk = 1
+            trial.chunk = None
             trial.started = -1.0
         else:
             issued = {t.chunk for t in kind.pending}
