@@ -6,7 +6,8 @@ Batched runs three times: all tasks in one vmapped computation ("batched", ``tas
 with the chunk size ``fm.tune_task_chunk`` picks on the workload before timing ("tuned"), and
 as a user gets it, with the default ``task_chunk="auto"`` ("default": a fresh functional model
 per row, which measures its candidates on its first calls, those of the agreement check and
-the first rounds, inside the timed median; "auto chunk" is what it chose).
+the first rounds, inside the timed median; "auto" is what it chose, "..." when the rounds
+ended before it chose: use 5 or more repeats).
 
 Workloads: the sinusoid MLP (1-40-40-1 ReLU, 10-shot support and query, 5 SGD steps) and
 conv4 (4 x conv3x3-64 + BatchNorm + ReLU + max-pool, linear head; 5-way 1-shot 28x28, 5 query
@@ -247,7 +248,8 @@ def main() -> None:
                 bmm = med.get("bmm")
                 ratio_bmm = med["batched"] / bmm if bmm else None
                 chunk = "-" if args.skip_tuned else tuned.task_chunk or "all"
-                auto = impls["default"].args[0].chunk_now() or "all"
+                decided = [c["chunk"] for c in impls["default"].args[0].task_chunk_choices.values()]
+                auto = ("all" if decided[0] is None else decided[0]) if decided else "..."
                 tuned_ms = med.get("tuned")
                 print(
                     f"{workload:<9} {steps:>2} {tasks:>3} {'yes' if ok else 'NO':>5} "
