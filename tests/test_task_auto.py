@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 def finish(trial, forward, backward=None):
     """Give a trial the times it would have measured."""
-    trial.forward = forward
+    trial.forward, trial.ran = forward, True
     if backward is not None:
         trial.backward_out, trial.backward_in = 10.0, 10.0 + backward
 
@@ -175,3 +175,67 @@ def test_inside_a_torch_func_transform_all_tasks_run_at_once_untimed():
     ref = torch.autograd.grad(meta_loss(params), list(params.values()))
     for g, r in zip(grads.values(), ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+
+
+class _Encoder(nn.Module):
+    """A transformer layer on PyTorch's attention, then a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 8, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("build, width", [(_Encoder, 8), (_Recurrent, 4)], ids=["encoder", "lstm"])
+def test_real_models_give_the_pinned_results_through_the_trials(build, width):
+    """A transformer layer and an LSTM through the warm-up, the three trials and the choice:
+    every call's meta-gradients are the pinned chunk's (float64)."""
+    torch.manual_seed(0)
+    net = build().to(DTYPE)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 6, 5, width, generator=g, dtype=DTYPE)  # 8 tasks of 6 sequences
+    y = torch.randint(0, 3, (8, 6), generator=g)
+    auto, pinned = fm.functional_model(net), fm.functional_model(net, task_chunk=None)
+    support, query = (x[:, :3], y[:, :3]), (x[:, 3:], y[:, 3:])
+    for _ in range(6):
+        grads = []
+        for fmodel in (auto, pinned):
+            out = fm.recipes.maml(
+                fmodel, fmodel.params, F.cross_entropy, support, query, steps=2, lr=0.1
+            )
+            grads.append(torch.autograd.grad(out.loss, list(fmodel.params.values())))
+        for a, p in zip(*grads, strict=True):
+            torch.testing.assert_close(a, p, rtol=1e-10, atol=1e-12)
+    assert len(auto.task_chunk_choices) == 1
+
+
+def test_a_trial_call_that_raises_is_not_taken_for_a_fast_one():
+    """A call that fails (here a non-finite inner loss, refused) leaves its trial unfinished:
+    it must not count as zero seconds and win."""
+    net, b = problem()
+    fmodel = fm.functional_model(net)
+    bad = (b.support[0], torch.full_like(b.support[1], float("nan")))
+    opt = fm.optim.sgd(lr=0.1)
+    with torch.no_grad():
+        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=1)  # warm-up
+        with pytest.raises(fm.NonFiniteError):
+            fm.adapt_tasks(
+                fmodel, fmodel.params, F.mse_loss, bad, opt, steps=1, on_nonfinite="raise"
+            )
+        for _ in range(12):
+            fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=1)
+    (choice,) = fmodel.task_chunk_choices.values()
+    assert all(s > 0 for s in choice["seconds"].values())

@@ -57,9 +57,10 @@ class Trial:
     backward_out: float | None = None  # the backward reached the adapted parameters
     backward_in: float | None = None  # the backward passed the initial parameters
     calls_since: int = 0
+    ran: bool = False  # its forward finished (a call that raised never does)
 
     def done(self) -> bool:
-        return not self.expect_backward or self.backward_in is not None
+        return self.ran and (not self.expect_backward or self.backward_in is not None)
 
     def seconds(self) -> float:
         if not self.expect_backward:
@@ -165,6 +166,7 @@ class ChunkTuner:
 
     def finish_forward(self, trial: Trial) -> None:
         trial.forward = time.perf_counter() - trial.started
+        trial.ran = True
 
     def _collect(self, kind: _Kind) -> None:
         """Take the finished trials' times; drop the abandoned ones; decide when complete."""
