@@ -66,16 +66,27 @@ def run_port(m, images, args, style, batched=False):
     return net
 
 
-def run_by_hand(m, images, args, style):
-    """higher's semantics written out: each task from the module's parameters, SGD steps
-    with a graph, per-task backward (higher) or backward of the mean (TorchOpt)."""
+def train(m, images, args, meta_gradient):
+    """The peers' outer loop: the same initial weights and episodes, Adam on the
+    meta-gradient that ``meta_gradient(net, batch)`` leaves in ``.grad``."""
     torch.manual_seed(0)
     net = m.network(args.n_way)
     opt = torch.optim.Adam(net.parameters(), lr=args.meta_lr)
     db = database(m, images, args)
     for _ in range(ITERATIONS):
-        x_spt, y_spt, x_qry, y_qry = db.next()
+        batch = db.next()
         opt.zero_grad()
+        meta_gradient(net, batch)
+        opt.step()
+    return net
+
+
+def run_by_hand(m, images, args, style):
+    """higher's semantics written out: each task from the module's parameters, SGD steps
+    with a graph, per-task backward (higher) or backward of the mean (TorchOpt)."""
+
+    def meta_gradient(net, batch):
+        x_spt, y_spt, x_qry, y_qry = batch
         losses = []
         for i in range(args.task_num):
             params = dict(net.named_parameters())
@@ -94,8 +105,8 @@ def run_by_hand(m, images, args, style):
             losses.append(loss)
         if style == "torchopt":
             torch.stack(losses).mean().backward()
-        opt.step()
-    return net
+
+    return train(m, images, args, meta_gradient)
 
 
 def assert_identical(a, b):
@@ -134,34 +145,30 @@ def test_the_batched_port_gives_the_loops_meta_gradients(setup):
 def test_port_is_bit_identical_to_higher(setup):
     higher = pytest.importorskip("higher")
     m, images, args = setup
-    torch.manual_seed(0)
-    net = m.network(args.n_way)
-    opt = torch.optim.Adam(net.parameters(), lr=args.meta_lr)
-    db = database(m, images, args)
-    for _ in range(ITERATIONS):
-        x_spt, y_spt, x_qry, y_qry = db.next()
+
+    def meta_gradient(net, batch):
+        x_spt, y_spt, x_qry, y_qry = batch
         inner_opt = torch.optim.SGD(net.parameters(), lr=args.inner_lr)
-        opt.zero_grad()
         for i in range(args.task_num):
             with higher.innerloop_ctx(net, inner_opt, copy_initial_weights=False) as (fnet, diff):
                 for _ in range(args.inner_steps):
                     diff.step(F.cross_entropy(fnet(x_spt[i]), y_spt[i]))
                 F.cross_entropy(fnet(x_qry[i]), y_qry[i]).backward()
-        opt.step()
+
+    net = train(m, images, args, meta_gradient)
     assert_identical(run_port(m, images, args, "higher"), net)
 
 
 def test_port_is_bit_identical_to_torchopt(setup):
     torchopt = pytest.importorskip("torchopt")
     m, images, args = setup
-    torch.manual_seed(0)
-    net = m.network(args.n_way)
-    opt = torch.optim.Adam(net.parameters(), lr=args.meta_lr)
-    db = database(m, images, args)
-    inner_opt = torchopt.MetaSGD(net, lr=args.inner_lr)
-    for _ in range(ITERATIONS):
-        x_spt, y_spt, x_qry, y_qry = db.next()
-        opt.zero_grad()
+    inner: dict = {}
+
+    def meta_gradient(net, batch):
+        x_spt, y_spt, x_qry, y_qry = batch
+        if not inner:  # one MetaSGD for the run, as the example makes it
+            inner["opt"] = torchopt.MetaSGD(net, lr=args.inner_lr)
+        inner_opt = inner["opt"]
         net_state = torchopt.extract_state_dict(net, by="reference", detach_buffers=True)
         opt_state = torchopt.extract_state_dict(inner_opt, by="reference")
         losses = []
@@ -172,7 +179,8 @@ def test_port_is_bit_identical_to_torchopt(setup):
             torchopt.recover_state_dict(net, net_state)
             torchopt.recover_state_dict(inner_opt, opt_state)
         torch.stack(losses).mean().backward()
-        opt.step()
+
+    net = train(m, images, args, meta_gradient)
     assert_identical(run_port(m, images, args, "torchopt"), net)
 
 
