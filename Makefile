@@ -53,7 +53,7 @@ bench: setup-dev
 # Every recipe on Omniglot's official one-shot benchmark (about 50 minutes on 2 CPU cores); the
 # official files are downloaded into data/omniglot and verified, or read there if present.
 omniglot: setup
-	$(PYTHON) examples/omniglot.py --data data/omniglot --download --budget 240 --plot docs/img/omniglot_cpu.png
+	$(PYTHON) examples/omniglot.py --data data/omniglot --download --budget 240 --plot docs/img/omniglot_budget.png
 
 clean:
 	rm -rf build *.egg-info .pytest_cache .ruff_cache docs/_build

@@ -10,6 +10,8 @@ import pytest
 import torch
 from helpers import shared_file
 
+import funcmeta as fm
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -143,8 +145,7 @@ def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
 
 def test_omniglot_published_settings_are_each_methods_own():
     omniglot = load("omniglot")
-    args = omniglot.parser().parse_args([])
-    assert args.settings == "published"
+    args = omniglot.parser().parse_args(["--settings", "published"])
     got = {name: omniglot.settings(name, args) for name in omniglot.RECIPES}
     assert (got["maml"]["steps"], got["maml"]["inner_lr"], got["maml"]["meta_batch"]) == (
         5,
@@ -169,6 +170,68 @@ def test_omniglot_published_settings_are_each_methods_own():
     proto = omniglot.Recipe("protonet", args)
     proto.schedule(0.1, 4000)
     assert proto.outer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
+
+
+def test_omniglot_budget_settings_zero_the_head_before_every_inner_loop(tmp_path):
+    """The default settings are the budget ones; with them the head is zero at the start of
+    every inner loop (the zeroing trick), while the body learns; published MAML keeps its
+    learned head."""
+    omniglot = load("omniglot")
+    args = omniglot.parser().parse_args(["--hidden", "8", "--iterations", "2", "--no-progress"])
+    assert args.settings == "budget"
+    assert omniglot.settings("maml", args)["zero_head"]
+    assert not omniglot.settings("protonet", args).get("zero_head")
+    shared = shared_file("omniglot/all_runs.zip").parent
+    x, y, _ = fm.data.load_omniglot(shared, "background_small1", size=28)
+    for setting, zeroed in (("budget", True), ("published", False)):
+        args.settings = setting
+        torch.manual_seed(0)
+        recipe = omniglot.Recipe("maml", args)
+        head = recipe.net.head.weight
+        assert bool((head == 0).all()) is zeroed
+        body = recipe.net.features[0].conv.weight.detach().clone()
+        log = omniglot.meta_train(recipe, omniglot.training_episodes(recipe, x, y), args)
+        assert log["iterations"] == 2
+        assert bool((recipe.net.head.weight == 0).all()) is zeroed
+        assert not bool((recipe.net.head.bias != 0).any()) or not zeroed
+        assert not torch.equal(recipe.net.features[0].conv.weight, body)  # the body learns
+
+
+def test_omniglot_set_changes_one_setting_of_one_recipe(capsys):
+    omniglot = load("omniglot")
+    args = omniglot.parser().parse_args(
+        [
+            "--set",
+            "maml.inner_lr=0.2",
+            "--set",
+            "maml.rates=(0.05, 0.1)",
+            "--set",
+            "maml.zero_head=None",
+            "--set",
+            "reptile.outer=sgd",
+            "--set",
+            "imaml.steps=None",
+        ]
+    )
+    maml = omniglot.settings("maml", args)
+    assert (maml["inner_lr"], maml["rates"]) == (0.2, (0.05, 0.1))
+    assert "zero_head" not in maml  # dropped: no shared value
+    assert omniglot.settings("fomaml", args)["zero_head"]  # other recipes keep theirs
+    assert omniglot.settings("reptile", args)["outer"] == "sgd"  # a bare word is a string
+    assert omniglot.settings("imaml", args)["steps"] == args.imaml_steps  # the shared value
+    with pytest.raises(ValueError, match="only reptile has a choice of outer"):
+        omniglot.Recipe("maml", omniglot.parser().parse_args(["--set", "maml.outer=adam"]))
+    with pytest.raises(ValueError, match="outer='lbfgs'"):
+        omniglot.Recipe("reptile", omniglot.parser().parse_args(["--set", "reptile.outer=lbfgs"]))
+    for bad, message in (
+        ("maml.inner_lr", "expected RECIPE.KEY=VALUE"),
+        ("inner_lr=0.1", "expected RECIPE.KEY=VALUE"),
+        ("mamll.inner_lr=0.1", "no recipe 'mamll'"),
+        ("maml.inner_rate=0.1", "no setting 'inner_rate'"),
+    ):
+        with pytest.raises(SystemExit):
+            omniglot.parser().parse_args(["--set", bad])
+        assert message in capsys.readouterr().err
 
 
 def test_hyperparameter_example_learns_per_feature_penalties(capsys):
