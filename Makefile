@@ -50,7 +50,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/peers.py
 	$(PYTHON) benchmarks/learned_optimizer.py
 
-# Every recipe on Omniglot's official one-shot benchmark (about 50 minutes on 2 CPU cores); the
+# Every recipe on Omniglot's official one-shot benchmark (about 72 minutes on 2 CPU cores); the
 # official files are downloaded into data/omniglot and verified, or read there if present.
 omniglot: setup
 	$(PYTHON) examples/omniglot.py --data data/omniglot --download --budget 240 --plot docs/img/omniglot_budget.png
