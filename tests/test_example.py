@@ -181,6 +181,9 @@ def test_omniglot_budget_settings_zero_the_head_before_every_inner_loop(tmp_path
     assert args.settings == "budget"
     assert omniglot.settings("maml", args)["zero_head"]
     assert not omniglot.settings("protonet", args).get("zero_head")
+    reptile = omniglot.Recipe("reptile", args)
+    assert isinstance(reptile.outer, torch.optim.Adam)  # its update theta - phi through Adam
+    assert reptile.outer.param_groups[0]["lr"] == 3e-3
     shared = shared_file("omniglot/all_runs.zip").parent
     x, y, _ = fm.data.load_omniglot(shared, "background_small1", size=28)
     for setting, zeroed in (("budget", True), ("published", False)):
@@ -195,6 +198,43 @@ def test_omniglot_budget_settings_zero_the_head_before_every_inner_loop(tmp_path
         assert bool((recipe.net.head.weight == 0).all()) is zeroed
         assert not bool((recipe.net.head.bias != 0).any()) or not zeroed
         assert not torch.equal(recipe.net.features[0].conv.weight, body)  # the body learns
+
+
+def test_omniglot_budget_reptile_and_imaml_run(tmp_path):
+    """The default settings' own paths: Reptile's update through Adam on batches of 20 drawn
+    from 5 examples per class, iMAML with 5 queries per class and the undamped system set by
+    ``--set``."""
+    shared = shared_file("omniglot/all_runs.zip").parent
+    omniglot = load("omniglot")
+    summary = omniglot.main(
+        [
+            "--data",
+            str(shared),
+            "--recipes",
+            "reptile",
+            "imaml",
+            "--iterations",
+            "2",
+            "--hidden",
+            "8",
+            "--eval-episodes",
+            "4",
+            "--curve-episodes",
+            "0",
+            "--set",
+            "imaml.damping=0.0",
+            "--no-progress",
+            "--out",
+            str(tmp_path / "o.json"),
+            "--plot",
+            str(tmp_path / "o.png"),
+        ]
+    )
+    reptile, imaml = summary["recipes"]["reptile"], summary["recipes"]["imaml"]
+    assert reptile["iterations"] == imaml["iterations"] == 2
+    assert reptile["settings"]["outer"] == "adam" and reptile["settings"]["train_shots"] == 5
+    assert imaml["settings"]["query"] == 5 and imaml["settings"]["damping"] == 0.0
+    assert "cg_residual" in imaml
 
 
 def test_omniglot_set_changes_one_setting_of_one_recipe(capsys):
