@@ -138,53 +138,34 @@ PUBLISHED: dict[str, dict] = {
 # table in docs/fewshot.md): the published ones were made for tens of thousands of
 # meta-iterations on a GPU, and at 240 s MAML makes 45 of them and iMAML 12. Changed from the
 # published settings, for every method with a head, after a sweep at this budget (in
-# docs/fewshot.md): the zeroing trick (Kao et al. 2022, section 4: the head starts every inner
-# loop at zero), an outer Adam step of 3e-3 and 4 tasks per meta-batch; and each method's own
+# docs/fewshot.md): the zeroing trick (Kao et al. 2022: the head starts every inner loop
+# at zero), an outer Adam step of 3e-3 and 4 tasks per meta-batch; and each method's own
 # changes, below. ProtoNets keep theirs.
+HEADED = dict(meta_batch=4, meta_lr=3e-3, zero_head=True)  # common to the methods with a head
 BUDGET: dict[str, dict] = {
     # one step at 0.4 instead of 5 at 0.1 (5 steps cost five times as much per iteration)
-    "maml": dict(steps=1, inner_lr=0.4, meta_batch=4, meta_lr=3e-3, zero_head=True),
-    "fomaml": dict(steps=5, inner_lr=0.1, meta_batch=4, meta_lr=3e-3, zero_head=True),
-    "anil": dict(steps=1, inner_lr=0.4, meta_batch=4, meta_lr=3e-3, zero_head=True),
-    "metasgd": dict(steps=1, meta_batch=4, meta_lr=3e-3, rates=(0.1, 0.4), zero_head=True),
+    "maml": dict(HEADED, steps=1, inner_lr=0.4),
+    "fomaml": dict(HEADED, steps=5, inner_lr=0.1),
+    "anil": dict(HEADED, steps=1, inner_lr=0.4),
+    "metasgd": dict(HEADED, steps=1, rates=(0.1, 0.4)),
     # MAML++'s per-layer per-step rates and cosine annealing, on MAML's budget settings
     "mamlpp": dict(
+        HEADED,
         steps=1,
         inner_lr=0.4,
-        meta_batch=4,
-        meta_lr=3e-3,
         msl_fraction=0.08,
         first_order_fraction=0.0,
         cosine_to=1e-5,
-        zero_head=True,
     ),
     # 5 proximal steps at 0.1 with lambda 0.5 instead of 16 with lambda 2, 2 CG steps, and 5
     # queries per class: iMAML's query pass is a single gradient, cheap beside its inner loop
     # and its solve, and a meta-batch of 2 or one query per class did worse
-    "imaml": dict(
-        steps=5,
-        inner_lr=0.1,
-        lam=0.5,
-        cg_steps=2,
-        meta_batch=4,
-        meta_lr=3e-3,
-        query=5,
-        zero_head=True,
-    ),
+    "imaml": dict(HEADED, steps=5, inner_lr=0.1, lam=0.5, cg_steps=2, query=5),
     # 5 SGD steps at 0.1 on batches of 20 drawn from 5 examples per class (each step a new
     # batch, as Reptile needs), and its update theta - phi fed to Adam at 3e-3, as Nichol et
     # al. (2018) suggest, instead of SGD with a step of 1 annealed to 0; tested
     # with the same 5 steps. The published settings with the zeroing trick were no better
-    "reptile": dict(
-        steps=5,
-        inner_lr=0.1,
-        train_shots=5,
-        inner_batch=20,
-        meta_batch=4,
-        outer="adam",
-        meta_lr=3e-3,
-        zero_head=True,
-    ),
+    "reptile": dict(HEADED, steps=5, inner_lr=0.1, train_shots=5, inner_batch=20, outer="adam"),
     "protonet": PUBLISHED["protonet"],
     "r2d2": dict(),
 }
@@ -302,6 +283,8 @@ class Recipe:
                 f"{name}: outer={cfg['outer']!r}: only reptile has a choice of outer "
                 "optimizer, 'sgd' (its step eps) or 'adam' (at meta_lr)"
             )
+        if cfg.get("zero_head") and name in EMBEDDINGS:
+            raise ValueError(f"{name}: zero_head: it has no head (it classifies by embeddings)")
         if name == "reptile" and cfg.get("outer") != "adam":  # theta += eps (phi - theta)
             self.outer = torch.optim.SGD(self.net.parameters(), lr=cfg["eps"])
         else:
@@ -315,7 +298,7 @@ class Recipe:
 
     def zero_head(self) -> None:
         """The zeroing trick (Kao et al. 2022, "MAML is a Noisy Contrastive Learner in
-        Classification", section 4): with ``zero_head`` set, the head starts every inner loop
+        Classification"): with ``zero_head`` set, the head starts every inner loop
         at zero, so no learned class order has to be unlearned on tasks whose labels are drawn
         afresh each time. Called at the start and after each outer step."""
         if self.cfg.get("zero_head") and self.method not in EMBEDDINGS:

@@ -261,6 +261,8 @@ def test_omniglot_set_changes_one_setting_of_one_recipe(capsys):
     assert omniglot.settings("imaml", args)["steps"] == args.imaml_steps  # the shared value
     with pytest.raises(ValueError, match="only reptile has a choice of outer"):
         omniglot.Recipe("maml", omniglot.parser().parse_args(["--set", "maml.outer=adam"]))
+    with pytest.raises(ValueError, match="protonet: zero_head: it has no head"):
+        omniglot.Recipe("protonet", omniglot.parser().parse_args(["--set", "protonet.zero_head=1"]))
     with pytest.raises(ValueError, match="outer='lbfgs'"):
         omniglot.Recipe("reptile", omniglot.parser().parse_args(["--set", "reptile.outer=lbfgs"]))
     for bad, message in (
