@@ -1,15 +1,20 @@
-"""MAML on Omniglot at equal wall-clock: funcmeta against higher, TorchOpt and learn2learn.
+"""MAML, ANIL and Meta-SGD on Omniglot at equal wall-clock: funcmeta against higher, TorchOpt
+and learn2learn.
 
-The same algorithm (second-order MAML, SGD in the inner loop), network (conv4, 64 filters,
+The same algorithm (second order, SGD in the inner loop), network (conv4, 64 filters,
 BatchNorm on batch statistics), data, episodes, seeds, settings and budget of meta-training
-seconds for each implementation; only the meta-iteration differs. funcmeta runs
-``fm.recipes.maml`` (the tasks as one computation); the peers run their own MAML, a loop over
-the tasks, from ``benchmarks/peers.py``. Every implementation is evaluated by the same code
-(``fm.evaluate``) on the same seeded held-out episodes and the official runs, with a learning
-curve on the way (``examples/omniglot.py`` does the training, curves and evaluation; its
-options apply, ``--settings`` included).
+seconds for each implementation; only the meta-iteration differs. funcmeta runs its recipe
+(``fm.recipes.maml``, ``anil`` or ``metasgd``: the tasks as one computation); each peer runs
+the method as its users write it, a loop over the tasks: MAML and Meta-SGD from
+``benchmarks/peers.py`` (higher with a per-tensor rate override, learn2learn's ``MetaSGD``;
+TorchOpt's ``MetaSGD`` optimizer takes one scalar rate, so it has no Meta-SGD), ANIL below
+(the body's features computed once per task, the head adapted by the peer). Every
+implementation is evaluated by the same code (``fm.evaluate``) on the same seeded held-out
+episodes and the official runs, with a learning curve on the way (``examples/omniglot.py``
+does the training, curves and evaluation; its options apply, ``--settings`` included).
 
     python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --budget 240
+    python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --method anil
 
 A peer that does not import is reported and skipped (``pip install -e .[bench]``; learn2learn:
 ``bash benchmarks/build_learn2learn.sh``).
@@ -18,10 +23,12 @@ A peer that does not import is reported and skipped (``pip install -e .[bench]``
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 import funcmeta as fm
 
@@ -30,52 +37,133 @@ import omniglot
 import peers
 
 PEER_NAMES = ("higher", "torchopt", "learn2learn")
+METHODS = ("maml", "anil", "metasgd")
 
 
-class PeerMAML(omniglot.Recipe):
-    """MAML with a peer library's meta-iteration; all else as funcmeta's MAML recipe."""
+def features(net: nn.Module, x: Tensor) -> Tensor:
+    """conv4's body: everything but the head (``fm.models`` names the parts)."""
+    return net.flatten(net.features(x))
 
-    def __init__(self, peer: str, args) -> None:
-        super().__init__("maml", args)
+
+def anil_higher(net, support, query, steps: int, lr: float) -> Tensor:
+    """ANIL with higher: ``innerloop_ctx`` over the head, on the body's features."""
+    higher = peers.PEERS["higher"]
+    opt = torch.optim.SGD(net.head.parameters(), lr=lr)
+    losses = []
+    for t in range(support[0].shape[0]):
+        fs, fq = features(net, support[0][t]), features(net, query[0][t])
+        with higher.innerloop_ctx(net.head, opt, copy_initial_weights=False) as (head, diffopt):
+            for _ in range(steps):
+                diffopt.step(F.cross_entropy(head(fs), support[1][t]))
+            losses.append(F.cross_entropy(head(fq), query[1][t]))
+    return torch.stack(losses).mean()
+
+
+def anil_torchopt(net, support, query, steps: int, lr: float) -> Tensor:
+    """ANIL with TorchOpt: ``MetaSGD`` on the head, its state recovered after each task."""
+    torchopt = peers.PEERS["torchopt"]
+    state = torchopt.extract_state_dict(net.head)
+    losses = []
+    for t in range(support[0].shape[0]):
+        fs, fq = features(net, support[0][t]), features(net, query[0][t])
+        inner = torchopt.MetaSGD(net.head, lr=lr)
+        for _ in range(steps):
+            inner.step(F.cross_entropy(net.head(fs), support[1][t]))
+        losses.append(F.cross_entropy(net.head(fq), query[1][t]))
+        torchopt.recover_state_dict(net.head, state)
+    return torch.stack(losses).mean()
+
+
+def anil_learn2learn(net, support, query, steps: int, lr: float) -> Tensor:
+    """ANIL as learn2learn's own ANIL example writes it: ``MAML`` around the head alone."""
+    head = peers.PEERS["learn2learn"].algorithms.MAML(net.head, lr=lr, first_order=False)
+    losses = []
+    for t in range(support[0].shape[0]):
+        fs, fq = features(net, support[0][t]), features(net, query[0][t])
+        learner = head.clone()
+        for _ in range(steps):
+            learner.adapt(F.cross_entropy(learner(fs), support[1][t]))
+        losses.append(F.cross_entropy(learner(fq), query[1][t]))
+    return torch.stack(losses).mean()
+
+
+ANIL: dict[str, Callable[..., Tensor]] = {
+    "higher": anil_higher,
+    "torchopt": anil_torchopt,
+    "learn2learn": anil_learn2learn,
+}
+
+
+def peers_of(method: str) -> tuple[str, ...]:
+    """The peers that have ``method``: Meta-SGD needs a rate per element."""
+    if method == "metasgd":
+        return tuple(n for n in PEER_NAMES if n not in peers.NO_PER_ELEMENT_RATES)
+    return PEER_NAMES
+
+
+class PeerRecipe(omniglot.Recipe):
+    """``method`` with a peer library's meta-iteration; all else as funcmeta's recipe (the
+    same settings, head zeroing, outer optimizer over the same tensors, evaluation)."""
+
+    def __init__(self, method: str, peer: str, args) -> None:
+        if method not in METHODS:
+            raise ValueError(f"method {method!r}: one of {METHODS}")
+        if peer not in peers_of(method):
+            raise ValueError(
+                f"{peer} has no {method}: its MetaSGD optimizer takes one scalar rate, "
+                "Meta-SGD learns one per element"
+            )
+        super().__init__(method, args)
         self.peer = peer
-        self.name = f"maml/{peer}"
-        self.implementation = peers.IMPLEMENTATIONS[peer]
+        self.name = f"{method}/{peer}"
 
     def loss(self, batch: fm.data.EpisodeBatch, progress: float) -> fm.recipes.RecipeResult:
-        loss = self.implementation(
-            self.net,
-            None,
-            batch.support,
-            batch.query,
-            F.cross_entropy,
-            self.steps,
-            lr=self.cfg["inner_lr"],
-        )
+        lr = self.cfg.get("inner_lr")
+        if self.method == "anil":
+            loss = ANIL[self.peer](self.net, batch.support, batch.query, self.steps, lr)
+        else:  # MAML, or Meta-SGD with the rates the outer optimizer trains
+            rates = None if self.rates is None else self.rates()
+            loss = peers.IMPLEMENTATIONS[self.peer](
+                self.net, rates, batch.support, batch.query, F.cross_entropy, self.steps, lr=lr
+            )
         return fm.recipes.RecipeResult(loss, loss.detach(), None)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = omniglot.parser()
     p.description = __doc__.splitlines()[0]
+    p.add_argument("--method", choices=METHODS, default="maml")
     p.add_argument(
         "--peers",
         nargs="+",
         choices=PEER_NAMES,
-        default=[n for n in PEER_NAMES if n in peers.PEERS],
-    )
-    p.set_defaults(
-        out=Path("benchmarks/out/omniglot_peers.json"),
-        plot=Path("benchmarks/out/omniglot_peers.png"),
+        default=None,
+        help="default: every installed peer that has the method",
     )
     args = p.parse_args(argv)
+    installed = [n for n in peers_of(args.method) if n in peers.PEERS]
+    if args.peers is None:
+        args.peers = installed
+    for name in args.peers:
+        if name not in peers_of(args.method):
+            p.error(f"{name} has no {args.method} (Meta-SGD needs a rate per element)")
+        if name not in peers.PEERS:
+            p.error(f"{name} is not installed (pip install -e .[bench])")
+    suffix = "" if args.method == "maml" else f"_{args.method}"
+    if args.out == p.get_default("out"):
+        args.out = Path(f"benchmarks/out/omniglot_peers{suffix}.json")
+    if args.plot == p.get_default("plot"):
+        args.plot = Path(f"benchmarks/out/omniglot_peers{suffix}.png")
     omniglot.use_threads(args)
     data = omniglot.prepare(args)
     results: dict = {}
     for peer in [None, *args.peers]:
         torch.manual_seed(args.seed)  # the same initial weights for every implementation
-        recipe = omniglot.Recipe("maml", args) if peer is None else PeerMAML(peer, args)
         if peer is None:
-            recipe.name = "maml/funcmeta"
+            recipe = omniglot.Recipe(args.method, args)
+            recipe.name = f"{args.method}/funcmeta"
+        else:
+            recipe = PeerRecipe(args.method, peer, args)
         results[recipe.name] = omniglot.run_recipe(recipe, data, args)
     summary = omniglot.save_results(results, data, args)
     print("\nimplementation | iterations | official runs error % | held-out 5-way % | 20-way %")

@@ -1,0 +1,76 @@
+"""The peers' MAML, ANIL and Meta-SGD on Omniglot (benchmarks/omniglot_peers.py) compute the
+same meta-gradients as funcmeta's recipes, so that the comparison at equal time compares
+implementations of one algorithm. Peers that are not installed are skipped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import funcmeta as fm
+
+ROOT = Path(__file__).resolve().parents[1]
+for folder in ("benchmarks", "examples"):
+    if str(ROOT / folder) not in sys.path:
+        sys.path.insert(0, str(ROOT / folder))
+
+import omniglot  # noqa: E402
+import omniglot_peers  # noqa: E402
+import peers  # noqa: E402
+
+# two inner steps at a small rate, a random head (no zeroing): every term of the meta-gradient
+ARGS = ["--settings", "shared", "--steps", "2", "--inner-lr", "0.1", "--hidden", "8", "--ways", "5"]
+
+
+@pytest.fixture
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+def batch() -> fm.data.EpisodeBatch:
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(60, 1, 28, 28, generator=g)
+    y = torch.arange(10).repeat_interleave(6)
+    return fm.data.Episodes(x, y, ways=5, shots=1, query=2).sample(3, generator=g)
+
+
+def meta_gradients(recipe: omniglot.Recipe, episodes: fm.data.EpisodeBatch) -> list[torch.Tensor]:
+    tensors = [p for group in recipe.outer.param_groups for p in group["params"]]
+    return list(torch.autograd.grad(recipe.loss(episodes, 0.0).loss, tensors))
+
+
+@pytest.mark.parametrize("method", omniglot_peers.METHODS)
+@pytest.mark.parametrize("peer", omniglot_peers.PEER_NAMES)
+def test_peer_meta_gradients_match_funcmeta(float64, method: str, peer: str) -> None:
+    if peer not in peers.PEERS:
+        pytest.skip(f"{peer} is not installed")
+    if peer not in omniglot_peers.peers_of(method):
+        pytest.skip(f"{peer} has no {method}")
+    args = omniglot.parser().parse_args(ARGS)
+    episodes = batch()
+    torch.manual_seed(0)
+    ours = omniglot.Recipe(method, args)
+    torch.manual_seed(0)
+    theirs = omniglot_peers.PeerRecipe(method, peer, args)
+    assert all(p.dtype == torch.float64 for p in theirs.net.parameters())
+    expected, got = meta_gradients(ours, episodes), meta_gradients(theirs, episodes)
+    assert len(expected) == len(got) > 0
+    for a, b in zip(got, expected, strict=True):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_peer_without_the_method_is_refused() -> None:
+    args = omniglot.parser().parse_args(ARGS)
+    with pytest.raises(ValueError, match="one scalar rate"):
+        omniglot_peers.PeerRecipe("metasgd", "torchopt", args)
+    with pytest.raises(ValueError, match="method 'reptile'"):
+        omniglot_peers.PeerRecipe("reptile", "higher", args)
+    with pytest.raises(SystemExit):
+        omniglot_peers.main(["--method", "metasgd", "--peers", "torchopt"])
