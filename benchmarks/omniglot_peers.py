@@ -9,6 +9,8 @@ the method as its users write it, a loop over the tasks: MAML and Meta-SGD from
 ``benchmarks/peers.py`` (higher with a per-tensor rate override, learn2learn's ``MetaSGD``;
 TorchOpt's ``MetaSGD`` optimizer takes one scalar rate, so it has no Meta-SGD), ANIL below
 (the body's features computed once per task, the head adapted by the peer). Every
+implementation trains in turn with the others, one meta-iteration each, on its own clock
+(``train_in_turn``), so that all meet the same conditions of the machine. Every
 implementation is evaluated by the same code (``fm.evaluate``) on the same seeded held-out
 episodes and the official runs, with a learning curve on the way (``examples/omniglot.py``
 does the training, curves and evaluation; its options apply, ``--settings`` included).
@@ -23,6 +25,7 @@ A peer that does not import is reported and skipped (``pip install -e .[bench]``
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -129,6 +132,32 @@ class PeerRecipe(omniglot.Recipe):
         return fm.recipes.RecipeResult(loss, loss.detach(), None)
 
 
+def train_in_turn(recipes: list[omniglot.Recipe], data: dict, args) -> list[dict]:
+    """Meta-train the implementations in turn, one meta-iteration each, each on its own
+    clock until its budget is spent: a machine that slows down or speeds up meanwhile does so
+    for all of them alike (one after the other, the last would meet other conditions than
+    the first)."""
+    trainers = [
+        omniglot.Trainer(
+            r,
+            omniglot.training_episodes(r, *data["train"]),
+            args,
+            omniglot.curve_sets(data, args),
+            progress=False,
+        )
+        for r in recipes
+    ]
+    last_print = time.perf_counter()
+    while not all(t.done for t in trainers):
+        for t in trainers:
+            if not t.done:
+                t.step()
+        if not args.no_progress and time.perf_counter() - last_print > 30:
+            print("  " + ", ".join(f"{t.recipe.name} {t.iteration} it" for t in trainers))
+            last_print = time.perf_counter()
+    return [t.finish() for t in trainers]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = omniglot.parser()
     p.description = __doc__.splitlines()[0]
@@ -156,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.plot = Path(f"benchmarks/out/omniglot_peers{suffix}.png")
     omniglot.use_threads(args)
     data = omniglot.prepare(args)
-    results: dict = {}
+    recipes = []
     for peer in [None, *args.peers]:
         torch.manual_seed(args.seed)  # the same initial weights for every implementation
         if peer is None:
@@ -164,7 +193,12 @@ def main(argv: list[str] | None = None) -> dict:
             recipe.name = f"{args.method}/funcmeta"
         else:
             recipe = PeerRecipe(args.method, peer, args)
-        results[recipe.name] = omniglot.run_recipe(recipe, data, args)
+        recipes.append(recipe)
+    logs = train_in_turn(recipes, data, args)
+    results = {
+        r.name: omniglot.evaluate_recipe(r, log, data, args)
+        for r, log in zip(recipes, logs, strict=True)
+    }
     summary = omniglot.save_results(results, data, args)
     print("\nimplementation | iterations | official runs error % | held-out 5-way % | 20-way %")
     for name, r in results.items():

@@ -24,6 +24,7 @@ paper and section each comes from), ``--settings shared`` one shared set for eve
     python examples/omniglot.py --recipes maml protonet --budget 120
     python examples/omniglot.py --recipes maml --settings published --set maml.zero_head=True
     python examples/omniglot.py --data ../shared/data/omniglot --budget 20 --eval-episodes 50
+    python examples/omniglot.py --combine maml.json protonet.json --plot both.png  # no training
 
 MAML-family models get a 20-way head (the official runs are 20-way); on 5-way episodes they
 are adapted and scored on its first 5 outputs (``fm.evaluate`` does this). Prototypical
@@ -406,71 +407,111 @@ def training_episodes(recipe: Recipe, x: torch.Tensor, y: torch.Tensor) -> fm.da
     )
 
 
+class Trainer:
+    """One recipe's meta-training, an iteration at a time, on its own clock: ``step()`` until
+    ``done`` (the budget is spent, or ``--iterations``), then ``finish()`` for the log.
+
+    Every ``args.curve_every`` seconds of training, and at the end, the recipe is scored on
+    each of ``curve_sets`` (the same seeded episodes every time); its clock stops meanwhile,
+    so the budget is training time alone. Several trainers stepped in turn share whatever the
+    machine does meanwhile (``benchmarks/omniglot_peers.py``)."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        episodes: fm.data.Episodes,
+        args: argparse.Namespace,
+        curve_sets: dict[str, fm.data.Episodes] | None = None,
+        *,
+        progress: bool = True,
+    ) -> None:
+        self.recipe, self.episodes, self.args = recipe, episodes, args
+        self.curve_sets = curve_sets or {}
+        self.rng = torch.Generator().manual_seed(args.seed)
+        self.bar = None
+        if progress and tqdm is not None and not args.no_progress:
+            self.bar = tqdm(total=round(args.budget), desc=recipe.name, unit="s", leave=False)
+        self.progress = progress and not args.no_progress
+        self.trained = 0.0  # seconds of training so far
+        self.last_print = self.last_curve = 0.0
+        self.iteration = 0
+        self.losses: list[float] = []
+        self.accuracies: list[float] = []
+        self.curve: list[dict] = []
+        if self.curve_sets:
+            self.score()
+
+    @property
+    def done(self) -> bool:
+        return self.iteration >= self.args.iterations or self.trained >= self.args.budget
+
+    def score(self) -> None:
+        point = {"seconds": round(self.trained, 2), "iterations": self.iteration}
+        for label, eps in self.curve_sets.items():
+            point[label] = self.recipe.evaluate(
+                eps, self.args.curve_episodes, seed=self.args.seed + 7
+            ).accuracy
+        self.curve.append(point)
+
+    def step(self) -> None:
+        """One meta-iteration, timed; a curve point when one is due."""
+        recipe, args = self.recipe, self.args
+        start = time.perf_counter()
+        batch = self.episodes.sample(recipe.cfg["meta_batch"], generator=self.rng)
+        recipe.schedule(self.trained / args.budget, self.iteration * recipe.cfg["meta_batch"])
+        out = recipe.loss(batch, self.trained / args.budget)
+        recipe.outer.zero_grad()
+        out.loss.backward()
+        recipe.outer.step()
+        recipe.zero_head()
+        loss = out.query_loss if out.query_loss is not None else out.loss
+        self.losses.append(loss.item())
+        if out.logits is not None:
+            self.accuracies.append((out.logits.argmax(-1) == batch.y_query).float().mean().item())
+        self.iteration += 1
+        self.trained += time.perf_counter() - start
+        losses = self.losses[-20:]
+        if self.bar is not None:
+            self.bar.update(round(self.trained) - self.bar.n)
+            self.bar.set_postfix(it=self.iteration, loss=f"{sum(losses) / len(losses):.3f}")
+        elif self.progress and self.trained - self.last_print > 30:
+            print(
+                f"  {recipe.name}: {self.trained:.0f} s, {self.iteration} iterations, "
+                f"loss {self.losses[-1]:.3f}"
+            )
+            self.last_print = self.trained
+        if self.curve_sets and self.trained - self.last_curve >= args.curve_every:
+            self.score()
+            self.last_curve = self.trained
+
+    def finish(self) -> dict:
+        """The last curve point (unless just taken) and the log."""
+        if self.curve_sets and (not self.curve or self.curve[-1]["iterations"] != self.iteration):
+            self.score()
+        if self.bar is not None:
+            self.bar.close()
+        tail, acc = self.losses[-50:], self.accuracies[-50:]
+        return {
+            "iterations": self.iteration,
+            "train_seconds": self.trained,
+            "final_loss": sum(tail) / max(len(tail), 1),
+            "train_query_accuracy": sum(acc) / max(len(acc), 1),
+            "curve": self.curve,
+        }
+
+
 def meta_train(
     recipe: Recipe,
     episodes: fm.data.Episodes,
     args: argparse.Namespace,
     curve_sets: dict[str, fm.data.Episodes] | None = None,
 ) -> dict:
-    """Meta-train until the budget is spent (or ``--iterations``); returns the log.
-
-    Every ``args.curve_every`` seconds of training, and at the end, the recipe is scored on
-    each of ``curve_sets`` (the same seeded episodes every time); the clock stops meanwhile,
-    so the budget is training time alone."""
-    rng = torch.Generator().manual_seed(args.seed)
-    bar = None
-    if tqdm is not None and not args.no_progress:
-        bar = tqdm(total=round(args.budget), desc=recipe.name, unit="s", leave=False)
-    trained = 0.0  # seconds of training so far
-    last_print = last_curve = 0.0
-    losses, curve, iteration, accuracies = [], [], 0, []
-    meta_batch = recipe.cfg["meta_batch"]
-
-    def score() -> None:
-        point = {"seconds": round(trained, 2), "iterations": iteration}
-        for label, eps in (curve_sets or {}).items():
-            point[label] = recipe.evaluate(eps, args.curve_episodes, seed=args.seed + 7).accuracy
-        curve.append(point)
-
-    if curve_sets:
-        score()
-    while iteration < args.iterations and trained < args.budget:
-        start = time.perf_counter()
-        batch = episodes.sample(meta_batch, generator=rng)
-        recipe.schedule(trained / args.budget, iteration * meta_batch)
-        out = recipe.loss(batch, trained / args.budget)
-        recipe.outer.zero_grad()
-        out.loss.backward()
-        recipe.outer.step()
-        recipe.zero_head()
-        losses.append(out.query_loss.item() if out.query_loss is not None else out.loss.item())
-        if out.logits is not None:
-            accuracies.append((out.logits.argmax(-1) == batch.y_query).float().mean().item())
-        iteration += 1
-        trained += time.perf_counter() - start
-        if bar is not None:
-            bar.update(round(trained) - bar.n)
-            bar.set_postfix(it=iteration, loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
-        elif not args.no_progress and trained - last_print > 30:
-            print(
-                f"  {recipe.name}: {trained:.0f} s, {iteration} iterations, loss {losses[-1]:.3f}"
-            )
-            last_print = trained
-        if curve_sets and trained - last_curve >= args.curve_every:
-            score()
-            last_curve = trained
-    if curve_sets and (not curve or curve[-1]["iterations"] != iteration):
-        score()
-    if bar is not None:
-        bar.close()
-    tail = losses[-50:]
-    return {
-        "iterations": iteration,
-        "train_seconds": trained,
-        "final_loss": sum(tail) / max(len(tail), 1),
-        "train_query_accuracy": sum(accuracies[-50:]) / max(len(accuracies[-50:]), 1),
-        "curve": curve,
-    }
+    """Meta-train until the budget is spent (or ``--iterations``); returns the log (a
+    :class:`Trainer` run to the end)."""
+    trainer = Trainer(recipe, episodes, args, curve_sets)
+    while not trainer.done:
+        trainer.step()
+    return trainer.finish()
 
 
 def modified_hausdorff_error(runs_root: Path) -> float:
@@ -562,11 +603,22 @@ def prepare(args: argparse.Namespace) -> dict:
     }
 
 
+def curve_sets(data: dict, args: argparse.Namespace) -> dict[str, fm.data.Episodes] | None:
+    """The held-out episode sets of the learning curves (none with ``--curve-episodes 0``)."""
+    return {"5-way": data["held5"], "20-way": data["held20"]} if args.curve_episodes > 0 else None
+
+
 def run_recipe(recipe: Recipe, data: dict, args: argparse.Namespace) -> dict:
     """Meta-train one recipe (with its learning curve), then evaluate it in full."""
     episodes = training_episodes(recipe, *data["train"])
-    curve_sets = {"5-way": data["held5"], "20-way": data["held20"]}
-    log = meta_train(recipe, episodes, args, curve_sets if args.curve_episodes > 0 else None)
+    return evaluate_recipe(
+        recipe, meta_train(recipe, episodes, args, curve_sets(data, args)), data, args
+    )
+
+
+def evaluate_recipe(recipe: Recipe, log: dict, data: dict, args: argparse.Namespace) -> dict:
+    """Score a meta-trained recipe on the official runs and the held-out episodes; ``log``
+    (its training log) with the results added."""
     start = time.perf_counter()
     official = recipe.evaluate(data["runs"], 20)
     five = recipe.evaluate(data["held5"], args.eval_episodes)
@@ -644,6 +696,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("examples/out/omniglot.json"))
     p.add_argument("--plot", type=Path, default=Path("examples/out/omniglot.png"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="no training: the results of earlier runs (their --out files, e.g. recipes run in "
+        "parallel processes) in one --out file and one --plot",
+    )
     add_threads_option(
         p,
         available_cores(),
@@ -666,8 +726,41 @@ def save_results(results: dict, data: dict, args: argparse.Namespace) -> dict:
     return summary
 
 
+def combine(args: argparse.Namespace) -> dict:
+    """The results of earlier runs (``--combine``) in one file and one plot. The runs must be
+    on the same data (the same MHD baseline) and name each recipe once."""
+    results: dict = {}
+    mhd = None
+    for path in args.combine:
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--combine {path}: cannot read it: {e}") from e
+        if not (
+            isinstance(summary, dict)
+            and isinstance(summary.get("recipes"), dict)
+            and isinstance(summary.get("mhd_error"), float)
+        ):
+            raise SystemExit(f"--combine {path}: not a results file of this script")
+        if mhd is not None and summary["mhd_error"] != mhd:
+            raise SystemExit(
+                f"--combine {path}: another dataset (MHD baseline {summary['mhd_error']} "
+                f"against {mhd})"
+            )
+        mhd = summary["mhd_error"]
+        for name, result in summary["recipes"].items():
+            if not isinstance(result, dict) or not isinstance(result.get("official_runs"), dict):
+                raise SystemExit(f"--combine {path}: {name!r} has no results")
+            if name in results:
+                raise SystemExit(f"--combine {path}: {name!r} is already in an earlier file")
+            results[name] = result
+    return save_results(results, {"mhd": mhd}, args)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
+    if args.combine:
+        return combine(args)
     use_threads(args)
     data = prepare(args)
     results: dict = {}

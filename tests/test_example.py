@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -306,3 +307,38 @@ def test_examples_choose_their_thread_count_and_say_why(name, default, capsys):
     with pytest.raises(SystemExit):
         load(name).main(["--threads", "0"])
     assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_omniglot_combine_puts_runs_in_one_file_and_refuses_what_does_not_fit(tmp_path):
+    """``--combine``: the results of runs made apart in one file and one plot; a file that is
+    not one of its results, from other data, or naming a recipe twice is refused by name."""
+    omniglot = load("omniglot")
+    result = {
+        "iterations": 5,
+        "official_runs": {"error": 0.25, "ci95": 0.05},
+        "curve": [{"seconds": 0.0, "iterations": 0, "5-way": 0.3, "20-way": 0.1}],
+    }
+
+    def write(name: str, summary) -> str:
+        path = tmp_path / name
+        path.write_text(summary if isinstance(summary, str) else json.dumps(summary))
+        return str(path)
+
+    a = write("a.json", {"mhd_error": 0.3875, "recipes": {"maml": result}})
+    b = write("b.json", {"mhd_error": 0.3875, "recipes": {"protonet": dict(result, iterations=7)}})
+    out, png = tmp_path / "ab.json", tmp_path / "ab.png"
+    summary = omniglot.main(["--combine", a, b, "--out", str(out), "--plot", str(png)])
+    assert {k: r["iterations"] for k, r in summary["recipes"].items()} == {"maml": 5, "protonet": 7}
+    assert json.loads(out.read_text())["recipes"] == summary["recipes"] and png.exists()
+    bad = {
+        "is already in an earlier file": [a, a],
+        "another dataset": [a, write("c.json", {"mhd_error": 0.5, "recipes": {"x": result}})],
+        "not a results file": [write("d.json", [1, 2])],
+        "has no results": [write("e.json", {"mhd_error": 0.3875, "recipes": {"maml": 3}})],
+        "cannot read it": [write("f.json", '{"mhd_error": 0.38')],
+    }
+    for message, files in bad.items():
+        with pytest.raises(SystemExit, match=message):
+            omniglot.main(["--combine", *files, "--out", str(out), "--plot", str(png)])
+    with pytest.raises(SystemExit, match="cannot read it"):
+        omniglot.main(["--combine", str(tmp_path / "missing.json"), "--out", str(out)])

@@ -74,3 +74,35 @@ def test_peer_without_the_method_is_refused() -> None:
         omniglot_peers.PeerRecipe("reptile", "higher", args)
     with pytest.raises(SystemExit):
         omniglot_peers.main(["--method", "metasgd", "--peers", "torchopt"])
+
+
+def test_training_in_turn_changes_nothing_but_the_order(float64) -> None:
+    """Implementations trained in turn, one iteration each, learn what each learns alone:
+    the same episodes, the same steps, the same curve (float64: funcmeta's task chunk, chosen
+    by timing, may differ between the runs, and with it the rounding)."""
+    args = omniglot.parser().parse_args(
+        [*ARGS, "--iterations", "3", "--curve-every", "0", "--curve-episodes", "2"]
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.rand(120, 1, 28, 28, generator=g), torch.arange(20).repeat_interleave(6)
+    held = fm.data.Episodes(x[:60], y[:60], ways=5, shots=1, query=1)
+    data = {"train": (x, y), "held5": held, "held20": held}
+
+    def recipes(n: int) -> list[omniglot.Recipe]:
+        out = []
+        for _ in range(n):
+            torch.manual_seed(0)
+            out.append(omniglot.Recipe("maml", args))
+        return out
+
+    alone = recipes(1)[0]
+    log = omniglot.meta_train(
+        alone, omniglot.training_episodes(alone, x, y), args, omniglot.curve_sets(data, args)
+    )
+    together = recipes(2)
+    logs = omniglot_peers.train_in_turn(together, data, args)
+    for r, other in zip(together, logs, strict=True):
+        assert other["iterations"] == log["iterations"] == 3
+        assert [c["5-way"] for c in other["curve"]] == [c["5-way"] for c in log["curve"]]
+        for a, b in zip(r.net.parameters(), alone.net.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
