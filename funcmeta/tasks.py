@@ -32,7 +32,8 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -69,7 +70,12 @@ def apply_tasks(
         fmodel, params, inputs, buffers=buffers, task_batched=True, targets=False
     )
     call = checked.batch[0]
-    return task_outputs_of(fmodel, call, checked.param_dims, params, checked.buffers)
+    return _following(
+        fmodel,
+        functools.partial(
+            task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
+        ),
+    )
 
 
 def task_losses(
@@ -105,13 +111,19 @@ def task_losses(
     if not isinstance(return_outputs, bool):
         raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
     checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
-    if not return_outputs:
-        return task_losses_of(
-            fmodel, loss_fn, checked.batch, checked.param_dims, params, checked.buffers
-        )
-    (losses, outputs), new_buffers = task_losses_of(
-        fmodel, loss_fn, checked.batch, checked.param_dims, params, checked.buffers, outputs=True
+    run = functools.partial(
+        task_losses_of,
+        fmodel,
+        loss_fn,
+        checked.batch,
+        checked.param_dims,
+        params,
+        checked.buffers,
+        outputs=return_outputs,
     )
+    if not return_outputs:
+        return _following(fmodel, run)
+    (losses, outputs), new_buffers = _following(fmodel, run)
     return losses, new_buffers, outputs
 
 
@@ -196,6 +208,40 @@ def adapt_tasks(
             if adapted[k].requires_grad:
                 adapted[k] = tuner.mark_outputs(trial, adapted[k])
     return result._replace(params=adapted)
+
+
+def _following(
+    fmodel: FunctionalModel, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+) -> tuple[Any, dict[str, Tensor]]:
+    """``run()``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`); under
+    ``task_chunk="auto"``, timed as part of the measured call it follows, if any (the query
+    pass after :func:`adapt_tasks`, on the same chunk; see :mod:`funcmeta.batching.auto`)."""
+    if fmodel.task_chunk != "auto" or peek_interpreter_stack is None:
+        return run()
+    tuner = fmodel._chunk_tuner
+    trial = tuner.following() if peek_interpreter_stack() is None else None
+    if trial is None:
+        return run()
+    started = time.perf_counter()
+    out, new_buffers = run()
+    seconds = time.perf_counter() - started
+    if not trial.expect_backward:
+        trial.query_forward += seconds
+        return out, new_buffers
+    marked = 0
+
+    def mark(x: Any) -> Any:
+        nonlocal marked
+        if isinstance(x, Tensor) and x.requires_grad:
+            marked += 1
+            return tuner.mark_query(trial, x)
+        return x
+
+    with torch.enable_grad():
+        out = tree.tree_map(mark, out)
+    if marked:  # its backward is timed too: count its forward with it
+        trial.query_forward += seconds
+    return out, new_buffers
 
 
 def _chunk_trial(

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcmeta as fm
-from funcmeta.batching.auto import ChunkTuner
+from funcmeta.batching.auto import ChunkTuner, candidate_chunks
 
 DTYPE = torch.float64
 CPU = torch.device("cpu")
@@ -23,21 +23,40 @@ def finish(trial, forward, backward=None):
         trial.backward_out, trial.backward_in = 10.0, 10.0 + backward
 
 
-def test_the_tuner_warms_up_tries_every_candidate_and_keeps_the_fastest():
+def test_the_tuner_warms_up_tries_every_candidate_twice_and_keeps_the_fastest():
     tuner = ChunkTuner()
     first = tuner.start("k", "kind", 16, CPU, True)
     assert first.chunk is None and not tuner.timed(first)  # the warm-up
-    times = {None: 3.0, 1: 1.0, 4: 2.0}
-    for want in (None, 1, 4):
+    # each candidate twice, the second round in reverse; the least of its two times counts
+    times = {None: [3.0, 2.5], 1: [1.0, 1.9], 4: [2.0, 0.8]}
+    for want, r in [(None, 0), (1, 0), (4, 0), (4, 1), (1, 1), (None, 1)]:
         trial = tuner.start("k", "kind", 16, CPU, True)
         assert trial.chunk == want and tuner.timed(trial)
         assert tuner.hint == want  # the query passes follow the inner loop's chunk
-        finish(trial, 0.5, times[want] - 0.5)
+        finish(trial, 0.5, times[want][r] - 0.5)
     later = tuner.start("k", "kind", 16, CPU, True)
-    assert later.chunk == 1 and not tuner.timed(later)
-    assert tuner.choices["kind"] == {"chunk": 1, "seconds": times}
+    assert later.chunk == 4 and not tuner.timed(later)
+    assert tuner.choices["kind"]["chunk"] == 4
+    assert tuner.choices["kind"]["seconds"] == pytest.approx({None: 2.5, 1: 1.0, 4: 0.8})
     # another kind of call is measured on its own
     assert tuner.start("other", "other kind", 16, CPU, True).chunk is None  # its warm-up
+
+
+@pytest.mark.parametrize(
+    "tasks, want",
+    [
+        (1, [None]),
+        (2, [None, 1]),
+        (4, [None, 1]),
+        (5, [None, 1, 4]),
+        (16, [None, 1, 4]),
+        (17, [None, 1, 4, 16]),
+        (64, [None, 1, 4, 16]),
+        (65, [None, 1, 4, 16, 64]),
+    ],
+)
+def test_the_candidates_are_all_and_powers_of_four_below_the_task_count(tasks, want):
+    assert candidate_chunks(tasks) == want
 
 
 def test_trials_waiting_for_their_backward_are_not_issued_twice():
@@ -51,7 +70,12 @@ def test_trials_waiting_for_their_backward_are_not_issued_twice():
     assert (a.chunk, b.chunk, c.chunk) == (None, 1, None) and not tuner.timed(c)
     finish(a, 0.1, 0.1)
     finish(b, 0.1, 0.5)
-    assert tuner.start("k", "kind", 4, CPU, True).chunk is None  # all at once: 0.2 s < 0.6 s
+    d = tuner.start("k", "kind", 4, CPU, True)  # the second round, in reverse
+    e = tuner.start("k", "kind", 4, CPU, True)
+    assert (d.chunk, e.chunk) == (1, None) and tuner.timed(d) and tuner.timed(e)
+    finish(d, 0.1, 0.4)
+    finish(e, 0.1, 0.2)
+    assert tuner.start("k", "kind", 4, CPU, True).chunk is None  # all at once: 0.2 s < 0.5 s
 
 
 def test_a_trial_whose_backward_never_comes_is_retried_then_given_up():
@@ -66,7 +90,7 @@ def test_a_trial_whose_backward_never_comes_is_retried_then_given_up():
 def test_calls_without_backward_are_timed_by_their_forward():
     tuner = ChunkTuner()
     tuner.start("k", "kind", 2, CPU, False)
-    for forward in (2.0, 1.0):
+    for forward in (2.0, 1.0, 1.2, 2.1):  # all, 1, 1, all
         finish(tuner.start("k", "kind", 2, CPU, False), forward)
     assert tuner.start("k", "kind", 2, CPU, False).chunk == 1
 
@@ -103,7 +127,7 @@ def test_every_auto_call_gives_the_pinned_results(first_order):
     pinned = fm.functional_model(net, task_chunk=None)
     assert auto.task_chunk == "auto"
     chunks = []
-    for _ in range(6):
+    for _ in range(10):
         out, grads = meta_gradients(auto, b, first_order=first_order)
         chunks.append(auto.chunk_now())
         ref, ref_grads = meta_gradients(pinned, b, first_order=first_order)
@@ -111,12 +135,13 @@ def test_every_auto_call_gives_the_pinned_results(first_order):
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-12, atol=1e-14)
         for g, r in zip(grads, ref_grads, strict=True):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
-    assert chunks[:4] == [None, None, 1, 2]  # warm-up, then every candidate once
+    # the warm-up, then every candidate twice, the second round in reverse
+    assert chunks[:7] == [None, None, 1, 4, 4, 1, None]
     (choice,) = auto.task_chunk_choices.values()
-    assert sorted(choice["seconds"], key=str) == sorted([None, 1, 2], key=str)
+    assert sorted(choice["seconds"], key=str) == sorted([None, 1, 4], key=str)
     assert all(s > 0 for s in choice["seconds"].values())
     best = min(choice["seconds"], key=choice["seconds"].get)
-    assert choice["chunk"] == best and chunks[4:] == [best, best]
+    assert choice["chunk"] == best and chunks[7:] == [best] * 3
     label = next(iter(auto.task_chunk_choices))
     assert label.startswith("8 tasks, 2 steps, batch (8, 5, 1), (8, 5, 1), with backward")
 
@@ -131,13 +156,17 @@ def test_the_backward_is_timed_when_it_runs():
     (trial,) = kind.pending  # the all-at-once trial, its times taken at the next call
     assert trial.chunk is None and trial.forward > 0
     assert trial.backward_out is not None and trial.backward_in >= trial.backward_out
+    # the query pass that followed (fm.apply_tasks in the recipe) is timed with it: its
+    # forward, and its backward from the moment the backward reached its outputs
+    assert trial.query_forward > 0
+    assert trial.backward_query is not None and trial.backward_query <= trial.backward_out
     meta_gradients(fmodel, b)
     assert kind.measured[None] == pytest.approx(
-        trial.forward + trial.backward_in - trial.backward_out
+        [trial.forward + trial.query_forward + trial.backward_in - trial.backward_query]
     )
     # evaluation under no_grad is another kind, timed by its forward
     with torch.no_grad():
-        for _ in range(4):  # warm-up, two trials, and the call that decides
+        for _ in range(6):  # warm-up, two trials twice, and the call that decides
             fm.adapt_tasks(
                 fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.1), steps=2
             )
@@ -148,7 +177,7 @@ def test_the_backward_is_timed_when_it_runs():
 def test_pinning_the_chunk_stops_the_measuring():
     net, b = problem()
     fmodel = fm.functional_model(net)
-    for _ in range(4):
+    for _ in range(6):
         meta_gradients(fmodel, b)
     assert fmodel.task_chunk_choices
     fmodel.task_chunk = 2
@@ -210,7 +239,7 @@ def test_real_models_give_the_pinned_results_through_the_trials(build, width):
     y = torch.randint(0, 3, (8, 6), generator=g)
     auto, pinned = fm.functional_model(net), fm.functional_model(net, task_chunk=None)
     support, query = (x[:, :3], y[:, :3]), (x[:, 3:], y[:, 3:])
-    for _ in range(6):
+    for _ in range(8):
         grads = []
         for fmodel in (auto, pinned):
             out = fm.recipes.maml(

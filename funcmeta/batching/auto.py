@@ -6,15 +6,22 @@ second-order MAML through conv4 at 20 ways ran 2.3x slower batched than task by 
 call (:func:`funcmeta.adapt_tasks`) with ``task_chunk="auto"`` measures: per kind of call
 (the number of tasks, the shapes of the batch, steps, order, whether a backward follows), its
 first call runs all tasks at once (a warm-up, the call that probes the model), the next
-calls try all at once, one at a time and, from 8 tasks, a quarter of them at a time, and
-every later call takes the fastest.
+calls try each candidate twice (:func:`candidate_chunks`: all at once, then 1, 4, 16, ...
+tasks at a time; the second round in reverse order), and every later call takes the
+candidate with the least time. On conv4 at 32 and 64 tasks the fastest chunk was 4 tasks,
+1.1-1.2x the loop, where both a quarter of the tasks and one at a time were slower
+(``benchmarks/RESULTS.md``).
 
-What is measured is the inner loop's own time: its forward, and its share of the backward
-that follows (from the moment the backward reaches the adapted parameters to the moment it
-has passed the initial ones, marked by identity nodes in the graph). The user's own code in
-between is not counted. A trial whose backward never comes (a call whose graph is dropped)
-is tried again; after three such calls that kind of call keeps all tasks at once. Calls
-without a graph (evaluation under ``torch.no_grad()``) are timed by their forward alone.
+What is measured is the call's own time and that of the task-batched passes that follow it
+on the same chunk (:func:`funcmeta.apply_tasks` and :func:`funcmeta.task_losses`: the query
+pass of the recipes): their forwards, and the backward from the moment it reaches the
+outputs of those passes (or, without them, the adapted parameters) to the moment it has
+passed the initial parameters, marked by identity nodes in the graph. The user's own code in
+between is not counted. The query pass matters: on conv4 at 32 tasks, one step, chunks of 8
+made the inner loop 1.26x faster than one task at a time but the whole meta-iteration 4%
+slower. A trial whose backward never comes (a call whose graph is dropped) is tried again;
+after three such calls that kind of call keeps all tasks at once. Calls without a graph
+(evaluation under ``torch.no_grad()``) are timed by their forwards alone.
 
 Only CPU calls are measured: on an accelerator all tasks run at once (one launch per
 operation is what batching is for there, and timing it would need synchronisation).
@@ -39,11 +46,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ChunkTuner", "Trial"]
+__all__ = ["ChunkTuner", "Trial", "candidate_chunks"]
 
 _WARMUP = "warm-up"
 _ABANDON_AFTER = 8  # calls of the same kind before an unfinished trial counts as dropped
 _RETRIES = 3
+_ROUNDS = 2  # trials per candidate; the least time counts
 
 
 @dataclass
@@ -56,6 +64,8 @@ class Trial:
     started: float = 0.0
     backward_out: float | None = None  # the backward reached the adapted parameters
     backward_in: float | None = None  # the backward passed the initial parameters
+    query_forward: float = 0.0  # the task-batched passes that followed (fm.apply_tasks ...)
+    backward_query: float | None = None  # the backward reached their outputs
     calls_since: int = 0
     ran: bool = False  # its forward finished (a call that raised never does)
 
@@ -66,7 +76,8 @@ class Trial:
         if not self.expect_backward:
             return self.forward
         assert self.backward_in is not None and self.backward_out is not None
-        return self.forward + max(self.backward_in - self.backward_out, 0.0)
+        begun = self.backward_out if self.backward_query is None else self.backward_query
+        return self.forward + self.query_forward + max(self.backward_in - begun, 0.0)
 
 
 @dataclass
@@ -74,12 +85,50 @@ class _Kind:
     """The tuning state of one kind of call."""
 
     candidates: list[int | None]
-    measured: dict[int | None, float] = field(default_factory=dict)
+    measured: dict[int | None, list[float]] = field(default_factory=dict)
     pending: list[Trial] = field(default_factory=list)
     warmed: bool = False
     retries: int = 0
     chosen: int | str | None = _WARMUP  # a chunk once decided; _WARMUP until then
     label: str = ""
+
+    def next_candidate(self) -> int | str | None:
+        """The chunk the next trial runs: the first round in the candidates' order, the
+        second in reverse (so that drift over the trials favours none); a candidate is not
+        issued while a trial of it waits for its backward. ``_WARMUP`` when none is due."""
+        issued = [t.chunk for t in self.pending]
+        for r in range(_ROUNDS):
+            order = self.candidates if r % 2 == 0 else self.candidates[::-1]
+            for c in order:
+                if c not in issued and len(self.measured.get(c, [])) <= r:
+                    return c
+        return _WARMUP
+
+    def complete(self) -> bool:
+        return all(len(self.measured.get(c, [])) >= _ROUNDS for c in self.candidates)
+
+    def best_seconds(self) -> dict[int | None, float]:
+        """Per candidate measured, the least of its times (the others met more noise)."""
+        return {c: min(times) for c, times in self.measured.items()}
+
+
+def candidate_chunks(tasks: int) -> list[int | None]:
+    """The chunks tried for ``tasks`` tasks: all at once (``None``), then 1, 4, 16, ...
+    below ``tasks``: a grid a factor of 4 apart, so the chunk chosen is within 2x of the
+    best size on the grid's scale at a cost of ``log4(tasks) + 2`` trials per round.
+
+    Example:
+        >>> candidate_chunks(32)
+        [None, 1, 4, 16]
+        >>> candidate_chunks(1)
+        [None]
+    """
+    candidates: list[int | None] = [None]
+    chunk = 1
+    while chunk < tasks:
+        candidates.append(chunk)
+        chunk *= 4
+    return candidates
 
 
 class _Stamp(torch.autograd.Function):
@@ -94,7 +143,10 @@ class _Stamp(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:
         now = time.perf_counter()
         trial = ctx.trial
-        if ctx.which == "out":  # the latest: the backward has passed every adapted parameter
+        if ctx.which == "query":  # the first: the backward has begun on the passes that followed
+            if trial.backward_query is None:
+                trial.backward_query = now
+        elif ctx.which == "out":  # the latest: the backward has passed every adapted parameter
             trial.backward_out = now
         else:  # the latest: the backward has passed every initial parameter
             trial.backward_in = now
@@ -115,6 +167,7 @@ class ChunkTuner:
         self.kinds: dict[Any, _Kind] = {}
         self.hint: int | None = None
         self.choices: dict[Any, dict[str, Any]] = {}
+        self.latest: Trial | None = None  # the latest call's trial, if it was timed
 
     def start(
         self, key: Any, label: str, tasks: int, device: torch.device, expect_backward: bool
@@ -123,10 +176,7 @@ class ChunkTuner:
         kinds of calls apart, ``label`` names the kind in :attr:`choices`."""
         kind = self.kinds.get(key)
         if kind is None:
-            quarter = tasks // 4
-            candidates: list[int | None] = [None]
-            if tasks > 1 and device.type == "cpu":
-                candidates += [1] + ([quarter] if tasks >= 8 and quarter > 1 else [])
+            candidates = candidate_chunks(tasks) if device.type == "cpu" else [None]
             kind = self.kinds[key] = _Kind(candidates, label=label)
             if len(candidates) == 1:
                 kind.chosen = None
@@ -141,16 +191,16 @@ class ChunkTuner:
             trial.chunk = None
             trial.started = -1.0
         else:
-            issued = {t.chunk for t in kind.pending}
-            todo = [c for c in kind.candidates if c not in kind.measured and c not in issued]
-            if todo:
-                trial.chunk = todo[0]
+            todo = kind.next_candidate()
+            if todo is not _WARMUP:
+                trial.chunk = todo  # type: ignore[assignment]
                 trial.started = time.perf_counter()
                 kind.pending.append(trial)
             else:  # every candidate is measured or on its way: all at once meanwhile
                 trial.chunk = None
                 trial.started = -1.0
         self.hint = trial.chunk
+        self.latest = trial if self.timed(trial) else None
         return trial
 
     def timed(self, trial: Trial) -> bool:
@@ -164,6 +214,22 @@ class ChunkTuner:
         """``x`` (an adapted parameter) behind an identity that notes the backward's start."""
         return _Stamp.apply(trial, "out", x)
 
+    def following(self) -> Trial | None:
+        """The trial that a task-batched pass run now belongs to (the query pass after a timed
+        call, on the same chunk): the latest call's, when it was timed, its forward has
+        finished and its backward has not begun; else ``None``."""
+        trial = self.latest
+        if trial is None or not trial.ran:
+            return None
+        if trial.backward_query is not None or trial.backward_out is not None:
+            return None
+        return trial
+
+    def mark_query(self, trial: Trial, x: Tensor) -> Tensor:
+        """``x`` (an output of a pass that follows) behind an identity that notes when the
+        backward reaches it."""
+        return _Stamp.apply(trial, "query", x)
+
     def finish_forward(self, trial: Trial) -> None:
         trial.forward = time.perf_counter() - trial.started
         trial.ran = True
@@ -174,7 +240,7 @@ class ChunkTuner:
         for t in kind.pending:
             t.calls_since += 1
             if t.done() and (not t.expect_backward or t.backward_out is not None):
-                kind.measured[t.chunk] = t.seconds()
+                kind.measured.setdefault(t.chunk, []).append(t.seconds())
             elif t.calls_since > _ABANDON_AFTER:
                 kind.retries += 1
             else:
@@ -184,11 +250,12 @@ class ChunkTuner:
             kind.chosen = None
             self.choices[kind.label] = {
                 "chunk": None,
-                "seconds": dict(kind.measured),
+                "seconds": kind.best_seconds(),
                 "note": "its backward did not come: all tasks at once",
             }
             return
-        if kind.chosen == _WARMUP and all(c in kind.measured for c in kind.candidates):
-            best = min(kind.candidates, key=lambda c: kind.measured[c])
+        if kind.chosen == _WARMUP and kind.complete():
+            seconds = kind.best_seconds()
+            best = min(kind.candidates, key=lambda c: seconds[c])
             kind.chosen = best
-            self.choices[kind.label] = {"chunk": best, "seconds": dict(kind.measured)}
+            self.choices[kind.label] = {"chunk": best, "seconds": seconds}
