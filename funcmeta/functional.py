@@ -52,7 +52,8 @@ class FunctionalModel:
             :func:`functional_model`); settable: ``"auto"`` (measured), ``None`` for all of
             them, or a number.
         task_chunk_choices: under ``"auto"``, what was measured and chosen, per kind of call:
-            ``{"chunk": c, "seconds": {candidate: seconds}}``.
+            ``{"chunk": c, "seconds": {candidate: seconds}}``, a candidate's seconds the
+            least of its two trials.
         params: ``dict[str, Tensor]`` of the module's own Parameters, by reference (tied
             weights appear once, under their first name), so meta-gradients reach
             ``param.grad`` and an outer ``torch.optim`` optimizer over
