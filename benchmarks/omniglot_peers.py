@@ -18,12 +18,19 @@ does the training, curves and evaluation; its options apply, ``--settings`` incl
     python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --budget 240
     python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --method anil
 
+Runs with other ``--seed`` values (other initial weights and training episodes) are summed
+up with ``--summarize``: per implementation the mean and standard deviation over the runs,
+and per peer funcmeta's paired difference (its result minus the peer's in the same run):
+
+    python benchmarks/omniglot_peers.py --summarize run1.json run2.json run3.json
+
 A peer that does not import is reported and skipped (``pip install -e .[bench]``; learn2learn:
 ``bash benchmarks/build_learn2learn.sh``).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -158,6 +165,80 @@ def train_in_turn(recipes: list[omniglot.Recipe], data: dict, args) -> list[dict
     return [t.finish() for t in trainers]
 
 
+MEASURES = {
+    "iterations": lambda r: float(r["iterations"]),
+    "official runs error %": lambda r: 100 * r["official_runs"]["error"],
+    "held-out 5-way %": lambda r: 100 * r["5way_1shot"]["accuracy"],
+    "held-out 20-way %": lambda r: 100 * r["20way_1shot"]["accuracy"],
+}
+
+
+def summarize(paths: list[Path]) -> dict:
+    """Runs of the same implementations with other seeds, summed up: per implementation and
+    measure the values, their mean and standard deviation; per peer and measure, funcmeta's
+    paired differences (funcmeta minus the peer, run by run) with their mean and the number of
+    runs in which funcmeta was at least as good. The files must hold the same implementations
+    of one method, on the same data, from runs with distinct seeds."""
+    summaries = omniglot.read_results(paths, "--summarize")
+    names = list(summaries[0]["recipes"])
+    seeds: dict[str, Path] = {}
+    for path, summary in zip(paths, summaries, strict=True):
+        if list(summary["recipes"]) != names:
+            raise SystemExit(
+                f"--summarize {path}: implementations {list(summary['recipes'])}, the first "
+                f"file has {names}"
+            )
+        seed = str(summary.get("settings", {}).get("seed"))
+        if seed in seeds:
+            raise SystemExit(f"--summarize {path}: seed {seed}, as {seeds[seed]}")
+        seeds[seed] = path
+    ours = [n for n in names if n.endswith("/funcmeta")]
+    if len(ours) != 1:
+        raise SystemExit(f"--summarize: one funcmeta implementation expected, found {ours}")
+
+    def stats(values: list[float]) -> dict:
+        mean = sum(values) / len(values)
+        sd = (
+            (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if values[1:] else 0.0
+        )
+        return {"values": values, "mean": mean, "sd": sd}
+
+    table = {
+        n: {m: stats([f(s["recipes"][n]) for s in summaries]) for m, f in MEASURES.items()}
+        for n in names
+    }
+    lower_is_better = {"official runs error %"}
+    paired = {}
+    for peer in (n for n in names if n not in ours):
+        paired[peer] = {}
+        for m in MEASURES:
+            diffs = [
+                a - b
+                for a, b in zip(table[ours[0]][m]["values"], table[peer][m]["values"], strict=True)
+            ]
+            at_least = sum((d <= 0) if m in lower_is_better else (d >= 0) for d in diffs)
+            paired[peer][m] = {**stats(diffs), "funcmeta_at_least_as_good": at_least}
+    return {"runs": [str(p) for p in paths], "seeds": list(seeds), "table": table, "paired": paired}
+
+
+def print_summary(summary: dict) -> None:
+    runs = len(summary["runs"])
+    print(f"mean ± sd over {runs} runs (seeds {', '.join(summary['seeds'])})")
+    print("implementation | " + " | ".join(MEASURES))
+    for name, row in summary["table"].items():
+        cells = [f"{c['mean']:.1f} ± {c['sd']:.1f}" for c in row.values()]
+        print(f"{name} | " + " | ".join(cells))
+    print(
+        f"funcmeta minus the peer, run by run: mean ± sd (runs where funcmeta is at least as good, of {runs})"
+    )
+    for peer, row in summary["paired"].items():
+        cells = [
+            f"{c['mean']:+.1f} ± {c['sd']:.1f} ({c['funcmeta_at_least_as_good']})"
+            for c in row.values()
+        ]
+        print(f"{peer} | " + " | ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = omniglot.parser()
     p.description = __doc__.splitlines()[0]
@@ -169,7 +250,22 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="default: every installed peer that has the method",
     )
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="no training: the results of runs with other seeds (their --out files), summed up "
+        "(written to --out when given)",
+    )
     args = p.parse_args(argv)
+    if args.summarize:
+        summary = summarize(args.summarize)
+        print_summary(summary)
+        if args.out != p.get_default("out"):
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(summary, indent=1))
+        return summary
     installed = [n for n in peers_of(args.method) if n in peers.PEERS]
     if args.peers is None:
         args.peers = installed

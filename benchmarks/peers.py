@@ -3,8 +3,9 @@
 Implementations:
 - **reference:** hand-written ``functional_call`` + ``torch.autograd.grad``, a loop over tasks.
 - **funcmeta loop:** ``fm.adapt`` per task.
-- **funcmeta batched:** ``fm.adapt_tasks``.
-- **higher:** ``innerloop_ctx`` per task.
+- **funcmeta batched:** ``fm.recipes.maml`` (``fm.adapt_tasks``) on a functional model as a
+  user makes it, with the default ``task_chunk="auto"``; its measuring calls run before the
+  timed rounds, and the row below the table says what it chose and what that cost.
 - **funcmeta tuned:** ``fm.adapt_tasks`` with the ``task_chunk`` that ``fm.tune_task_chunk``
   chose on the workload (tuned once, before timing).
 - **higher:** ``innerloop_ctx`` per task.
@@ -322,12 +323,17 @@ def main() -> None:
         net, rates, support, query, loss_fn = setup(name, tasks)
         nets = {k: copy.deepcopy(net) for k in impls}
         calls = {}
+        tuning: list[float] = []
         for k, impl in impls.items():
             if rates is not None and k in NO_PER_ELEMENT_RATES:
                 calls[k] = None
                 continue
             fn = functools.partial(run, impl, nets[k], rates, support, query, loss_fn, steps)
             calls[k] = (fn, fn()[1])
+            if k == "funcmeta batched":  # the default's measuring calls, until it chooses
+                fmodel = functional_model_of(nets[k])
+                while not fmodel.task_chunk_choices and len(tuning) < 40:
+                    tuning.append(fn()[0])
         ref = calls["reference"][1]
         times = {k: [] for k, c in calls.items() if c}
         names = [k for k, c in calls.items() if c]
@@ -347,6 +353,14 @@ def main() -> None:
             mark = "" if agree(calls[k][1], ref) else " DISAGREE"
             cells.append(f"{ms:8.1f} ({ms / ref_ms:4.2f}x){mark}".rjust(17))
         print(f"{f'{name} T={tasks} K={steps}':<22} " + " ".join(cells))
+        if "funcmeta batched" in times:
+            chosen = functional_model_of(nets["funcmeta batched"]).task_chunk_choices
+            chunk = [c["chunk"] for c in chosen.values()]
+            extra = (sum(tuning) - len(tuning) * statistics.median(times["funcmeta batched"])) / 1e3
+            print(
+                f"{'':<22} funcmeta batched chose {chunk[0] or 'all' if chunk else 'all'} "
+                f"after {len(tuning)} calls, {extra:+.1f} s beyond as many at its speed"
+            )
     if args.skip_memory:
         return
     print("peak memory, conv4 5-way 1-shot, 4 tasks, 5 steps (MiB above the start, fresh process):")

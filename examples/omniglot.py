@@ -726,35 +726,45 @@ def save_results(results: dict, data: dict, args: argparse.Namespace) -> dict:
     return summary
 
 
-def combine(args: argparse.Namespace) -> dict:
-    """The results of earlier runs (``--combine``) in one file and one plot. The runs must be
-    on the same data (the same MHD baseline) and name each recipe once."""
-    results: dict = {}
-    mhd = None
-    for path in args.combine:
+def read_results(paths: list[Path], option: str) -> list[dict]:
+    """The results files of earlier runs (their ``--out``), each checked: readable, a results
+    file of this script, every recipe in it evaluated, all on the same data (the same MHD
+    baseline). A file that fails is refused by name (``option``: the flag it came with)."""
+    summaries: list[dict] = []
+    for path in paths:
         try:
             summary = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise SystemExit(f"--combine {path}: cannot read it: {e}") from e
+            raise SystemExit(f"{option} {path}: cannot read it: {e}") from e
         if not (
             isinstance(summary, dict)
             and isinstance(summary.get("recipes"), dict)
             and isinstance(summary.get("mhd_error"), float)
         ):
-            raise SystemExit(f"--combine {path}: not a results file of this script")
-        if mhd is not None and summary["mhd_error"] != mhd:
+            raise SystemExit(f"{option} {path}: not a results file of this script")
+        if summaries and summary["mhd_error"] != summaries[0]["mhd_error"]:
             raise SystemExit(
-                f"--combine {path}: another dataset (MHD baseline {summary['mhd_error']} "
-                f"against {mhd})"
+                f"{option} {path}: another dataset (MHD baseline {summary['mhd_error']} "
+                f"against {summaries[0]['mhd_error']})"
             )
-        mhd = summary["mhd_error"]
         for name, result in summary["recipes"].items():
             if not isinstance(result, dict) or not isinstance(result.get("official_runs"), dict):
-                raise SystemExit(f"--combine {path}: {name!r} has no results")
+                raise SystemExit(f"{option} {path}: {name!r} has no results")
+        summaries.append(summary)
+    return summaries
+
+
+def combine(args: argparse.Namespace) -> dict:
+    """The results of earlier runs (``--combine``) in one file and one plot. The runs must be
+    on the same data (the same MHD baseline) and name each recipe once."""
+    results: dict = {}
+    summaries = read_results(args.combine, "--combine")
+    for path, summary in zip(args.combine, summaries, strict=True):
+        for name, result in summary["recipes"].items():
             if name in results:
                 raise SystemExit(f"--combine {path}: {name!r} is already in an earlier file")
             results[name] = result
-    return save_results(results, {"mhd": mhd}, args)
+    return save_results(results, {"mhd": summaries[0]["mhd_error"]}, args)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -4,6 +4,7 @@ implementations of one algorithm. Peers that are not installed are skipped."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -106,3 +107,69 @@ def test_training_in_turn_changes_nothing_but_the_order(float64) -> None:
         assert [c["5-way"] for c in other["curve"]] == [c["5-way"] for c in log["curve"]]
         for a, b in zip(r.net.parameters(), alone.net.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def results_file(path: Path, seed: int, values: dict, mhd: float = 0.3875) -> Path:
+    """A results file as ``omniglot.save_results`` writes it: ``values`` maps an
+    implementation to (iterations, runs error, 5-way accuracy, 20-way accuracy)."""
+    recipes = {
+        name: {
+            "iterations": it,
+            "official_runs": {"error": err, "ci95": 0.05},
+            "5way_1shot": {"accuracy": five, "ci95": 0.01},
+            "20way_1shot": {"accuracy": twenty, "ci95": 0.01},
+        }
+        for name, (it, err, five, twenty) in values.items()
+    }
+    path.write_text(
+        json.dumps({"mhd_error": mhd, "settings": {"seed": str(seed)}, "recipes": recipes})
+    )
+    return path
+
+
+def test_summarize_gives_means_and_paired_differences(tmp_path) -> None:
+    """``--summarize``: mean and sd per implementation over runs with other seeds, and
+    funcmeta's paired difference to each peer, computed by hand here."""
+    a = results_file(
+        tmp_path / "a.json",
+        1,
+        {"maml/funcmeta": (100, 0.20, 0.94, 0.80), "maml/higher": (90, 0.25, 0.95, 0.78)},
+    )
+    b = results_file(
+        tmp_path / "b.json",
+        2,
+        {"maml/funcmeta": (110, 0.30, 0.92, 0.82), "maml/higher": (100, 0.25, 0.93, 0.80)},
+    )
+    out = tmp_path / "summary.json"
+    summary = omniglot_peers.main(["--summarize", str(a), str(b), "--out", str(out)])
+    ours = summary["table"]["maml/funcmeta"]
+    assert ours["iterations"]["mean"] == pytest.approx(105)
+    assert ours["iterations"]["sd"] == pytest.approx(50**0.5)  # sample sd of 100 and 110
+    assert ours["official runs error %"]["values"] == pytest.approx([20, 30])
+    paired = summary["paired"]["maml/higher"]
+    assert paired["official runs error %"]["values"] == pytest.approx([-5, 5])
+    assert paired["official runs error %"]["funcmeta_at_least_as_good"] == 1  # lower is better
+    assert paired["held-out 5-way %"]["mean"] == pytest.approx(-1)
+    assert paired["held-out 5-way %"]["funcmeta_at_least_as_good"] == 0
+    assert paired["held-out 20-way %"]["funcmeta_at_least_as_good"] == 2
+    assert paired["iterations"]["funcmeta_at_least_as_good"] == 2
+    assert json.loads(out.read_text())["seeds"] == ["1", "2"]
+
+
+def test_summarize_refuses_runs_that_do_not_pair(tmp_path) -> None:
+    impls = {"maml/funcmeta": (100, 0.2, 0.9, 0.8), "maml/higher": (90, 0.2, 0.9, 0.8)}
+    a = results_file(tmp_path / "a.json", 1, impls)
+    cases = {
+        "seed 1, as": results_file(tmp_path / "same_seed.json", 1, impls),
+        "implementations": results_file(
+            tmp_path / "other.json", 2, {"maml/funcmeta": impls["maml/funcmeta"]}
+        ),
+        "another dataset": results_file(tmp_path / "data.json", 3, impls, mhd=0.5),
+        "cannot read it": tmp_path / "missing.json",
+    }
+    for message, path in cases.items():
+        with pytest.raises(SystemExit, match=message):
+            omniglot_peers.main(["--summarize", str(a), str(path)])
+    no_ours = results_file(tmp_path / "peers_only.json", 4, {"maml/higher": impls["maml/higher"]})
+    with pytest.raises(SystemExit, match="one funcmeta implementation"):
+        omniglot_peers.main(["--summarize", str(no_ours)])
