@@ -174,7 +174,8 @@ def adapt_tasks(
             if trial is not None and trial.expect_backward:
                 for k, v in out.items():
                     if v is not None and v.requires_grad:
-                        out[k] = tuner.mark_inputs(trial, v)
+                        out[k] = v.view_as(v)  # a tensor of this call's own to hook
+                        tuner.mark(trial, "in", out[k])
                         marked.append(k)
         return out
 
@@ -200,14 +201,10 @@ def adapt_tasks(
     if trial is None:  # not timed
         return result
     tuner.finish_forward(trial)
-    if not marked:
-        return result
-    with torch.enable_grad():
-        adapted = dict(result.params)
-        for k in marked:
-            if adapted[k].requires_grad:
-                adapted[k] = tuner.mark_outputs(trial, adapted[k])
-    return result._replace(params=adapted)
+    for k in marked:  # tensors of this call's own: the inner loop's results, or the views above
+        if result.params[k].requires_grad:
+            tuner.mark(trial, "out", result.params[k])
+    return result
 
 
 def _following(
@@ -228,18 +225,10 @@ def _following(
     if not trial.expect_backward:
         trial.query_forward += seconds
         return out, new_buffers
-    marked = 0
-
-    def mark(x: Any) -> Any:
-        nonlocal marked
-        if isinstance(x, Tensor) and x.requires_grad:
-            marked += 1
-            return tuner.mark_query(trial, x)
-        return x
-
-    with torch.enable_grad():
-        out = tree.tree_map(mark, out)
-    if marked:  # its backward is timed too: count its forward with it
+    hooked = [x for x in tree.leaves(out) if isinstance(x, Tensor) and x.requires_grad]
+    for x in hooked:  # the outputs stay as they are: a hook notes the backward's start
+        tuner.mark(trial, "query", x)
+    if hooked:  # its backward is timed too: count its forward with it
         trial.query_forward += seconds
     return out, new_buffers
 

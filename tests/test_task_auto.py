@@ -174,6 +174,33 @@ def test_the_backward_is_timed_when_it_runs():
     assert any("without backward" in label for label in labels)
 
 
+def test_in_place_changes_to_outputs_and_adapted_parameters_work_through_the_trials():
+    """The trials note the backward with gradient hooks, not identity nodes: a user's
+    in-place change to the query outputs or the adapted parameters (allowed on ordinary
+    autograd results) works on every call, trial or not, with the pinned chunk's
+    meta-gradients (float64). An identity ``autograd.Function`` made its outputs views that
+    refuse in-place changes, so such code failed only on the measured calls."""
+    net, b = problem(tasks=8)
+    auto, pinned = fm.functional_model(net), fm.functional_model(net, task_chunk=None)
+    opt = fm.optim.sgd(lr=0.1)
+
+    def meta(fmodel):
+        r = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=2)
+        r.params["2.bias"].mul_(0.5)  # in place, on an adapted parameter
+        out, _ = fm.apply_tasks(fmodel, r.params, b.query[0])
+        out.mul_(2.0)  # in place, on the query outputs
+        losses, _ = fm.task_losses(fmodel, r.params, F.mse_loss, b.query)
+        losses.add_(1.0)
+        loss = F.mse_loss(out, b.query[1]) + losses.mean()
+        return torch.autograd.grad(loss, list(fmodel.params.values()))
+
+    for _ in range(10):  # the warm-up, the six trials, and the calls after the choice
+        for g, r in zip(meta(auto), meta(pinned), strict=True):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
+    (choice,) = auto.task_chunk_choices.values()
+    assert all(s > 0 for s in choice["seconds"].values())
+
+
 def test_pinning_the_chunk_stops_the_measuring():
     net, b = problem()
     fmodel = fm.functional_model(net)

@@ -16,7 +16,7 @@ What is measured is the call's own time and that of the task-batched passes that
 on the same chunk (:func:`funcmeta.apply_tasks` and :func:`funcmeta.task_losses`: the query
 pass of the recipes): their forwards, and the backward from the moment it reaches the
 outputs of those passes (or, without them, the adapted parameters) to the moment it has
-passed the initial parameters, marked by identity nodes in the graph. The user's own code in
+passed the initial parameters, noted by gradient hooks on those tensors. The user's own code in
 between is not counted. The query pass matters: on conv4 at 32 tasks, one step, chunks of 8
 made the inner loop 1.26x faster than one task at a time but the whole meta-iteration 4%
 slower. A trial whose backward never comes (a call whose graph is dropped) is tried again;
@@ -131,26 +131,23 @@ def candidate_chunks(tasks: int) -> list[int | None]:
     return candidates
 
 
-class _Stamp(torch.autograd.Function):
-    """The identity, noting the time when the backward passes it."""
+def _noting(trial: Trial, which: str) -> Any:
+    """A gradient hook that notes on ``trial`` when the backward reaches its tensor: the
+    first time for ``"query"`` (the backward has begun on the passes that followed), the
+    latest for ``"out"`` (it has passed every adapted parameter) and ``"in"`` (every
+    initial parameter). A tensor's hook runs once its gradient is summed over all its uses."""
 
-    @staticmethod
-    def forward(ctx: Any, trial: Trial, which: str, x: Tensor) -> Tensor:
-        ctx.trial, ctx.which = trial, which
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None, Tensor]:
+    def hook(grad: Tensor) -> None:
         now = time.perf_counter()
-        trial = ctx.trial
-        if ctx.which == "query":  # the first: the backward has begun on the passes that followed
+        if which == "query":
             if trial.backward_query is None:
                 trial.backward_query = now
-        elif ctx.which == "out":  # the latest: the backward has passed every adapted parameter
+        elif which == "out":
             trial.backward_out = now
-        else:  # the latest: the backward has passed every initial parameter
+        else:
             trial.backward_in = now
-        return None, None, grad
+
+    return hook
 
 
 class ChunkTuner:
@@ -206,13 +203,13 @@ class ChunkTuner:
     def timed(self, trial: Trial) -> bool:
         return trial.started >= 0
 
-    def mark_inputs(self, trial: Trial, x: Tensor) -> Tensor:
-        """``x`` (an initial parameter) behind an identity that notes the backward's end."""
-        return _Stamp.apply(trial, "in", x)
-
-    def mark_outputs(self, trial: Trial, x: Tensor) -> Tensor:
-        """``x`` (an adapted parameter) behind an identity that notes the backward's start."""
-        return _Stamp.apply(trial, "out", x)
+    def mark(self, trial: Trial, which: str, x: Tensor) -> None:
+        """Note on ``trial`` when the backward reaches ``x``: ``"in"`` an initial parameter
+        (the backward's end), ``"out"`` an adapted one, ``"query"`` an output of a pass that
+        follows (its start). A gradient hook, so ``x`` stays the tensor it was: no new graph
+        node, and in-place changes to it remain allowed. ``x`` must require grad and be a
+        tensor this call made (a hook stays on its tensor)."""
+        x.register_hook(_noting(trial, which))
 
     def following(self) -> Trial | None:
         """The trial that a task-batched pass run now belongs to (the query pass after a timed
@@ -224,11 +221,6 @@ class ChunkTuner:
         if trial.backward_query is not None or trial.backward_out is not None:
             return None
         return trial
-
-    def mark_query(self, trial: Trial, x: Tensor) -> Tensor:
-        """``x`` (an output of a pass that follows) behind an identity that notes when the
-        backward reaches it."""
-        return _Stamp.apply(trial, "query", x)
 
     def finish_forward(self, trial: Trial) -> None:
         trial.forward = time.perf_counter() - trial.started
