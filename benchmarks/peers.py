@@ -43,6 +43,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tasks import default_choice, until_chosen
 from torch import nn
 from torch.func import functional_call
 
@@ -331,9 +332,7 @@ def main() -> None:
             fn = functools.partial(run, impl, nets[k], rates, support, query, loss_fn, steps)
             calls[k] = (fn, fn()[1])
             if k == "funcmeta batched":  # the default's measuring calls, until it chooses
-                fmodel = functional_model_of(nets[k])
-                while not fmodel.task_chunk_choices and len(tuning) < 40:
-                    tuning.append(fn()[0])
+                tuning = until_chosen(fn, functional_model_of(nets[k]))
         ref = calls["reference"][1]
         times = {k: [] for k, c in calls.items() if c}
         names = [k for k, c in calls.items() if c]
@@ -354,13 +353,9 @@ def main() -> None:
             cells.append(f"{ms:8.1f} ({ms / ref_ms:4.2f}x){mark}".rjust(17))
         print(f"{f'{name} T={tasks} K={steps}':<22} " + " ".join(cells))
         if "funcmeta batched" in times:
-            chosen = functional_model_of(nets["funcmeta batched"]).task_chunk_choices
-            chunk = [c["chunk"] for c in chosen.values()]
-            extra = (sum(tuning) - len(tuning) * statistics.median(times["funcmeta batched"])) / 1e3
-            print(
-                f"{'':<22} funcmeta batched chose {chunk[0] or 'all' if chunk else 'all'} "
-                f"after {len(tuning)} calls, {extra:+.1f} s beyond as many at its speed"
-            )
+            ms = statistics.median(times["funcmeta batched"])
+            choice = default_choice(functional_model_of(nets["funcmeta batched"]), tuning, ms)
+            print(f"{'':<22} funcmeta batched (the default) chose {choice}")
     if args.skip_memory:
         return
     print("peak memory, conv4 5-way 1-shot, 4 tasks, 5 steps (MiB above the start, fresh process):")

@@ -9,8 +9,8 @@ can be compared): BERT-small, GPT-2-small and Llama-small (2 layers, hidden 128,
 step, first and second order. "batched" runs all tasks in one vmapped computation
 (``task_chunk=None``); "default" as a user gets it, a fresh model with
 ``task_chunk="auto"``, timed once it has chosen (its measuring calls run before the timed
-rounds: "auto" is its choice, "tuning" the calls it took and their seconds beyond as many
-at its speed); "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload (its
+rounds; "default chose": its choice, the calls it took and their seconds beyond as many at
+its speed); "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload (its
 cost is printed). Medians of ``--repeats`` meta-iterations, the implementations interleaved
 in one process, each round in a rotated order. "agree": the meta-gradients are within 1% of
 each tensor's largest entry (float32; exactness is tested in float64 by
@@ -44,6 +44,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from tasks import default_choice, until_chosen
 from torch import nn
 
 import funcmeta as fm
@@ -156,15 +157,6 @@ def timed(fn, params) -> tuple[float, list[torch.Tensor]]:
     ]
 
 
-def until_chosen(call, fmodel, params, limit: int = 40) -> list[float]:
-    """The times (ms) of the calls a fresh ``task_chunk="auto"`` model makes until it has
-    chosen its chunk."""
-    times: list[float] = []
-    while not fmodel.task_chunk_choices and len(times) < limit:
-        times.append(timed(call, params)[0])
-    return times
-
-
 def agree(grads, ref) -> bool:
     return all(
         float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
@@ -257,7 +249,7 @@ def main() -> None:
         f"{torch.__version__}, Python {platform.python_version()}"
     )
     print(
-        "model  order   T  agree  loop ms  batched ms  default ms  auto     tuning  tuned ms  chunk"
+        "model  order   T  agree  loop ms  batched ms  default ms          default chose  tuned ms  chunk"
         "  loop/batched  loop/default  loop/tuned  batched"
     )
     for name in [] if args.skip_timing else args.models:
@@ -301,7 +293,9 @@ def main() -> None:
                 grads = {}
                 for k in impls:  # warm-up, and the gradients to compare
                     grads[k] = timed(calls[k], params)[1]
-                tuning = until_chosen(calls["default"], impls["default"], params)
+                tuning = until_chosen(
+                    functools.partial(timed, calls["default"], params), impls["default"]
+                )
                 order_keys = list(impls)
                 for r in range(args.repeats):
                     for k in order_keys[r % len(order_keys) :] + order_keys[: r % len(order_keys)]:
@@ -313,13 +307,11 @@ def main() -> None:
                 tuned_ratio = (
                     f"{med['loop'] / med['tuned']:10.2f}" if "tuned" in med else "         -"
                 )
-                chosen = [c["chunk"] for c in impls["default"].task_chunk_choices.values()]
-                auto = (chosen[0] or "all") if chosen else "all"
-                extra = (sum(tuning) - len(tuning) * med["default"]) / 1e3
+                choice = default_choice(impls["default"], tuning, med["default"])
                 print(
                     f"{name:6} {order:6} {tasks:3}  {'yes' if ok else 'NO ':5} {med['loop']:8.1f} "
-                    f"{med['batched']:11.1f} {med['default']:11.1f} {auto!s:>5} "
-                    f"{len(tuning):>3} {extra:+6.1f}s {tuned_ms} {chunk!s:>6} "
+                    f"{med['batched']:11.1f} {med['default']:11.1f} {choice:>22} "
+                    f"{tuned_ms} {chunk!s:>6} "
                     f"{med['loop'] / med['batched']:13.2f} {med['loop'] / med['default']:13.2f} "
                     f"{tuned_ratio}  {mode}"
                     + (f"  (tuning took {tune_s:.1f} s)" if tune_s else ""),
