@@ -173,6 +173,10 @@ MEASURES = {
 }
 
 
+# where runs to be summed up may differ: the seed, and where the results went
+UNPAIRED_SETTINGS = frozenset({"seed", "out", "plot", "data", "no_progress", "summarize"})
+
+
 def summarize(paths: list[Path]) -> dict:
     """Runs of the same implementations with other seeds, summed up: per implementation and
     measure the values, their mean and standard deviation; per peer and measure, funcmeta's
@@ -182,16 +186,28 @@ def summarize(paths: list[Path]) -> dict:
     summaries = omniglot.read_results(paths, "--summarize")
     names = list(summaries[0]["recipes"])
     seeds: dict[str, Path] = {}
+    first: dict = {}
     for path, summary in zip(paths, summaries, strict=True):
+        settings = summary.get("settings")
+        if not isinstance(settings, dict):
+            raise SystemExit(f"--summarize {path}: it has no settings")
         if list(summary["recipes"]) != names:
             raise SystemExit(
                 f"--summarize {path}: implementations {list(summary['recipes'])}, the first "
                 f"file has {names}"
             )
-        seed = str(summary.get("settings", {}).get("seed"))
+        seed = str(settings.get("seed"))
         if seed in seeds:
             raise SystemExit(f"--summarize {path}: seed {seed}, as {seeds[seed]}")
         seeds[seed] = path
+        # runs that differ in anything but the seed (budget, threads, settings) do not pair
+        same = {k: v for k, v in settings.items() if k not in UNPAIRED_SETTINGS}
+        differ = sorted(k for k in same.keys() | first.keys() if same.get(k) != first.get(k))
+        if first and differ:
+            raise SystemExit(
+                f"--summarize {path}: settings differ from the first file's in {differ}"
+            )
+        first = first or same
     ours = [n for n in names if n.endswith("/funcmeta")]
     if len(ours) != 1:
         raise SystemExit(f"--summarize: one funcmeta implementation expected, found {ours}")

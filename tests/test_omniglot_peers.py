@@ -109,7 +109,9 @@ def test_training_in_turn_changes_nothing_but_the_order(float64) -> None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def results_file(path: Path, seed: int, values: dict, mhd: float = 0.3875) -> Path:
+def results_file(
+    path: Path, seed: int, values: dict, mhd: float = 0.3875, budget: str = "240"
+) -> Path:
     """A results file as ``omniglot.save_results`` writes it: ``values`` maps an
     implementation to (iterations, runs error, 5-way accuracy, 20-way accuracy)."""
     recipes = {
@@ -122,7 +124,13 @@ def results_file(path: Path, seed: int, values: dict, mhd: float = 0.3875) -> Pa
         for name, (it, err, five, twenty) in values.items()
     }
     path.write_text(
-        json.dumps({"mhd_error": mhd, "settings": {"seed": str(seed)}, "recipes": recipes})
+        json.dumps(
+            {
+                "mhd_error": mhd,
+                "settings": {"seed": str(seed), "budget": budget, "out": str(path)},
+                "recipes": recipes,
+            }
+        )
     )
     return path
 
@@ -166,7 +174,15 @@ def test_summarize_refuses_runs_that_do_not_pair(tmp_path) -> None:
         ),
         "another dataset": results_file(tmp_path / "data.json", 3, impls, mhd=0.5),
         "cannot read it": tmp_path / "missing.json",
+        r"settings differ from the first file's in \['budget'\]": results_file(
+            tmp_path / "longer.json", 5, impls, budget="1200"
+        ),
     }
+    bare = results_file(tmp_path / "bare.json", 6, impls)
+    bare.write_text(
+        json.dumps({k: v for k, v in json.loads(bare.read_text()).items() if k != "settings"})
+    )
+    cases["has no settings"] = bare
     for message, path in cases.items():
         with pytest.raises(SystemExit, match=message):
             omniglot_peers.main(["--summarize", str(a), str(path)])
