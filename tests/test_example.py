@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import shared_file
 
 import funcmeta as fm
@@ -236,6 +237,42 @@ def test_omniglot_budget_reptile_and_imaml_run(tmp_path):
     assert reptile["settings"]["outer"] == "adam" and reptile["settings"]["train_shots"] == 5
     assert imaml["settings"]["query"] == 5 and imaml["settings"]["damping"] == 0.0
     assert "cg_residual" in imaml
+
+
+def test_omniglot_budget_imaml_is_tested_with_15_proximal_steps():
+    """iMAML's budget settings adapt with 15 proximal steps at test (5 in training): its
+    evaluation equals ``fm.evaluate`` run directly with 15 steps of the proximal SGD anchored
+    at the meta-parameters, and differs from 5 steps."""
+    omniglot = load("omniglot")
+    args = omniglot.parser().parse_args(["--hidden", "8", "--no-progress"])
+    torch.manual_seed(0)
+    recipe = omniglot.Recipe("imaml", args)
+    assert recipe.steps == 5 and recipe.test_steps() == 15
+    with torch.no_grad():  # a head that is not zero, so that the steps matter
+        recipe.net.head.weight.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(0)
+    episodes = fm.data.Episodes(
+        torch.rand(40, 1, 28, 28, generator=g), torch.arange(40) // 4, ways=5, shots=1, query=2
+    )
+    got = recipe.evaluate(episodes, 20, seed=1).per_episode
+    fmodel = recipe.fmodel
+    anchor = {k: v.detach() for k, v in fmodel.params.items()}
+    prox = fm.optim.chain(fm.optim.add_proximal(0.5, anchor), fm.optim.sgd(lr=0.1))
+
+    def direct(steps):
+        return fm.evaluate(
+            fmodel,
+            fmodel.params,
+            F.cross_entropy,
+            episodes,
+            prox,
+            steps=steps,
+            num_episodes=20,
+            seed=1,
+        ).per_episode
+
+    torch.testing.assert_close(got, direct(15), rtol=0, atol=0)
+    assert not torch.equal(got, direct(5))
 
 
 def test_omniglot_set_changes_one_setting_of_one_recipe(capsys):
