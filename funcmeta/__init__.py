@@ -37,6 +37,7 @@ from funcmeta import (
     types,
 )
 from funcmeta.batching.tune import tune_task_chunk
+from funcmeta.cpu_memory import keep_freed_memory
 from funcmeta.evaluation import Evaluation, evaluate
 from funcmeta.functional import FunctionalModel, functional_model
 from funcmeta.inner import adapt
@@ -71,6 +72,7 @@ __all__ = [
     "hyper",
     "implicit",
     "inputs",
+    "keep_freed_memory",
     "learned",
     "models",
     "options",

@@ -25,6 +25,7 @@ LAYERS: list[list[str]] = [
         "_deprecated",
         "_tempfiles",
         "_rng_state",
+        "cpu_memory",
         "_torch_private",
         "tree",
         "remat.replay",
