@@ -26,7 +26,7 @@ interleaved in one process, each round in a rotated order (median ms), and gives
 to the reference. Finally it measures peak memory per implementation for conv4 at 5 steps,
 a fresh process each.
 
-    python benchmarks/peers.py [--repeats 5] [--skip-memory]
+    python benchmarks/peers.py [--repeats 5] [--skip-memory] [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tasks import default_choice, until_chosen
+from tasks import add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
 from torch.func import functional_call
 
@@ -307,15 +307,20 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--workloads", nargs="+", default=None, help="e.g. conv4 sinusoid")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
+    add_allocator_option(parser)
     args = parser.parse_args()
     if args.memory_worker:
         memory_worker(args.memory_worker)
         return
+    allocator = use_allocator(args)
     impls = available()
     versions = {"torch": torch.__version__, "funcmeta": fm.__version__}
     versions.update({k: getattr(m, "__version__", "?") for k, m in PEERS.items()})
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    print(f"CPU threads {torch.get_num_threads()}; median ms of {args.repeats} interleaved repeats")
+    print(
+        f"CPU threads {torch.get_num_threads()}; median ms of {args.repeats} interleaved "
+        f"repeats; {allocator}"
+    )
     header = f"{'workload':<22} " + " ".join(f"{k:>17}" for k in impls)
     print(header)
     for name, tasks, steps in WORKLOADS:

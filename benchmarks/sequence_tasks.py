@@ -25,7 +25,7 @@ by 34 MiB even with glibc's mmap threshold at 4 KiB).
 
     python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama lstm gru]
         [--orders second first] [--repeats 3] [--threads N] [--no-tune] [--skip-memory]
-        [--skip-timing] [--memory-tasks 16]
+        [--skip-timing] [--memory-tasks 16] [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from tasks import default_choice, until_chosen
+from tasks import add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
 
 import funcmeta as fm
@@ -237,6 +237,7 @@ def main() -> None:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--memory-tasks", type=int, default=16)
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
+    add_allocator_option(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*once per task.*")
@@ -244,9 +245,10 @@ def main() -> None:
         name, impl, tasks, first = args.memory_worker
         memory_worker(name, impl, int(tasks), bool(int(first)))
         return
+    allocator = use_allocator(args)
     print(
         f"CPU: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
-        f"{torch.__version__}, Python {platform.python_version()}"
+        f"{torch.__version__}, Python {platform.python_version()}; {allocator}"
     )
     print(
         "model  order   T  agree  loop ms  batched ms  default ms          default chose  tuned ms  chunk"

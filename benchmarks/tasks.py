@@ -20,7 +20,7 @@ each implementation's peak memory (resident set above the start of the meta-iter
 fresh process each, glibc's mmap threshold fixed so that freed memory leaves the process).
 
     python benchmarks/tasks.py [--device cpu] [--repeats 9] [--meta-batch 4 16 32 64]
-        [--conv-steps 1 5] [--memory-tasks 16 32] [--skip-memory]
+        [--conv-steps 1 5] [--memory-tasks 16 32] [--skip-memory] [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -134,6 +134,26 @@ def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
     return fmodel
 
 
+def add_allocator_option(parser: argparse.ArgumentParser) -> None:
+    """``--keep-freed-memory``: :func:`funcmeta.keep_freed_memory` for the timed process."""
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="fm.keep_freed_memory() before timing: glibc keeps freed blocks for reuse "
+        "instead of returning them (large tensors then cost no page faults); every "
+        "implementation in the process runs with it",
+    )
+
+
+def use_allocator(args: argparse.Namespace) -> str:
+    """Apply ``--keep-freed-memory``; returns the allocator setting, for the header."""
+    if not args.keep_freed_memory:
+        return "allocator: C library defaults"
+    if not fm.keep_freed_memory():
+        raise SystemExit(f"--keep-freed-memory: {fm.cpu_memory.why_not_kept()}")
+    return "allocator: fm.keep_freed_memory() (freed blocks kept for reuse)"
+
+
 def until_chosen(call, fmodel: fm.FunctionalModel, limit: int = 40) -> list[float]:
     """The times in ms of the calls (``call()``: one timed meta-iteration, returning its ms
     first) that a fresh ``task_chunk="auto"`` model makes until it has chosen its chunk (on
@@ -204,6 +224,7 @@ def main() -> None:
         "--skip-tuned", action="store_true", help="no fm.tune_task_chunk column (it is slow)"
     )
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
+    add_allocator_option(parser)
     args = parser.parse_args()
     if args.memory_worker:
         impl, tasks, steps, chunk = args.memory_worker
@@ -215,8 +236,10 @@ def main() -> None:
         if device.type == "cuda"
         else (platform.processor() or platform.machine())
     )
+    allocator = use_allocator(args)
     print(
         f"device: {device} ({name}); torch {torch.__version__}; threads {torch.get_num_threads()}"
+        f"; {allocator}"
     )
     print(f"second-order MAML meta-iteration, SGD steps K; median ms of {args.repeats}")
     print("agree: meta-gradients within 1% of each tensor's largest entry (float32)")

@@ -1,4 +1,5 @@
-"""The intra-op thread count each example runs with, chosen for its work.
+"""The intra-op thread count each example runs with, chosen for its work, and whether it
+keeps freed memory (:func:`funcmeta.keep_freed_memory`).
 
 Small operations (the sinusoid MLP, a 50-feature linear solve) gain nothing from more
 threads, and lose badly when another process holds a core: each parallel region waits for
@@ -23,7 +24,15 @@ import os
 
 import torch
 
-__all__ = ["add_threads_option", "available_cores", "use_threads"]
+import funcmeta as fm
+
+__all__ = [
+    "add_allocator_option",
+    "add_threads_option",
+    "available_cores",
+    "use_allocator",
+    "use_threads",
+]
 
 
 def available_cores() -> int:
@@ -54,3 +63,20 @@ def use_threads(args: argparse.Namespace) -> int:
     """Set torch's intra-op thread count from ``args.threads``; returns it."""
     torch.set_num_threads(args.threads)
     return args.threads
+
+
+def add_allocator_option(parser: argparse.ArgumentParser, default: bool, workload: str) -> None:
+    """``--keep-freed-memory`` / ``--no-keep-freed-memory``, the default and why in ``--help``."""
+    parser.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=default,
+        help="fm.keep_freed_memory(): the C allocator keeps freed blocks for reuse, so "
+        "large tensors cost no fresh pages (Linux with glibc; the process keeps its peak "
+        f"memory); default {'on' if default else 'off'}: {workload}",
+    )
+
+
+def use_allocator(args: argparse.Namespace) -> bool:
+    """Apply ``args.keep_freed_memory``; returns whether freed memory is kept."""
+    return bool(args.keep_freed_memory) and fm.keep_freed_memory()

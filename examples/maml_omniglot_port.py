@@ -19,6 +19,10 @@ the module's parameters (``fmodel.params``, which are ``net.parameters()``: the 
 ``--batched`` runs the 32 tasks as one computation with ``fm.recipes.maml`` instead of a loop
 (the same meta-gradients up to float32 rounding). See ``docs/porting.md``.
 
+It keeps freed memory (:func:`funcmeta.keep_freed_memory`; ``--no-keep-freed-memory`` leaves
+glibc's defaults): 32 tasks' activations of tens of MiB otherwise start on fresh pages at
+every step. On 2 cores the loop then took 9.15 s per meta-iteration instead of 12.55 s.
+
     python examples/maml_omniglot_port.py --data ../shared/data/omniglot --iterations 20
 """
 
@@ -31,7 +35,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _threads import add_threads_option, available_cores, use_threads
+from _threads import (
+    add_allocator_option,
+    add_threads_option,
+    available_cores,
+    use_allocator,
+    use_threads,
+)
 from torch import nn
 
 import funcmeta as fm
@@ -213,8 +223,12 @@ def main(argv: list[str] | None = None) -> dict:
     add_threads_option(
         p, available_cores(), "the cores available: convolutions gain from every core"
     )
+    add_allocator_option(
+        p, True, "32 tasks' activations, tens of MiB each, would start on fresh pages each step"
+    )
     args = p.parse_args(argv)
     use_threads(args)
+    use_allocator(args)
 
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)  # TorchOpt's sampler; higher's draws from np.random

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -344,6 +345,22 @@ def test_examples_choose_their_thread_count_and_say_why(name, default, capsys):
     with pytest.raises(SystemExit):
         load(name).main(["--threads", "0"])
     assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_port_keeps_freed_memory_by_default_and_says_why(monkeypatch, capsys):
+    threads = load("_threads")
+    with pytest.raises(SystemExit):
+        load("maml_omniglot_port").main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--keep-freed-memory, --no-keep-freed-memory" in text
+    assert "default on: 32 tasks' activations" in text
+    calls = []
+    monkeypatch.setattr(threads.fm, "keep_freed_memory", lambda: calls.append(1) or True)
+    parser = argparse.ArgumentParser()
+    threads.add_allocator_option(parser, True, "why")
+    assert threads.use_allocator(parser.parse_args([])) is True and calls == [1]
+    assert threads.use_allocator(parser.parse_args(["--no-keep-freed-memory"])) is False
+    assert calls == [1]  # off: the allocator is left alone
 
 
 def test_omniglot_combine_puts_runs_in_one_file_and_refuses_what_does_not_fit(tmp_path):

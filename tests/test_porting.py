@@ -218,6 +218,7 @@ def test_the_example_runs_on_the_real_files(capsys):
                 "2",
                 "--threads",
                 str(before),
+                "--no-keep-freed-memory",  # a process-wide setting: not for the test process
             ]
         )
     finally:
