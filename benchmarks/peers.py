@@ -43,7 +43,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tasks import add_allocator_option, default_choice, until_chosen, use_allocator
+from tasks import ALLOCATOR_WHY, add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
 from torch.func import functional_call
 
@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--workloads", nargs="+", default=None, help="e.g. conv4 sinusoid")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
-    add_allocator_option(parser)
+    add_allocator_option(parser, False, ALLOCATOR_WHY)
     args = parser.parse_args()
     if args.memory_worker:
         memory_worker(args.memory_worker)

@@ -44,7 +44,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from tasks import add_allocator_option, default_choice, until_chosen, use_allocator
+from tasks import ALLOCATOR_WHY, add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
 
 import funcmeta as fm
@@ -237,7 +237,7 @@ def main() -> None:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--memory-tasks", type=int, default=16)
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
-    add_allocator_option(parser)
+    add_allocator_option(parser, False, ALLOCATOR_WHY)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*once per task.*")

@@ -34,12 +34,19 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import funcmeta as fm
+
+# the examples' allocator option, shared by the benchmarks that time task batching
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from _threads import add_allocator_option, use_allocator
+
+ALLOCATOR_WHY = "the C library's defaults, as a process gets them"
 
 STEPS, LR = 5, 0.01
 
@@ -134,26 +141,6 @@ def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
     return fmodel
 
 
-def add_allocator_option(parser: argparse.ArgumentParser) -> None:
-    """``--keep-freed-memory``: :func:`funcmeta.keep_freed_memory` for the timed process."""
-    parser.add_argument(
-        "--keep-freed-memory",
-        action="store_true",
-        help="fm.keep_freed_memory() before timing: glibc keeps freed blocks for reuse "
-        "instead of returning them (large tensors then cost no page faults); every "
-        "implementation in the process runs with it",
-    )
-
-
-def use_allocator(args: argparse.Namespace) -> str:
-    """Apply ``--keep-freed-memory``; returns the allocator setting, for the header."""
-    if not args.keep_freed_memory:
-        return "allocator: C library defaults"
-    if not fm.keep_freed_memory():
-        raise SystemExit(f"--keep-freed-memory: {fm.cpu_memory.why_not_kept()}")
-    return "allocator: fm.keep_freed_memory() (freed blocks kept for reuse)"
-
-
 def until_chosen(call, fmodel: fm.FunctionalModel, limit: int = 40) -> list[float]:
     """The times in ms of the calls (``call()``: one timed meta-iteration, returning its ms
     first) that a fresh ``task_chunk="auto"`` model makes until it has chosen its chunk (on
@@ -224,7 +211,7 @@ def main() -> None:
         "--skip-tuned", action="store_true", help="no fm.tune_task_chunk column (it is slow)"
     )
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
-    add_allocator_option(parser)
+    add_allocator_option(parser, False, ALLOCATOR_WHY)
     args = parser.parse_args()
     if args.memory_worker:
         impl, tasks, steps, chunk = args.memory_worker

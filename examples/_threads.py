@@ -77,6 +77,12 @@ def add_allocator_option(parser: argparse.ArgumentParser, default: bool, workloa
     )
 
 
-def use_allocator(args: argparse.Namespace) -> bool:
-    """Apply ``args.keep_freed_memory``; returns whether freed memory is kept."""
-    return bool(args.keep_freed_memory) and fm.keep_freed_memory()
+def use_allocator(args: argparse.Namespace) -> str:
+    """Apply ``args.keep_freed_memory``; returns the allocator setting in words, to print
+    once (with the reason where :func:`funcmeta.keep_freed_memory` does not apply)."""
+    if not args.keep_freed_memory:
+        return "allocator: the C library's defaults"
+    if fm.keep_freed_memory():
+        return "allocator: freed memory kept (fm.keep_freed_memory)"
+    reason = fm.cpu_memory.why_not_kept()
+    return f"allocator: the C library's defaults (fm.keep_freed_memory does not apply: {reason})"

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = p.parse_args(argv)
     use_threads(args)
-    use_allocator(args)
+    print(use_allocator(args))
 
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)  # TorchOpt's sampler; higher's draws from np.random

@@ -358,9 +358,28 @@ def test_the_port_keeps_freed_memory_by_default_and_says_why(monkeypatch, capsys
     monkeypatch.setattr(threads.fm, "keep_freed_memory", lambda: calls.append(1) or True)
     parser = argparse.ArgumentParser()
     threads.add_allocator_option(parser, True, "why")
-    assert threads.use_allocator(parser.parse_args([])) is True and calls == [1]
-    assert threads.use_allocator(parser.parse_args(["--no-keep-freed-memory"])) is False
+    kept = threads.use_allocator(parser.parse_args([]))
+    assert kept == "allocator: freed memory kept (fm.keep_freed_memory)" and calls == [1]
+    off = threads.use_allocator(parser.parse_args(["--no-keep-freed-memory"]))
+    assert off == "allocator: the C library's defaults"
     assert calls == [1]  # off: the allocator is left alone
+    # where it does not apply, the run goes on and says why, once, in the line it prints
+    monkeypatch.setattr(threads.fm, "keep_freed_memory", lambda: False)
+    monkeypatch.setattr(threads.fm.cpu_memory, "why_not_kept", lambda: "the C library is musl")
+    said = threads.use_allocator(parser.parse_args([]))
+    assert said.endswith("(fm.keep_freed_memory does not apply: the C library is musl)")
+
+
+def test_the_benchmarks_share_the_examples_allocator_option(capsys):
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    import tasks as bench
+
+    assert bench.use_allocator.__module__ == bench.add_allocator_option.__module__ == "_threads"
+    parser = argparse.ArgumentParser()
+    bench.add_allocator_option(parser, False, bench.ALLOCATOR_WHY)
+    args = parser.parse_args([])
+    assert args.keep_freed_memory is False
+    assert bench.use_allocator(args) == "allocator: the C library's defaults"
 
 
 def test_omniglot_combine_puts_runs_in_one_file_and_refuses_what_does_not_fit(tmp_path):
