@@ -45,6 +45,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/bert_meta.py
 	$(PYTHON) benchmarks/tasks.py --repeats 5
 	$(PYTHON) benchmarks/sequence_tasks.py --repeats 3
+	$(PYTHON) benchmarks/recurrent_evaluation.py
 	$(PYTHON) benchmarks/vmap_grad_pitfall.py
 	$(PYTHON) benchmarks/ddp_check.py
 	$(PYTHON) benchmarks/peers.py

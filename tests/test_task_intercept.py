@@ -179,9 +179,17 @@ def test_attention_runs_with_the_tasks_in_the_batch(mask, causal, first_order, m
     _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
 
 
-def test_multihead_attention_layer_without_fallback(strict_warnings):
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mask", ["key-padding", "attn-mask", "both", "causal"])
+@pytest.mark.parametrize("first_order", [False, True])
+def test_multihead_attention_layer_without_fallback(
+    batch_first, mask, first_order, strict_warnings
+):
+    """need_weights=False: one batched computation for all tasks, no per-example fallback,
+    exact against the loop; masks per task and shared, first and second order."""
     torch.manual_seed(1)
-    net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
+    net = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=DTYPE)
+    causal = torch.triu(torch.full((5, 5), float("-inf"), dtype=DTYPE), 1)
 
     class Wrap(nn.Module):
         def __init__(self) -> None:
@@ -189,17 +197,28 @@ def test_multihead_attention_layer_without_fallback(strict_warnings):
             self.mha = net
 
         def forward(self, x, pad):
-            return self.mha(x, x, x, key_padding_mask=pad, need_weights=False)[0].mean(1)
+            if not batch_first:
+                x = x.transpose(0, 1)
+            kw = {}
+            if mask in ("key-padding", "both"):
+                kw["key_padding_mask"] = pad
+            if mask in ("attn-mask", "both"):
+                kw["attn_mask"] = pad[0].unsqueeze(0).expand(5, 5)  # shared by the rows
+            if mask == "causal":
+                kw.update(attn_mask=causal, is_causal=True)
+            out = self.mha(x, x, x, need_weights=False, **kw)[0]
+            return (out if batch_first else out.transpose(0, 1)).mean(1)
 
     fmodel = fm.functional_model(Wrap())
     x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
     pad = torch.zeros(T, 4, 5, dtype=torch.bool)
     pad[:, :, -1] = True
+    pad[1, 2, 2] = True  # the tasks differ
     y = torch.randn(T, 4, 8, dtype=DTYPE)
     inputs = {"x": x, "pad": pad}
-    batched = _grads(fmodel, F.mse_loss, inputs, y, True)
+    batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
     assert fmodel.task_loop is False
-    _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False))
+    _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order))
 
 
 def test_transformer_encoder_layer_without_fallback(strict_warnings):

@@ -88,6 +88,21 @@ def passes(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def merged(monkeypatch):
+    """Counts the calls of the layer itself on the tasks joined to its batch (shared weights,
+    outside second-order steps)."""
+    calls = []
+    real = recurrent._merged
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recurrent, "_merged", counted)
+    return calls
+
+
 CONFIGS = [
     dict(kind=kind, num_layers=layers, bidirectional=bi, batch_first=bf)
     for kind, layers, bi, bf in itertools.product(
@@ -104,6 +119,7 @@ def _layer(kind: str, **kw) -> nn.RNNBase:
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_one_pass_equals_the_loop_in_second_order(config, passes):
+    config = dict(config)  # the parameter's dict is shared by the tests that use it
     kind = config.pop("kind")
     torch.manual_seed(0)
     fmodel = fm.functional_model(Head(_layer(kind, **config)).to(DTYPE))
@@ -159,18 +175,92 @@ def test_initial_state_per_task(kind, first_order, passes):
         torch.testing.assert_close(b, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_sequences_without_a_batch_dimension(passes):
+def _per_task_params(fmodel: fm.FunctionalModel, seed: int) -> dict[str, torch.Tensor]:
+    """Each task's own parameters: the model's, perturbed differently per task."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: v + 0.1 * torch.randn((T, *v.shape), generator=g, dtype=v.dtype)
+        for k, v in fmodel.params.items()
+    }
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("per_task", [False, True], ids=["shared", "per-task"])
+def test_sequences_without_a_batch_dimension(batch_first, per_task, passes, merged):
+    """One sequence per task, with shared weights in evaluation (the tasks become the
+    layer's batch) and with per-task weights (the one pass)."""
     torch.manual_seed(3)
-    rnn = nn.LSTM(IN, HID, num_layers=2)
+    rnn = nn.LSTM(IN, HID, num_layers=2, batch_first=batch_first)
     fmodel = fm.functional_model(rnn.to(DTYPE))
     x = torch.randn(T, L, IN, dtype=DTYPE)  # per task: (L, IN)
-    outs, _ = fm.apply_tasks(fmodel, fmodel.params, x)
-    assert passes
+    params = _per_task_params(fmodel, 3) if per_task else fmodel.params
+    with torch.no_grad():
+        outs, _ = fm.apply_tasks(fmodel, params, x)
+    assert (bool(passes), bool(merged)) == (per_task, not per_task)
     for t in range(T):
-        out, (h, c) = rnn(x[t])
+        one = {k: v[t] for k, v in params.items()} if per_task else fmodel.params
+        out, (h, c) = fmodel(one, x[t])
         torch.testing.assert_close(outs[0][t], out, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(outs[1][0][t], h, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(outs[1][1][t], c, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("hx", [None, "shared", "per-task"])
+def test_shared_weights_without_a_graph_join_the_tasks_to_the_batch(config, hx, passes, merged):
+    """A call that builds no graph (evaluation) with weights all tasks share runs the layer
+    once, as torch computes it, on the tasks joined to its batch: outputs and states equal
+    the layer's own per task. With a graph it takes the one pass (float64: no fused kernel),
+    with the same results."""
+    config = dict(config)  # the parameter's dict is shared by the tests that use it
+    kind = config.pop("kind")
+    torch.manual_seed(8)
+    rnn = _layer(kind, **config).to(DTYPE)
+    fmodel = fm.functional_model(rnn)
+    x = _data(config["batch_first"], seed=8)[0]
+    dirs = 2 if config["bidirectional"] else 1
+    shape = (dirs * config["num_layers"], N, HID)
+    h0 = None
+    if hx == "shared":
+        h0 = torch.randn(shape, dtype=DTYPE)
+    elif hx == "per-task":
+        h0 = torch.randn((T, *shape), dtype=DTYPE)
+    if h0 is not None and kind == "lstm":
+        h0 = (h0, 2 * h0)
+
+    def run() -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        if h0 is None:
+            out, state = torch.func.vmap(lambda xt: fmodel(fmodel.params, xt))(x)
+        else:  # a shared state is closed over, unbatched
+            dims = 0 if hx == "per-task" else None
+            out, state = torch.func.vmap(
+                lambda xt, ht: fmodel(fmodel.params, xt, ht), in_dims=(0, dims)
+            )(x, h0)
+        return out, state if isinstance(state, tuple) else (state,)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            out, states = run()
+        assert merged and not passes
+        merged.clear()
+        out_g, states_g = run()  # the parameters require grad: a graph
+        assert passes and not merged
+    for t in range(T):
+        if h0 is None:
+            h_t = None
+        elif hx == "shared":
+            h_t = h0
+        else:
+            h_t = tuple(h[t] for h in h0) if kind == "lstm" else h0[t]
+        with torch.no_grad():
+            one, one_state = rnn(x[t]) if h_t is None else rnn(x[t], h_t)
+        one_states = one_state if isinstance(one_state, tuple) else (one_state,)
+        for got in (out, out_g):
+            torch.testing.assert_close(got[t], one, rtol=1e-12, atol=1e-14)
+        for s, s_g, ref in zip(states, states_g, one_states, strict=True):
+            torch.testing.assert_close(s[t], ref, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(s_g[t], ref, rtol=1e-12, atol=1e-14)
 
 
 def test_shared_recurrent_weights_with_an_adapted_head(passes):
@@ -290,3 +380,16 @@ def test_a_wrong_hx_is_refused_as_the_layer_refuses_it(kind):
         fm.apply_tasks(fmodel, fmodel.params, fm.Args(x, hx))
     with pytest.raises(RuntimeError, match=r"input.size\(-1\) must be equal to input_size"):
         fm.apply_tasks(fmodel, fmodel.params, torch.randn(T, L, N, IN + 1, dtype=DTYPE))
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_float32_evaluation_with_shared_weights_on_torch_kernels(kind, merged):
+    """Evaluation in float32 (oneDNN's fused LSTM on CPU): one call of the layer for all
+    tasks, equal to the per-task calls to float32 rounding."""
+    fmodel = _classifier(kind, torch.float32)
+    x = _data(True, seed=9)[0].float()
+    with torch.no_grad():
+        out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+        assert merged
+        for t in range(T):
+            torch.testing.assert_close(out[t], fmodel(fmodel.params, x[t]), rtol=1e-5, atol=1e-6)
