@@ -71,6 +71,8 @@ from funcmeta.remat.shadow import LayerTensors, Standin, within
 
 __all__ = ["TaskLoop", "TaskRecurrent", "recurrent_layers", "recurrent_standins", "reporting"]
 
+_BLOCK = 4  # time steps per projection of the input (see _direction)
+
 
 def _rnn_kernels() -> contextlib.AbstractContextManager:
     """cuDNN off inside a twice-differentiable block: its RNN kernels have no double
@@ -361,38 +363,64 @@ def _direction(
     tasks, steps, batch, size = x.shape
     w_ih, w_hh, b_hh = w["weight_ih"], w["weight_hh"], w["bias_hh"]
     assert w_ih is not None and w_hh is not None
-    # the input's projection for every time step at once, as torch's own RNN loop does; the
-    # hidden bias joins it where the cell adds the two projections anyway (not the GRU's n)
-    gi = _project(x.reshape(tasks, steps * batch, size), w_ih, w["bias_ih"])
-    if b_hh is not None and mode != "GRU":
-        gi = gi + b_hh.bias()
-        b_hh = None
-    # unbind, not indexing: one backward for all steps instead of a full-size zero per step
-    inputs = gi.view(tasks, steps, batch, -1).unbind(1)
+    # The input's projection, made a block of time steps at a time just before the cell
+    # needs it; the hidden bias joins it where the cell adds the two projections anyway (not
+    # the GRU's n). Blocks, not all steps at once: the whole projection, for every task,
+    # would stay alive until the last step (19.7 MiB for a GRU at T = 16, which a loop holds
+    # for one task at a time), and so would its gradients in the backward of unbind.
+    # split and unbind, not indexing: one backward per block and for all blocks, instead of
+    # a full-size zero per step.
+    joined = b_hh is not None and mode != "GRU"
+    cell_bias = b_hh if mode == "GRU" else None
+    parts = x.split(_BLOCK, dim=1)
     h = state[0]
     c = state[1] if mode == "LSTM" else None
     outs: list[Tensor] = [h] * steps
-    for t in reversed(range(steps)) if reverse else range(steps):
-        if mode == "LSTM":
-            i, f, g, o = _recur(inputs[t], h, w_hh).chunk(4, dim=-1)
-            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-            h = torch.sigmoid(o) * torch.tanh(c)
-            hr = w["weight_hr"]
-            if hr is not None:
-                h = _project(h, hr, None)
-        elif mode == "GRU":
-            ir, iz, in_ = inputs[t].chunk(3, dim=-1)
-            hr_, hz, hn = _project(h, w_hh, b_hh).chunk(3, dim=-1)
-            r = torch.sigmoid(ir + hr_)
-            z = torch.sigmoid(iz + hz)
-            n = torch.tanh(in_ + r * hn)
-            h = (h - n) * z + n
-        elif mode == "RNN_TANH":
-            h = torch.tanh(_recur(inputs[t], h, w_hh))
-        else:
-            h = torch.relu(_recur(inputs[t], h, w_hh))
-        outs[t] = h
+    for k in reversed(range(len(parts))) if reverse else range(len(parts)):
+        span = parts[k].shape[1]
+        gi = _project(parts[k].reshape(tasks, span * batch, size), w_ih, w["bias_ih"])
+        if joined:
+            gi = gi + b_hh.bias()  # type: ignore[union-attr]
+        block = gi.view(tasks, span, batch, -1).unbind(1)
+        del gi
+        for j in reversed(range(span)) if reverse else range(span):
+            h, c = _cell(mode, block[j], h, c, w, cell_bias)
+            outs[k * _BLOCK + j] = h
     return torch.stack(outs, dim=1), [h] if c is None else [h, c]
+
+
+def _cell(
+    mode: str,
+    gi: Tensor,
+    h: Tensor,
+    c: Tensor | None,
+    w: dict[str, _Weight | None],
+    b_hh: _Weight | None,
+) -> tuple[Tensor, Tensor | None]:
+    """One time step of the cell, for every task: ``(h, c)`` (``c`` None but for an LSTM)
+    from the input's projection ``gi`` ``(T, N, G)``."""
+    w_hh = w["weight_hh"]
+    assert w_hh is not None
+    if mode == "LSTM":
+        i, f, g, o = _recur(gi, h, w_hh).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        hr = w["weight_hr"]
+        return (h if hr is None else _project(h, hr, None)), c
+    if mode == "GRU":
+        ir, iz, in_ = gi.chunk(3, dim=-1)
+        # r and z in place of the hidden projection's first two thirds, as torch's own GRU
+        # cell does: that projection stays alive anyway (r * hn saves its last third), so the
+        # gates take no memory of their own. unsafe_chunk: the thirds keep separate version
+        # counters, so changing one does not invalidate what the others saved.
+        hr_, hz, hn = _project(h, w_hh, b_hh).unsafe_chunk(3, dim=-1)
+        r = hr_.add_(ir).sigmoid_()
+        z = hz.add_(iz).sigmoid_()
+        n = torch.tanh(in_ + r * hn)
+        return (h - n) * z + n, None
+    if mode == "RNN_TANH":
+        return torch.tanh(_recur(gi, h, w_hh)), None
+    return torch.relu(_recur(gi, h, w_hh)), None
 
 
 def _recur(acc: Tensor, h: Tensor, w: _Weight) -> Tensor:
