@@ -186,22 +186,31 @@ def _per_task_params(fmodel: fm.FunctionalModel, seed: int) -> dict[str, torch.T
     }
 
 
+@pytest.mark.parametrize("with_hx", [False, True], ids=["no-hx", "hx"])
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("per_task", [False, True], ids=["shared", "per-task"])
-def test_sequences_without_a_batch_dimension(batch_first, per_task, passes, merged):
-    """One sequence per task, with shared weights in evaluation (the tasks become the
-    layer's batch) and with per-task weights (the one pass)."""
+def test_sequences_without_a_batch_dimension(batch_first, per_task, with_hx, passes, merged):
+    """One sequence per task (``(L, I)``, whatever ``batch_first`` says), with shared weights
+    in evaluation (the tasks become the layer's batch) and with per-task weights (the one
+    pass); an initial state ``(layers, H)`` per task or none."""
     torch.manual_seed(3)
     rnn = nn.LSTM(IN, HID, num_layers=2, batch_first=batch_first)
     fmodel = fm.functional_model(rnn.to(DTYPE))
     x = torch.randn(T, L, IN, dtype=DTYPE)  # per task: (L, IN)
+    h0 = torch.randn(T, 2, HID, dtype=DTYPE)
+    hx = (h0, h0.flip(0))
     params = _per_task_params(fmodel, 3) if per_task else fmodel.params
+    args = fm.Args(x, hx) if with_hx else fm.Args(x)
     with torch.no_grad():
-        outs, _ = fm.apply_tasks(fmodel, params, x)
+        outs, _ = fm.apply_tasks(fmodel, params, args)
     assert (bool(passes), bool(merged)) == (per_task, not per_task)
     for t in range(T):
         one = {k: v[t] for k, v in params.items()} if per_task else fmodel.params
-        out, (h, c) = fmodel(one, x[t])
+        with torch.no_grad():
+            if with_hx:
+                out, (h, c) = fmodel(one, x[t], (h0[t], h0.flip(0)[t]))
+            else:
+                out, (h, c) = fmodel(one, x[t])
         torch.testing.assert_close(outs[0][t], out, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(outs[1][0][t], h, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(outs[1][1][t], c, rtol=1e-12, atol=1e-14)

@@ -275,7 +275,7 @@ def _check_call(m: nn.Module, x: Tensor, hx: Any) -> None:
     """The layer's own checks of its input and ``hx`` (sizes, dtypes), on one task's shapes:
     the one pass would otherwise broadcast a wrong ``hx`` silently."""
     if x.dim() == 2:  # one sequence: checked as a batch of one, as the layer does
-        x = x.unsqueeze(1)
+        x = x.unsqueeze(0 if m.batch_first else 1)  # as the layer does
         if isinstance(hx, tuple | list):
             hx = tuple(h.unsqueeze(1) if h.dim() == 2 else h for h in hx)
         elif hx is not None:
