@@ -6,9 +6,7 @@ cases it hands to the per-task loop, each said once."""
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -76,33 +74,30 @@ def _meta_grads(fmodel, x, y, batched, *, first_order=False, extra=()):
     return loss, torch.autograd.grad(loss, params)
 
 
-@pytest.fixture
-def passes(monkeypatch):
-    """Counts the one-pass computations of the recurrent stand-in."""
-    calls = []
-    real = recurrent._run
+def _counting(monkeypatch, name: str) -> list[int]:
+    """A list that grows by one at every call of ``funcmeta.batching.recurrent.<name>``."""
+    calls: list[int] = []
+    real = getattr(recurrent, name)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(recurrent, "_run", counted)
+    monkeypatch.setattr(recurrent, name, counted)
     return calls
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    """Counts the one-pass computations of the recurrent stand-in."""
+    return _counting(monkeypatch, "_run")
 
 
 @pytest.fixture
 def merged(monkeypatch):
     """Counts the calls of the layer itself on the tasks joined to its batch (shared weights,
-    outside second-order steps)."""
-    calls = []
-    real = recurrent._merged
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(recurrent, "_merged", counted)
-    return calls
+    no graph)."""
+    return _counting(monkeypatch, "_merged")
 
 
 CONFIGS = [
@@ -407,18 +402,11 @@ def test_float32_evaluation_with_shared_weights_on_torch_kernels(kind, merged):
 
 
 def _peak_bytes(fn) -> int:
-    """The most tensor bytes allocated at once while ``fn`` runs, above the start."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from sequence_tasks import peak_allocated
+    """The most tensor bytes allocated at once while ``fn`` runs, above the start (the
+    sequence benchmark's count, tested in tests/test_benchmark_memory.py)."""
+    from test_benchmark_memory import profiled
 
-    with (
-        torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        ) as prof,
-        torch.profiler.record_function("window"),
-    ):
-        fn()
-    return peak_allocated(prof, "window")
+    return profiled(fn)
 
 
 @pytest.mark.parametrize("block", [None, 10**6], ids=["blocks", "all-steps"])
