@@ -446,3 +446,57 @@ def test_gru_first_order_peak_memory_near_the_loop(block, monkeypatch):
         assert ratio < 1.23, ratio  # 1.15 with torch 2.13
     else:
         assert ratio > 1.23, ratio  # 1.31: the control shows the test can tell them apart
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_two_task_axes_without_a_graph_stay_batched(kind, merged):
+    """Shared weights, no graph, the input batched over two vmap levels: the layer cannot be
+    handed to torch's kernel with an outer task axis left (it has no batching rule, and the
+    whole model would fall back to a loop); the one pass runs instead, exact."""
+    torch.manual_seed(15)
+    rnn = _layer(kind, num_layers=2, batch_first=True).to(DTYPE)
+    fmodel = fm.functional_model(rnn)
+    x = torch.randn(2, T, N, L, IN, dtype=DTYPE)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.func.vmap(torch.func.vmap(lambda xt: fmodel(fmodel.params, xt)[0]))(x)
+    assert not merged
+    assert fmodel.task_loop is False and fmodel.task_loop_layers == {}
+    for i in range(2):
+        for t in range(T):
+            torch.testing.assert_close(out[i, t], rnn(x[i, t])[0], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+@pytest.mark.parametrize("per_task", [False, True], ids=["shared", "per-task"])
+def test_a_non_finite_task_leaves_the_others_alone(kind, per_task, passes, merged):
+    """NaN and inf in one task's input: that task's outputs are what the layer gives it, the
+    other tasks' outputs and gradients are unchanged and finite (the joined batch and the one
+    pass both keep tasks apart)."""
+    torch.manual_seed(16)
+    rnn = _layer(kind, batch_first=True).to(DTYPE)
+    fmodel = fm.functional_model(rnn)
+    x = torch.randn(T, N, L, IN, dtype=DTYPE)
+    x[1, 2, 3, 0] = float("nan")
+    x[2, 0, 0, 1] = float("inf")
+    params = _per_task_params(fmodel, 16) if per_task else fmodel.params
+    with torch.no_grad():
+        out = fm.apply_tasks(fmodel, params, x)[0][0]
+    assert bool(merged) != per_task
+    for t in range(T):
+        one = {k: v[t] for k, v in params.items()} if per_task else fmodel.params
+        with torch.no_grad():
+            ref = fmodel(one, x[t])[0]
+        torch.testing.assert_close(out[t], ref, rtol=1e-12, atol=1e-14, equal_nan=True)
+    assert bool(out[1].isnan().any()) and bool(out[[0, 2]].isfinite().all())
+    if per_task:  # the one pass with a graph: gradients equal the loop's, task by task
+        leaves = {k: v.detach().requires_grad_() for k, v in params.items()}
+        loss = fm.apply_tasks(fmodel, leaves, x)[0][0].sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        assert passes
+        for t in range(T):
+            one = {k: v.detach()[t].requires_grad_() for k, v in params.items()}
+            ref = torch.autograd.grad(fmodel(one, x[t])[0].sum(), list(one.values()))
+            for g, r in zip(grads, ref, strict=True):
+                torch.testing.assert_close(g[t], r, rtol=1e-10, atol=1e-12, equal_nan=True)
+        assert all(bool(g[0].isfinite().all()) for g in grads)  # the clean task's

@@ -168,12 +168,19 @@ class TaskRecurrent(TaskLoop):
         if why is not None:
             self._tell(why)
             return super().forward(input, hx)
-        merge = _no_graph(values) and not any(is_batched(w) for w in weights.values())
+        level = innermost_level(values)
+        assert level is not None
+        merge = (
+            _no_graph(values)
+            and not any(is_batched(w) for w in weights.values())
+            and not any(
+                isinstance(v, Tensor) and is_batched(v) and is_batched(physical(v, level))
+                for v in values
+            )
+        )  # tensors batched at an outer level too would reach torch's kernel, which has no rule
         if not in_twice_differentiable() and not merge and fused_rnn(m.mode, input):
             return super().forward(input, hx)  # the fused kernel, per task, is faster
         _check_call(m, input, hx)
-        level = innermost_level(values)
-        assert level is not None
         tasks = _tasks(values, level)
         if merge:
             return _merged(m, input, hxs, level, tasks)
@@ -260,15 +267,15 @@ def _merged(m: nn.Module, given: Tensor, hxs: list[Any], level: int, tasks: int)
     with _rnn_kernels():
         out, final = layer.call(m, params, buffers, (x, hx), {})
 
-    def per_task(t: Tensor, dim: int) -> Tensor:  # the task axis back out of dim
+    def tasks_out(t: Tensor, dim: int) -> Tensor:  # the task axis back out of dim
         if not unbatched:
             t = t.unflatten(dim, (tasks, -1))
         return add_batch_dim(t, dim, level)
 
-    out = per_task(out, 0 if m.batch_first else 1)
+    out = tasks_out(out, 0 if m.batch_first else 1)
     if m.mode == "LSTM":
-        return out, (per_task(final[0], 1), per_task(final[1], 1))
-    return out, per_task(final, 1)
+        return out, (tasks_out(final[0], 1), tasks_out(final[1], 1))
+    return out, tasks_out(final, 1)
 
 
 def _check_call(m: nn.Module, x: Tensor, hx: Any) -> None:
