@@ -3,9 +3,9 @@ under ``torch.no_grad()`` against a Python loop over the tasks.
 
 With the weights shared and no graph to build, the task-batched call runs the recurrent layer
 once, as torch computes it (oneDNN's fused LSTM on CPU in float32), on the tasks joined to its
-batch (``funcmeta.batching.recurrent``). Each model: an embedding, an ``nn.LSTM`` or
-``nn.GRU`` (hidden 128, batch first) and a linear head, on T tasks of 25 sequences of 32
-tokens. Medians of ``--repeats`` rounds, the two implementations interleaved in one process;
+batch (``funcmeta.batching.recurrent``). Each model: ``sequence_tasks.py``'s classifier (an
+embedding, an ``nn.LSTM`` or ``nn.GRU`` with hidden 128, batch first, and a linear head), on
+T tasks of 25 sequences of 32 tokens. Medians of ``--repeats`` rounds, the two implementations interleaved in one process;
 "agree": the outputs within float32 rounding (1e-5 relative).
 
     python benchmarks/recurrent_evaluation.py [--tasks 4 16 64] [--repeats 9] [--threads N]
@@ -19,27 +19,17 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
+from sequence_tasks import LENGTH, VOCAB, RecurrentClassifier
 
 import funcmeta as fm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _threads import add_threads_option, available_cores, use_threads
 
-SEQUENCES, LENGTH, VOCAB, HIDDEN, WAYS = 25, 32, 1000, 128, 5
-
-
-class Classifier(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(HIDDEN, HIDDEN, batch_first=True)
-        self.head = nn.Linear(HIDDEN, WAYS)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.rnn(self.embed(ids))[0][:, -1])
+SEQUENCES = 25  # per task, of sequence_tasks.LENGTH tokens
 
 
 def main() -> None:
@@ -56,15 +46,20 @@ def main() -> None:
     print(f"{'model':5s} {'T':>3s}  agree  {'loop ms':>8s}  {'batched ms':>10s}  loop/batched")
     for kind in ("lstm", "gru"):
         torch.manual_seed(0)
-        fmodel = fm.functional_model(Classifier(kind).eval(), task_chunk=None)
+        fmodel = fm.functional_model(RecurrentClassifier(kind).eval(), task_chunk=None)
         for tasks in args.tasks:
             ids = torch.randint(0, VOCAB, (tasks, SEQUENCES, LENGTH))
+            mask = torch.ones_like(ids)  # the classifier reads the last token
 
-            def loop(ids: torch.Tensor = ids, f: fm.FunctionalModel = fmodel) -> torch.Tensor:
-                return torch.stack([f(f.params, ids[t]) for t in range(len(ids))])
+            def loop(
+                ids: torch.Tensor = ids, mask: torch.Tensor = mask, f: Any = fmodel
+            ) -> torch.Tensor:
+                return torch.stack([f(f.params, ids[t], mask[t]) for t in range(len(ids))])
 
-            def batched(ids: torch.Tensor = ids, f: fm.FunctionalModel = fmodel) -> torch.Tensor:
-                return fm.apply_tasks(f, f.params, ids)[0]
+            def batched(
+                ids: torch.Tensor = ids, mask: torch.Tensor = mask, f: Any = fmodel
+            ) -> torch.Tensor:
+                return fm.apply_tasks(f, f.params, fm.Args(ids, mask))[0]
 
             times: dict[str, list[float]] = {"loop": [], "batched": []}
             with torch.no_grad():
