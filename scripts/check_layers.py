@@ -42,6 +42,7 @@ LAYERS: list[list[str]] = [
         "batching.fallback",
         "batching.intercept",
         "batching.recurrent",
+        "batching.layer_norm",
         "batching.layers",
         "remat.engine",
         "implicit.*",

@@ -5,6 +5,8 @@ once, exactly, and the per-task loop for layers that ``vmap`` cannot batch.
   ``vmap``'s generic rule a batched-weight linear layer costs about ten times an unbatched
   one, torch 2.13, CPU).
 - recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): :mod:`funcmeta.batching.recurrent`.
+- ``nn.LayerNorm`` with per-task weights, keeping what a loop keeps:
+  :mod:`funcmeta.batching.layer_norm`.
 
 The conv-net layers. Under ``vmap`` over tasks, a convolution whose weights differ per task and
 a BatchNorm with per-task affine parameters go through functorch's generic batching rules:
@@ -58,6 +60,7 @@ from funcmeta._torch_private import (
     has_hooks,
     unwrap_batched,
 )
+from funcmeta.batching.layer_norm import TaskLayerNorm
 from funcmeta.batching.recurrent import recurrent_standins
 from funcmeta.batching.vmap import (
     any_batched,
@@ -322,4 +325,6 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
             out[name] = TaskEmbedding
         elif kind is nn.MultiheadAttention:
             out[name] = TaskAttention
+        elif kind is nn.LayerNorm:
+            out[name] = TaskLayerNorm
     return out

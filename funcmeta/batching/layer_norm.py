@@ -1,0 +1,155 @@
+"""``nn.LayerNorm`` with per-task weights under task batching, keeping what a per-task loop
+keeps.
+
+vmap's rule for ``F.layer_norm`` with a batched weight normalises without the affine
+parameters, then multiplies by the weight and adds the bias as two more operations. Autograd
+then keeps the normalised activation for the weight's gradient, beside the input, mean and
+inverse standard deviation the normalisation keeps: one more activation-sized tensor per
+layer for all tasks, which the loop's fused ``layer_norm`` does not keep (BERT's first-order
+peak held five of them).
+
+:class:`TaskLayerNorm` computes the layer for all tasks with one autograd node,
+:class:`PerTaskLayerNorm`: the same normalisation and the same products (the numbers of
+vmap's rule, bit for bit), saving the input, the statistics and the weight. Its backward
+works the normalised activation out again from them. The backward is written in
+differentiable operations (``native_layer_norm_backward`` has a derivative of its own), so
+the node can be differentiated twice. Inside a second-order inner step
+(:func:`funcmeta.remat.kernels.in_twice_differentiable`) the stand-in steps aside all the
+same: there the graph of the step keeps the activations either way (BERT and GPT-2 peaks
+measured equal with and without it), and torch's own double backward is used.
+
+It steps aside, running the layer as it is, for a layer with hooks, without a per-task
+weight, with an input or bias batched differently from the weight, under autocast (whose
+rule for ``layer_norm`` this node would bypass), and inside a second-order inner step.
+
+Example:
+    >>> import torch
+    >>> from funcmeta.batching.layer_norm import per_task_layer_norm
+    >>> x = torch.randn(3, 5, 4, dtype=torch.float64)          # 3 tasks, 5 rows, 4 features
+    >>> w, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    >>> loop = torch.stack([torch.nn.functional.layer_norm(x[t], (4,), w[t], b[t]) for t in range(3)])
+    >>> torch.allclose(per_task_layer_norm(x, w, b, 1, 1e-5), loop)
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcmeta._torch_private import add_batch_dim, has_hooks
+from funcmeta.batching.vmap import is_batched, maybe_get_level, physical
+from funcmeta.remat.kernels import in_twice_differentiable
+from funcmeta.remat.shadow import Standin
+
+__all__ = ["PerTaskLayerNorm", "TaskLayerNorm", "per_task_layer_norm"]
+
+
+def _task_view(value: Tensor, like: Tensor) -> Tensor:
+    """A per-task ``(T, *normalized_shape)`` tensor viewed to broadcast against ``like``,
+    ``(T, *batch, *normalized_shape)``."""
+    batch = like.dim() - value.dim()
+    return value.view(value.shape[0], *([1] * batch), *value.shape[1:])
+
+
+class PerTaskLayerNorm(torch.autograd.Function):
+    """Layer normalisation over the last ``dims`` axes of ``x``, ``(T, *batch, *shape)``,
+    with a weight per task, ``(T, *shape)``, and a bias per task, shared (``shape``) or
+    None. Outputs ``(y, mean, rstd)``; the statistics are not differentiable. Saves the
+    input, the statistics and the weight, not the normalised activation."""
+
+    # called on the tensors under vmap's wrappers, inside the vmap: torch asks for a rule,
+    # and with no input batched at that level the generated one runs the node as it is
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        x: Tensor, weight: Tensor, bias: Tensor | None, dims: int, eps: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        shape = x.shape[x.dim() - dims :]
+        y, mean, rstd = torch.native_layer_norm(x, shape, None, None, eps)
+        y.mul_(_task_view(weight, x))
+        if bias is not None:
+            y.add_(bias if bias.dim() == dims else _task_view(bias, x))
+        return y, mean, rstd
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+        x, weight, bias, dims, eps = inputs
+        _, mean, rstd = output
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.dims, ctx.eps = dims, eps
+        ctx.shared_bias = bias is not None and bias.dim() == dims
+        ctx.mark_non_differentiable(mean, rstd)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: Tensor, _grad_mean: Any, _grad_rstd: Any
+    ) -> tuple[Tensor | None, ...]:
+        x, weight, mean, rstd = ctx.saved_tensors
+        dims = ctx.dims
+        shape = list(x.shape[x.dim() - dims :])
+        batch = tuple(range(1, x.dim() - dims))  # the axes between the tasks and the features
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if need_x:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad * _task_view(weight, x), x, shape, mean, rstd, None, None,
+                [True, False, False],
+            )[0]  # fmt: skip
+        if need_w:
+            if torch.is_grad_enabled():  # a graph of the backward: x_hat as a function of x
+                x_hat = torch.native_layer_norm(x, shape, None, None, ctx.eps)[0]
+            else:
+                x_hat = (x - mean).mul_(rstd)
+            grad_w = grad * x_hat
+            if batch:
+                grad_w = grad_w.sum(batch)
+        if need_b:
+            axes = (0, *batch) if ctx.shared_bias else batch
+            grad_b = grad.sum(axes) if axes else grad
+        return grad_x, grad_w, grad_b, None, None
+
+
+def per_task_layer_norm(
+    x: Tensor, weight: Tensor, bias: Tensor | None, dims: int, eps: float
+) -> Tensor:
+    """``F.layer_norm`` for each task ``t`` of ``x[t]`` with ``weight[t]`` and ``bias[t]``
+    (or a shared ``bias``), over the last ``dims`` axes, as one :class:`PerTaskLayerNorm`."""
+    return PerTaskLayerNorm.apply(x, weight, bias, dims, eps)[0]
+
+
+class TaskLayerNorm(Standin):
+    """Stands in for ``nn.LayerNorm`` under task batching: with a per-task weight, one
+    :class:`PerTaskLayerNorm` for all tasks; otherwise, and in the cases the module docstring
+    lists, the layer as it is."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        w, b = m.weight, m.bias
+        if (
+            has_hooks(m)
+            or w is None
+            or not (is_batched(x) and is_batched(w))
+            or in_twice_differentiable()
+            or torch.is_autocast_enabled()
+            or torch.is_autocast_enabled("cpu")
+        ):
+            return m(x)
+        level = maybe_get_level(w)
+        dims = len(m.normalized_shape)
+        if (
+            maybe_get_level(x) != level
+            or x.dim() < dims
+            or tuple(x.shape[x.dim() - dims :]) != tuple(m.normalized_shape)
+        ):
+            return m(x)  # another level's tensor, or the layer's own error for a wrong shape
+        if b is not None and is_batched(b) and maybe_get_level(b) != level:
+            return m(x)
+        xp, wp = physical(x, level), physical(w, level)
+        bp = physical(b, level) if b is not None and is_batched(b) else b
+        if any(is_batched(v) for v in (xp, wp, bp)):
+            return m(x)  # batched at an outer level too: vmap's rule
+        return add_batch_dim(per_task_layer_norm(xp, wp, bp, dims, m.eps), 0, level)
