@@ -5,6 +5,8 @@ and second order, the cases where it steps aside, and what it keeps for the back
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,8 +28,9 @@ def calls(monkeypatch):
     real = layer_norm.per_task_layer_norm
 
     def counted(x, w, b, *args):
+        out = real(x, w, b, *args)  # counted once it has run (torch may refuse it under vmap)
         seen.append((tuple(x.shape), None if b is None else tuple(b.shape)))
-        return real(x, w, b, *args)
+        return out
 
     monkeypatch.setattr(layer_norm, "per_task_layer_norm", counted)
     return seen
@@ -147,6 +150,28 @@ def test_a_second_order_step_keeps_torchs_double_backward(calls):
     outside = fm.apply_tasks(fmodel, params, query[0])[0]
     assert calls
     torch.testing.assert_close(inside, outside, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("first_order", [True, False], ids=["first", "second"])
+def test_the_model_stays_batched(first_order, calls):
+    """The node runs under vmap (it has a vmap rule): no fallback to a per-task loop, and
+    no warning."""
+    net, support, query = _net_and_data()
+    fmodel = fm.functional_model(net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = fm.adapt_tasks(
+            fmodel,
+            fmodel.params,
+            F.cross_entropy,
+            support,
+            fm.optim.sgd(lr=0.1),
+            steps=2,
+            first_order=first_order,
+        )
+        fm.task_losses(fmodel, result.params, F.cross_entropy, query)
+    assert fmodel.task_loop is False and fmodel.task_loop_layers == {}
+    assert calls
 
 
 def test_a_shared_bias_with_adapted_weights(calls):
