@@ -5,6 +5,7 @@ and second order, the cases where it steps aside, and what it keeps for the back
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -217,6 +218,53 @@ def test_under_autocast_the_layer_runs_as_it_is(calls):
     assert not calls
     assert out.dtype == loop.dtype
     torch.testing.assert_close(out, loop, rtol=2e-2, atol=2e-2)
+
+
+class CastThenNorm(nn.Module):
+    """A LayerNorm (float32 parameters) given its input in another dtype, cast inside."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x.to(self.dtype))
+
+
+def test_a_bfloat16_input_with_float32_parameters_keeps_its_dtype(calls):
+    """layer_norm's mixed precision: the output has the input's dtype, computed in float32
+    (vmap's rule gave float32 here); values and gradients equal the loop's to bfloat16
+    rounding."""
+    torch.manual_seed(8)
+    net = CastThenNorm(torch.bfloat16)
+    fmodel = fm.functional_model(net)
+    params = _per_task_params(fmodel, 8)
+    x = torch.randn(T, N, 4)
+    out = fm.apply_tasks(fmodel, params, x)[0]
+    assert calls
+    loop = torch.stack([fmodel({k: v[t] for k, v in params.items()}, x[t]) for t in range(T)])
+    assert out.dtype == loop.dtype == torch.bfloat16
+    torch.testing.assert_close(out, loop, rtol=1e-2, atol=1e-2)
+    probe = torch.randn(out.shape).to(torch.bfloat16)
+    got = torch.autograd.grad((out * probe).float().sum(), list(params.values()))
+    want = torch.autograd.grad((loop * probe).float().sum(), list(params.values()))
+    for a, c in zip(got, want, strict=True):
+        assert a.dtype == c.dtype == torch.float32
+        torch.testing.assert_close(a, c, rtol=2e-2, atol=2e-2)
+
+
+def test_a_float64_input_with_float32_parameters_is_refused_as_the_loop_refuses_it(calls):
+    """vmap's rule would promote and run; layer_norm (the loop) refuses."""
+    net = CastThenNorm(DTYPE)
+    fmodel = fm.functional_model(net)
+    params = _per_task_params(fmodel, 9)
+    x = torch.randn(T, N, 4)
+    with pytest.raises(RuntimeError) as loop:
+        fmodel({k: v[0] for k, v in params.items()}, x[0])
+    with pytest.raises(RuntimeError, match=re.escape(str(loop.value))):
+        fm.apply_tasks(fmodel, params, x)
+    assert not calls
 
 
 def test_two_task_axes_step_aside_exactly(calls):

@@ -22,6 +22,11 @@ It steps aside, running the layer as it is, for a layer with hooks, without a pe
 weight, with an input or bias batched differently from the weight, under autocast (whose
 rule for ``layer_norm`` this node would bypass), and inside a second-order inner step.
 
+Dtypes. vmap's rule promotes: a bfloat16 input with float32 parameters came out float32
+(``layer_norm`` gives bfloat16), and a float64 input with float32 parameters ran in float64
+(``layer_norm`` refuses it). The node gives the input's dtype in the first case, computing in
+float32 as ``layer_norm`` does, and raises ``layer_norm``'s own error in the second.
+
 Example:
     >>> import torch
     >>> from funcmeta.batching.layer_norm import per_task_layer_norm
@@ -37,6 +42,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from funcmeta._torch_private import add_batch_dim, has_hooks
@@ -58,7 +64,11 @@ class PerTaskLayerNorm(torch.autograd.Function):
     """Layer normalisation over the last ``dims`` axes of ``x``, ``(T, *batch, *shape)``,
     with a weight per task, ``(T, *shape)``, and a bias per task, shared (``shape``) or
     None. Outputs ``(y, mean, rstd)``; the statistics are not differentiable. Saves the
-    input, the statistics and the weight, not the normalised activation."""
+    input, the statistics and the weight, not the normalised activation.
+
+    With a bfloat16 or float16 input and float32 parameters (the mixed precision
+    ``layer_norm`` accepts), it computes in float32 and gives ``y`` the input's dtype, as
+    ``layer_norm`` does."""
 
     # called on the tensors under vmap's wrappers, inside the vmap: torch asks for a rule,
     # and with no input batched at that level the generated one runs the node as it is
@@ -69,11 +79,11 @@ class PerTaskLayerNorm(torch.autograd.Function):
         x: Tensor, weight: Tensor, bias: Tensor | None, dims: int, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         shape = x.shape[x.dim() - dims :]
-        y, mean, rstd = torch.native_layer_norm(x, shape, None, None, eps)
+        y, mean, rstd = torch.native_layer_norm(x.to(weight.dtype), shape, None, None, eps)
         y.mul_(_task_view(weight, x))
         if bias is not None:
             y.add_(bias if bias.dim() == dims else _task_view(bias, x))
-        return y, mean, rstd
+        return y.to(x.dtype), mean, rstd
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -88,7 +98,8 @@ class PerTaskLayerNorm(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: Any, grad: Tensor, _grad_mean: Any, _grad_rstd: Any
     ) -> tuple[Tensor | None, ...]:
-        x, weight, mean, rstd = ctx.saved_tensors
+        x_saved, weight, mean, rstd = ctx.saved_tensors
+        x, grad = x_saved.to(weight.dtype), grad.to(weight.dtype)  # mixed precision: float32
         dims = ctx.dims
         shape = list(x.shape[x.dim() - dims :])
         batch = tuple(range(1, x.dim() - dims))  # the axes between the tasks and the features
@@ -98,7 +109,7 @@ class PerTaskLayerNorm(torch.autograd.Function):
             grad_x = torch.ops.aten.native_layer_norm_backward(
                 grad * _task_view(weight, x), x, shape, mean, rstd, None, None,
                 [True, False, False],
-            )[0]  # fmt: skip
+            )[0].to(x_saved.dtype)  # fmt: skip
         if need_w:
             if torch.is_grad_enabled():  # a graph of the backward: x_hat as a function of x
                 x_hat = torch.native_layer_norm(x, shape, None, None, ctx.eps)[0]
@@ -119,6 +130,16 @@ def per_task_layer_norm(
     """``F.layer_norm`` for each task ``t`` of ``x[t]`` with ``weight[t]`` and ``bias[t]``
     (or a shared ``bias``), over the last ``dims`` axes, as one :class:`PerTaskLayerNorm`."""
     return PerTaskLayerNorm.apply(x, weight, bias, dims, eps)[0]
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _dtypes_taken(x: torch.dtype, weight: torch.dtype, bias: torch.dtype | None) -> bool:
+    """Whether ``layer_norm`` takes these dtypes together: all one dtype, or a bfloat16 or
+    float16 input with float32 parameters."""
+    params = {weight} if bias is None else {weight, bias}
+    return params == {x} or (x in _REDUCED and params == {torch.float32})
 
 
 class TaskLayerNorm(Standin):
@@ -152,4 +173,10 @@ class TaskLayerNorm(Standin):
         bp = physical(b, level) if b is not None and is_batched(b) else b
         if any(is_batched(v) for v in (xp, wp, bp)):
             return m(x)  # batched at an outer level too: vmap's rule
+        if not _dtypes_taken(x.dtype, w.dtype, None if b is None else b.dtype):
+            # dtypes layer_norm refuses together: its own error, from one task's call (vmap's
+            # rule would promote them and run); were it to take them, vmap's rule
+            one_bias = None if bp is None else (bp[0] if bp.dim() > dims else bp)
+            F.layer_norm(xp[0], m.normalized_shape, wp[0], one_bias, m.eps)
+            return m(x)
         return add_batch_dim(per_task_layer_norm(xp, wp, bp, dims, m.eps), 0, level)
