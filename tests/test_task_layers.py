@@ -1,8 +1,10 @@
-"""The task-batched fast paths of conv-net layers (convolution, BatchNorm, pooling) against a
-per-task loop of ``fm.adapt`` and against vmap's generic batching: float64, second order,
-BatchNorm in train and eval mode, per-task and shared parameters, hooks."""
+"""The task-batched fast paths of conv-net layers (convolution, BatchNorm, GroupNorm, pooling)
+against a per-task loop of ``fm.adapt`` and against vmap's generic batching: float64, second
+order, BatchNorm in train and eval mode, per-task and shared parameters, hooks, dtypes."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -68,8 +70,26 @@ def conv3d_net():
     )
 
 
+def groupnorm_net():
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.GroupNorm(3, 6, eps=1e-3),
+        nn.Tanh(),
+        nn.Conv2d(6, 6, 3, padding=1),
+        nn.GroupNorm(1, 6, affine=False),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    )
+
+
 NETS = {
     "conv2d": (conv2d_net, (2, 12, 12)),
+    "groupnorm": (groupnorm_net, (2, 8, 8)),
     "conv1d": (conv1d_net, (2, 20)),
     "conv3d": (conv3d_net, (1, 6, 6, 6)),
 }
@@ -253,6 +273,7 @@ def test_standins_cover_the_conv_net_layers_and_exact_types_only():
         nn.MaxPool2d(2, return_indices=False),
         nn.LSTM(2, 2),
         nn.Linear(2, 2),
+        nn.GroupNorm(1, 2),
     )
     nn.utils.parametrizations.weight_norm(net[0])
     kinds = {k: v.__name__ for k, v in task_layers.task_standins(net).items()}
@@ -262,7 +283,46 @@ def test_standins_cover_the_conv_net_layers_and_exact_types_only():
         "4": "TaskPool",
         "5": "TaskRecurrent",
         "6": "TaskLinear",
+        "7": "TaskGroupNorm",
     }
+
+
+class CastThenGroupNorm(nn.Module):
+    """A GroupNorm (float32 parameters) given its input in another dtype, cast inside."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.norm = nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return self.norm(x.to(self.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_group_norm_keeps_the_loops_dtypes(dtype, fast_calls):
+    """group_norm takes a bfloat16 input with float32 parameters (bfloat16 out) and refuses
+    float64 with them; vmap's rule gave float32 and ran the second."""
+    torch.manual_seed(9)
+    fmodel = fm.functional_model(CastThenGroupNorm(dtype))
+    g = torch.Generator().manual_seed(9)
+    params = {k: v + 0.3 * torch.randn(T, *v.shape, generator=g) for k, v in fmodel.params.items()}
+    x = torch.randn(T, 5, 4, 3)
+
+    def one(t):
+        return fmodel({k: v[t] for k, v in params.items()}, x[t])
+
+    if dtype == torch.float64:
+        with pytest.raises(RuntimeError) as loop:
+            one(0)
+        with pytest.raises(RuntimeError, match=re.escape(str(loop.value))):
+            fm.apply_tasks(fmodel, params, x)
+        return
+    out = fm.apply_tasks(fmodel, params, x)[0]
+    want = torch.stack([one(t) for t in range(T)])
+    assert fast_calls
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
 # --- task chunks ---------------------------------------------------------------------------

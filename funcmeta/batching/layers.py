@@ -21,6 +21,8 @@ input of the next without a copy:
 - :class:`TaskBatchNorm`: ``nn.BatchNorm1d/2d/3d`` as one batch normalisation over ``T * C``
   channels, with per-task (or shared) affine parameters and per-task running statistics,
   updated in place as the layer would.
+- :class:`TaskGroupNorm`: ``nn.GroupNorm`` with per-task affine parameters as one group
+  normalisation with ``T * num_groups`` groups.
 - :class:`TaskPool`: max, average and adaptive average pooling on the same layout.
 - :class:`TaskEmbedding`: ``nn.Embedding`` with a ``padding_idx``. vmap's rule for the
   embedding backward sends gradient into the padding row when the weight is batched; the
@@ -75,6 +77,7 @@ __all__ = [
     "TaskBatchNorm",
     "TaskConv",
     "TaskEmbedding",
+    "TaskGroupNorm",
     "TaskLinear",
     "TaskPool",
     "task_standins",
@@ -223,6 +226,32 @@ class TaskBatchNorm(Standin):
         return _ungrouped(out, tasks, level)
 
 
+class TaskGroupNorm(Standin):
+    """Stands in for ``nn.GroupNorm`` with per-task affine parameters under task batching:
+    one group normalisation with ``T * num_groups`` groups over ``T * C`` channels, on the
+    ``(N, T * C, ...)`` layout (each group's statistics are one task's, per sample, as in the
+    layer). vmap's rule normalises, then multiplies and adds over the whole activation,
+    keeping the normalised activation too, and promotes dtypes that ``group_norm`` takes as
+    they are (a bfloat16 input with float32 parameters came out float32) or refuses
+    (float64 with float32 ran). Shared parameters and ``affine=False`` go by vmap's rule,
+    which folds the tasks into the samples: one native call already."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        w, b = m.weight, m.bias
+        if has_hooks(m) or not is_batched(x) or x.dim() < 2 or not any_batched(w, b):
+            return m(x)
+        level = maybe_get_level(x)
+        if not _same_level(level, w, b) or x.shape[1] != m.num_channels:
+            return m(x)  # another level's parameters, or the layer's own error
+        xg = _grouped(x, level)
+        tasks = xg.shape[1] // x.shape[1]
+        out = F.group_norm(
+            xg, m.num_groups * tasks, _per_task(w, level, tasks), _per_task(b, level, tasks), m.eps
+        )
+        return _ungrouped(out, tasks, level)
+
+
 class TaskPool(Standin):
     """Stands in for max, average and adaptive average pooling under task batching: the
     pooling on the ``(N, T * C, ...)`` layout of the layers around it."""
@@ -319,6 +348,8 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
             out[name] = TaskConv
         elif kind in _NORM:
             out[name] = TaskBatchNorm
+        elif kind is nn.GroupNorm:
+            out[name] = TaskGroupNorm
         elif kind in _POOL:
             out[name] = TaskPool
         elif kind is nn.Embedding and m.padding_idx is not None:
