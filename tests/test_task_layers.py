@@ -1,6 +1,7 @@
-"""The task-batched fast paths of conv-net layers (convolution, BatchNorm, GroupNorm, pooling)
-against a per-task loop of ``fm.adapt`` and against vmap's generic batching: float64, second
-order, BatchNorm in train and eval mode, per-task and shared parameters, hooks, dtypes."""
+"""The task-batched fast paths of conv-net layers (convolution, BatchNorm, GroupNorm,
+InstanceNorm, pooling) against a per-task loop of ``fm.adapt`` and against vmap's generic
+batching: float64, second order, train and eval mode, per-task and shared parameters,
+hooks, dtypes."""
 
 from __future__ import annotations
 
@@ -87,9 +88,28 @@ def groupnorm_net():
     )
 
 
+def instancenorm_net():
+    return nn.Sequential(
+        nn.Conv1d(2, 4, 3, padding=1),
+        nn.InstanceNorm1d(4, affine=True),
+        nn.ReLU(),
+        nn.MaxPool1d(2),
+        nn.Conv1d(4, 4, 3, padding=1),
+        nn.InstanceNorm1d(4, affine=True, track_running_stats=True, momentum=0.2),
+        nn.Tanh(),
+        nn.AvgPool1d(2),
+        nn.Conv1d(4, 4, 3, padding=1),
+        nn.InstanceNorm1d(4),
+        nn.AdaptiveAvgPool1d(2),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+
+
 NETS = {
     "conv2d": (conv2d_net, (2, 12, 12)),
     "groupnorm": (groupnorm_net, (2, 8, 8)),
+    "instancenorm": (instancenorm_net, (2, 16)),
     "conv1d": (conv1d_net, (2, 20)),
     "conv3d": (conv3d_net, (1, 6, 6, 6)),
 }
@@ -274,6 +294,7 @@ def test_standins_cover_the_conv_net_layers_and_exact_types_only():
         nn.LSTM(2, 2),
         nn.Linear(2, 2),
         nn.GroupNorm(1, 2),
+        nn.InstanceNorm2d(2, affine=True),
     )
     nn.utils.parametrizations.weight_norm(net[0])
     kinds = {k: v.__name__ for k, v in task_layers.task_standins(net).items()}
@@ -284,30 +305,38 @@ def test_standins_cover_the_conv_net_layers_and_exact_types_only():
         "5": "TaskRecurrent",
         "6": "TaskLinear",
         "7": "TaskGroupNorm",
+        "8": "TaskInstanceNorm",
     }
 
 
-class CastThenGroupNorm(nn.Module):
-    """A GroupNorm (float32 parameters) given its input in another dtype, cast inside."""
+class CastThenNorm(nn.Module):
+    """A normalisation (float32 parameters) given its input in another dtype, cast inside."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, norm: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.dtype = dtype
-        self.norm = nn.GroupNorm(2, 4)
+        self.norm = norm
 
     def forward(self, x):
         return self.norm(x.to(self.dtype))
 
 
+NORMS = {
+    "group": lambda: nn.GroupNorm(2, 4),
+    "instance": lambda: nn.InstanceNorm2d(4, affine=True),
+}
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_group_norm_keeps_the_loops_dtypes(dtype, fast_calls):
-    """group_norm takes a bfloat16 input with float32 parameters (bfloat16 out) and refuses
-    float64 with them; vmap's rule gave float32 and ran the second."""
+def test_group_and_instance_norm_keep_the_loops_dtypes(norm, dtype, fast_calls):
+    """group_norm and instance_norm take a bfloat16 input with float32 parameters (bfloat16
+    out) and refuse float64 with them; vmap's rule gave float32 and ran the second."""
     torch.manual_seed(9)
-    fmodel = fm.functional_model(CastThenGroupNorm(dtype))
+    fmodel = fm.functional_model(CastThenNorm(NORMS[norm](), dtype))
     g = torch.Generator().manual_seed(9)
     params = {k: v + 0.3 * torch.randn(T, *v.shape, generator=g) for k, v in fmodel.params.items()}
-    x = torch.randn(T, 5, 4, 3)
+    x = torch.randn(T, 5, 4, 3, 2)
 
     def one(t):
         return fmodel({k: v[t] for k, v in params.items()}, x[t])

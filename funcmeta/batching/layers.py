@@ -23,6 +23,9 @@ input of the next without a copy:
   updated in place as the layer would.
 - :class:`TaskGroupNorm`: ``nn.GroupNorm`` with per-task affine parameters as one group
   normalisation with ``T * num_groups`` groups.
+- :class:`TaskInstanceNorm`: ``nn.InstanceNorm1d/2d/3d`` with per-task affine parameters
+  as one instance normalisation over ``T * C`` channels, each task's running statistics
+  (when tracked) its own.
 - :class:`TaskPool`: max, average and adaptive average pooling on the same layout.
 - :class:`TaskEmbedding`: ``nn.Embedding`` with a ``padding_idx``. vmap's rule for the
   embedding backward sends gradient into the padding row when the weight is batched; the
@@ -78,6 +81,7 @@ __all__ = [
     "TaskConv",
     "TaskEmbedding",
     "TaskGroupNorm",
+    "TaskInstanceNorm",
     "TaskLinear",
     "TaskPool",
     "task_standins",
@@ -85,6 +89,7 @@ __all__ = [
 
 _CONV = {nn.Conv1d: (1, F.conv1d), nn.Conv2d: (2, F.conv2d), nn.Conv3d: (3, F.conv3d)}
 _NORM = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
+_INSTANCE = {nn.InstanceNorm1d: 3, nn.InstanceNorm2d: 4, nn.InstanceNorm3d: 5}  # with N
 _POOL = {
     nn.MaxPool1d: 1,
     nn.MaxPool2d: 2,
@@ -252,6 +257,45 @@ class TaskGroupNorm(Standin):
         return _ungrouped(out, tasks, level)
 
 
+class TaskInstanceNorm(Standin):
+    """Stands in for ``nn.InstanceNorm1d/2d/3d`` with per-task affine parameters under task
+    batching: one instance normalisation over ``T * C`` channels on the ``(N, T * C, ...)``
+    layout (statistics per sample and channel, as in the layer), with each task's running
+    statistics, when tracked, used and updated in place. vmap's rule promoted dtypes as it
+    does for GroupNorm. Shared parameters and ``affine=False`` go by vmap's rule."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.original
+        w, b = m.weight, m.bias
+        if has_hooks(m) or not is_batched(x) or x.dim() != _INSTANCE[type(m)]:
+            return m(x)  # also one sample without a batch axis, or the layer's own error
+        level = maybe_get_level(x)
+        if not any_batched(w, b) or not _same_level(level, w, b) or x.shape[1] != m.num_features:
+            return m(x)
+        mean, var = m.running_mean, m.running_var
+        mean_g = var_g = None
+        if mean is not None:
+            if not (is_batched(mean) and is_batched(var) and _same_level(level, mean, var)):
+                return m(x)
+            mean_p, var_p = physical(mean, level, 0), physical(var, level, 0)
+            if not (mean_p.is_contiguous() and var_p.is_contiguous()):
+                return m(x)  # the in-place update must reach each task's buffer
+            mean_g, var_g = mean_p.view(-1), var_p.view(-1)
+        xg = _grouped(x, level)
+        tasks = xg.shape[1] // x.shape[1]
+        out = F.instance_norm(
+            xg,
+            mean_g,
+            var_g,
+            _per_task(w, level, tasks),
+            _per_task(b, level, tasks),
+            m.training or not m.track_running_stats,
+            m.momentum if m.momentum is not None else 0.0,
+            m.eps,
+        )
+        return _ungrouped(out, tasks, level)
+
+
 class TaskPool(Standin):
     """Stands in for max, average and adaptive average pooling under task batching: the
     pooling on the ``(N, T * C, ...)`` layout of the layers around it."""
@@ -350,6 +394,8 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
             out[name] = TaskBatchNorm
         elif kind is nn.GroupNorm:
             out[name] = TaskGroupNorm
+        elif kind in _INSTANCE:
+            out[name] = TaskInstanceNorm
         elif kind in _POOL:
             out[name] = TaskPool
         elif kind is nn.Embedding and m.padding_idx is not None:
