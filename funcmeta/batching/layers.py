@@ -160,6 +160,19 @@ def _same_level(level: int, *values: Tensor | None) -> bool:
     return all(v is None or not is_batched(v) or maybe_get_level(v) == level for v in values)
 
 
+def _task_statistics(m: nn.Module, level: int) -> tuple[Tensor, Tensor] | None:
+    """A normalisation layer's running mean and variance as ``(T * C,)`` views of each
+    task's buffers, which an in-place update reaches; None where it cannot (buffers shared
+    or batched at another level, or not contiguous): the layer then runs as it is."""
+    mean, var = m.running_mean, m.running_var
+    if not (is_batched(mean) and is_batched(var) and _same_level(level, mean, var)):
+        return None
+    mean_p, var_p = physical(mean, level, 0), physical(var, level, 0)
+    if not (mean_p.is_contiguous() and var_p.is_contiguous()):
+        return None
+    return mean_p.view(-1), var_p.view(-1)
+
+
 class TaskConv(Standin):
     """Stands in for ``nn.Conv1d/2d/3d`` under task batching: per-task weights as one grouped
     convolution over the tasks; shared weights by vmap's rule (the tasks as more samples)."""
@@ -205,15 +218,12 @@ class TaskBatchNorm(Standin):
         use_stats = not m.training or m.track_running_stats
         if not _same_level(level, m.weight, m.bias):
             return m(x)
+        mean_g = var_g = None
         if use_stats and mean is not None:
-            if not (is_batched(mean) and is_batched(var) and _same_level(level, mean, var)):
+            stats = _task_statistics(m, level)
+            if stats is None:
                 return m(x)
-            mean_p, var_p = physical(mean, level, 0), physical(var, level, 0)
-            if not (mean_p.is_contiguous() and var_p.is_contiguous()):
-                return m(x)  # the in-place update must reach each task's buffer
-            mean_g, var_g = mean_p.view(-1), var_p.view(-1)
-        else:
-            mean_g = var_g = None
+            mean_g, var_g = stats
         if m.training and m.track_running_stats and m.num_batches_tracked is not None:
             m.num_batches_tracked.add_(1)
         xg = _grouped(x, level)
@@ -272,15 +282,12 @@ class TaskInstanceNorm(Standin):
         level = maybe_get_level(x)
         if not any_batched(w, b) or not _same_level(level, w, b) or x.shape[1] != m.num_features:
             return m(x)
-        mean, var = m.running_mean, m.running_var
         mean_g = var_g = None
-        if mean is not None:
-            if not (is_batched(mean) and is_batched(var) and _same_level(level, mean, var)):
+        if m.running_mean is not None:
+            stats = _task_statistics(m, level)
+            if stats is None:
                 return m(x)
-            mean_p, var_p = physical(mean, level, 0), physical(var, level, 0)
-            if not (mean_p.is_contiguous() and var_p.is_contiguous()):
-                return m(x)  # the in-place update must reach each task's buffer
-            mean_g, var_g = mean_p.view(-1), var_p.view(-1)
+            mean_g, var_g = stats
         xg = _grouped(x, level)
         tasks = xg.shape[1] // x.shape[1]
         out = F.instance_norm(
