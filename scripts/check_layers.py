@@ -43,6 +43,7 @@ LAYERS: list[list[str]] = [
         "batching.intercept",
         "batching.recurrent",
         "batching.layer_norm",
+        "batching.cells",
         "batching.layers",
         "remat.engine",
         "implicit.*",

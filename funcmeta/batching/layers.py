@@ -7,6 +7,7 @@ once, exactly, and the per-task loop for layers that ``vmap`` cannot batch.
 - recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): :mod:`funcmeta.batching.recurrent`.
 - ``nn.LayerNorm`` with per-task weights, keeping what a loop keeps:
   :mod:`funcmeta.batching.layer_norm`.
+- ``nn.LSTMCell`` (no batching rule in torch): :mod:`funcmeta.batching.cells`.
 
 The conv-net layers. Under ``vmap`` over tasks, a convolution whose weights differ per task and
 a BatchNorm with per-task affine parameters go through functorch's generic batching rules:
@@ -65,6 +66,7 @@ from funcmeta._torch_private import (
     has_hooks,
     unwrap_batched,
 )
+from funcmeta.batching.cells import TaskLSTMCell
 from funcmeta.batching.layer_norm import TaskLayerNorm
 from funcmeta.batching.recurrent import recurrent_standins
 from funcmeta.batching.vmap import (
@@ -411,4 +413,6 @@ def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
             out[name] = TaskAttention
         elif kind is nn.LayerNorm:
             out[name] = TaskLayerNorm
+        elif kind is nn.LSTMCell:
+            out[name] = TaskLSTMCell
     return out

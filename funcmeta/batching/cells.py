@@ -1,0 +1,129 @@
+"""``nn.LSTMCell`` under task batching: one step of the cell for all tasks.
+
+``aten::lstm_cell`` has no batching rule, so under ``vmap`` a model with an ``nn.LSTMCell``
+fell back to running once per task. :class:`TaskLSTMCell` computes the cell for all tasks
+with batched matrix products (per-task weights) or one matrix product (shared weights), in
+the operations of torch's own CPU cell: the hidden projection plus the input projection,
+the gates' sigmoid and tanh, ``c' = f * c + i * g`` and ``h' = o * tanh(c')``. It is exact
+to rounding against the layer per task, and differentiable twice. (``nn.GRUCell`` and
+``nn.RNNCell`` have batching rules already.)
+
+It steps aside, running the layer as it is, for a layer with hooks, tensors batched at
+different vmap levels or at an outer one too, and shapes the layer would refuse (it then
+gives its own error, from the per-task run).
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> cell = torch.nn.LSTMCell(3, 4)
+    >>> fmodel = fm.functional_model(cell)
+    >>> h, c = fm.apply_tasks(fmodel, fmodel.params, torch.randn(5, 2, 3))[0]  # 5 tasks
+    >>> h.shape, fmodel.task_loop
+    (torch.Size([5, 2, 4]), False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcmeta._torch_private import add_batch_dim, has_hooks
+from funcmeta.batching.vmap import any_batched, is_batched, maybe_get_level, physical
+from funcmeta.remat.shadow import Standin
+
+__all__ = ["TaskLSTMCell"]
+
+
+class _Unbatchable(Exception):
+    """A tensor batched at an outer vmap level too: leave the call to the layer."""
+
+
+def _task_first(value: Tensor, level: int, tasks: int) -> Tensor:
+    """``value`` with the task axis first: its tasks' values, or a shared value expanded."""
+    if is_batched(value):
+        p = physical(value, level)
+        if is_batched(p):
+            raise _Unbatchable
+        return p
+    return value.expand(tasks, *value.shape)
+
+
+def _affine(v: Tensor, w: Tensor, b: Tensor | None, level: int) -> Tensor:
+    """``v @ w^T + b`` for every task, ``v`` ``(T, N, in)``: batched matrix products with
+    per-task weights, one matrix product with shared ones."""
+    if is_batched(w):
+        wp = physical(w, level)
+        if is_batched(wp):
+            raise _Unbatchable
+        out = torch.bmm(v, wp.transpose(1, 2))
+    else:
+        out = F.linear(v, w)
+    if b is not None:
+        bp = physical(b, level) if is_batched(b) else b
+        if is_batched(bp):
+            raise _Unbatchable
+        out = out + (bp.unsqueeze(1) if is_batched(b) else bp)
+    return out
+
+
+class TaskLSTMCell(Standin):
+    """Stands in for ``nn.LSTMCell`` under task batching (see the module docstring)."""
+
+    def forward(
+        self, input: Tensor, hx: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        m = self.original
+        weights = (m.weight_ih, m.weight_hh, m.bias_ih, m.bias_hh)
+        states = () if hx is None else tuple(hx)
+        if has_hooks(m) or not any_batched(input, *states, *weights):
+            return m(input, hx)
+        levels = {maybe_get_level(v) for v in (input, *states, *weights) if is_batched(v)}
+        if len(levels) != 1 or not _fits(m, input, states):
+            return m(input, hx)  # another level's tensors, or the layer's own error
+        (level,) = levels
+        try:
+            return self._cell(input, states, level)
+        except _Unbatchable:
+            return m(input, hx)
+
+    def _cell(self, input: Tensor, states: tuple[Tensor, ...], level: int) -> tuple[Tensor, Tensor]:
+        m = self.original
+        batched = [v for v in (input, *states, m.weight_ih, m.weight_hh) if is_batched(v)]
+        tasks = physical(batched[0], level).shape[0]
+        one = input.dim() == 1  # one sample per task, without a batch axis
+        x = _task_first(input, level, tasks)
+        if one:
+            x = x.unsqueeze(1)
+        if states:
+            h, c = (_task_first(s, level, tasks) for s in states)
+            if one:
+                h, c = h.unsqueeze(1), c.unsqueeze(1)
+        else:
+            h = c = x.new_zeros(tasks, x.shape[1], m.hidden_size)
+        # torch's CPU cell: the hidden projection, then the input projection added to it
+        gates = _affine(h, m.weight_hh, m.bias_hh, level) + _affine(
+            x, m.weight_ih, m.bias_ih, level
+        )
+        i, f, g, o = gates.chunk(4, dim=-1)
+        c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h_new = torch.sigmoid(o) * torch.tanh(c_new)
+        if one:
+            h_new, c_new = h_new.squeeze(1), c_new.squeeze(1)
+        return add_batch_dim(h_new, 0, level), add_batch_dim(c_new, 0, level)
+
+
+def _fits(m: Any, input: Tensor, states: tuple[Tensor, ...]) -> bool:
+    """Whether the call has the shapes the layer takes (one task's view): the layer's own
+    checks give the error otherwise."""
+    if input.dim() not in (1, 2) or input.shape[-1] != m.input_size:
+        return False
+    if not states:
+        return True
+    if len(states) != 2:
+        return False
+    want = (m.hidden_size,) if input.dim() == 1 else (input.shape[0], m.hidden_size)
+    return all(tuple(s.shape) == want for s in states) and all(
+        s.dtype == input.dtype for s in states
+    )
