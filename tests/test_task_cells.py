@@ -161,3 +161,19 @@ def test_a_wrong_state_size_gives_the_layers_error(steps):
     with pytest.raises(RuntimeError, match=re.escape(str(own.value))):
         fm.apply_tasks(fmodel, _per_task(fmodel, 6), (x, hx))
     assert not steps
+
+
+def test_under_autocast_the_cell_runs_as_it_is(steps):
+    """autocast would run the stand-in's matrix products in bfloat16, not the layer's."""
+    torch.manual_seed(7)
+    net = Unrolled()
+    fmodel = fm.functional_model(net)
+    params = _per_task(fmodel, 7)
+    x = torch.randn(T, N, L, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the once-per-task fallback says so
+        out = fm.apply_tasks(fmodel, params, x)[0]
+        want = torch.stack([fmodel({k: v[t] for k, v in params.items()}, x[t]) for t in range(T)])
+    assert not steps
+    assert out.dtype == want.dtype
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -9,8 +9,9 @@ to rounding against the layer per task, and differentiable twice. (``nn.GRUCell`
 ``nn.RNNCell`` have batching rules already.)
 
 It steps aside, running the layer as it is, for a layer with hooks, tensors batched at
-different vmap levels or at an outer one too, and shapes the layer would refuse (it then
-gives its own error, from the per-task run).
+different vmap levels or at an outer one too, under autocast (whose rules for the matrix
+products would change their precision, not the layer's), and shapes the layer would refuse
+(it then gives its own error, from the per-task run).
 
 Example:
     >>> import torch, funcmeta as fm
@@ -77,7 +78,12 @@ class TaskLSTMCell(Standin):
         m = self.original
         weights = (m.weight_ih, m.weight_hh, m.bias_ih, m.bias_hh)
         states = () if hx is None else tuple(hx)
-        if has_hooks(m) or not any_batched(input, *states, *weights):
+        if (
+            has_hooks(m)
+            or not any_batched(input, *states, *weights)
+            or torch.is_autocast_enabled()
+            or torch.is_autocast_enabled("cpu")
+        ):
             return m(input, hx)
         levels = {maybe_get_level(v) for v in (input, *states, *weights) if is_batched(v)}
         if len(levels) != 1 or not _fits(m, input, states):
