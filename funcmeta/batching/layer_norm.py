@@ -66,9 +66,9 @@ class PerTaskLayerNorm(torch.autograd.Function):
     None. Outputs ``(y, mean, rstd)``; the statistics are not differentiable. Saves the
     input, the statistics and the weight, not the normalised activation.
 
-    With a bfloat16 or float16 input and float32 parameters (the mixed precision
-    ``layer_norm`` accepts), it computes in float32 and gives ``y`` the input's dtype, as
-    ``layer_norm`` does."""
+    With a bfloat16 or float16 input (and parameters of its dtype, or float32: the mixed
+    precision ``layer_norm`` accepts) it computes in float32 and rounds ``y`` to the input's
+    dtype once, as ``layer_norm`` does; the gradients come back in their inputs' dtypes."""
 
     # called on the tensors under vmap's wrappers, inside the vmap: torch asks for a rule,
     # and with no input batched at that level the generated one runs the node as it is
@@ -79,10 +79,11 @@ class PerTaskLayerNorm(torch.autograd.Function):
         x: Tensor, weight: Tensor, bias: Tensor | None, dims: int, eps: float
     ) -> tuple[Tensor, Tensor, Tensor]:
         shape = x.shape[x.dim() - dims :]
-        y, mean, rstd = torch.native_layer_norm(x.to(weight.dtype), shape, None, None, eps)
-        y.mul_(_task_view(weight, x))
+        compute = _compute_dtype(x)
+        y, mean, rstd = torch.native_layer_norm(x.to(compute), shape, None, None, eps)
+        y.mul_(_task_view(weight.to(compute), x))
         if bias is not None:
-            y.add_(bias if bias.dim() == dims else _task_view(bias, x))
+            y.add_((bias if bias.dim() == dims else _task_view(bias, x)).to(compute))
         return y.to(x.dtype), mean, rstd
 
     @staticmethod
@@ -92,14 +93,16 @@ class PerTaskLayerNorm(torch.autograd.Function):
         ctx.save_for_backward(x, weight, mean, rstd)
         ctx.dims, ctx.eps = dims, eps
         ctx.shared_bias = bias is not None and bias.dim() == dims
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.mark_non_differentiable(mean, rstd)
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any, grad: Tensor, _grad_mean: Any, _grad_rstd: Any
     ) -> tuple[Tensor | None, ...]:
-        x_saved, weight, mean, rstd = ctx.saved_tensors
-        x, grad = x_saved.to(weight.dtype), grad.to(weight.dtype)  # mixed precision: float32
+        x_saved, weight_saved, mean, rstd = ctx.saved_tensors
+        compute = _compute_dtype(x_saved)  # float32 for bfloat16 and float16, as the forward
+        x, weight, grad = (v.to(compute) for v in (x_saved, weight_saved, grad))
         dims = ctx.dims
         shape = list(x.shape[x.dim() - dims :])
         batch = tuple(range(1, x.dim() - dims))  # the axes between the tasks and the features
@@ -118,10 +121,22 @@ class PerTaskLayerNorm(torch.autograd.Function):
             grad_w = grad * x_hat
             if batch:
                 grad_w = grad_w.sum(batch)
+            grad_w = grad_w.to(weight_saved.dtype)
         if need_b:
             axes = (0, *batch) if ctx.shared_bias else batch
-            grad_b = grad.sum(axes) if axes else grad
+            grad_b = (grad.sum(axes) if axes else grad).to(ctx.bias_dtype)
         return grad_x, grad_w, grad_b, None, None
+
+
+_REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float32 for a bfloat16 or float16 input, whose result is rounded once at the end as
+    ``layer_norm``'s kernels do (normalising, scaling and shifting in the input's dtype
+    rounds three times: a third of bfloat16 results then differ from the layer's by an
+    ulp); the input's dtype otherwise."""
+    return torch.float32 if x.dtype in _REDUCED else x.dtype
 
 
 def per_task_layer_norm(
@@ -130,9 +145,6 @@ def per_task_layer_norm(
     """``F.layer_norm`` for each task ``t`` of ``x[t]`` with ``weight[t]`` and ``bias[t]``
     (or a shared ``bias``), over the last ``dims`` axes, as one :class:`PerTaskLayerNorm`."""
     return PerTaskLayerNorm.apply(x, weight, bias, dims, eps)[0]
-
-
-_REDUCED = (torch.bfloat16, torch.float16)
 
 
 def _dtypes_taken(x: torch.dtype, weight: torch.dtype, bias: torch.dtype | None) -> bool:
