@@ -259,13 +259,46 @@ def test_a_hooked_layer_runs_as_it_is(fast_calls):
     assert len(fast_calls) == unhooked - len(seen)  # only the hooked layer left its fast path
 
 
-def test_momentum_none_falls_back_to_the_layer():
-    """A cumulative moving average needs each task's count: the layer runs under vmap."""
+def test_momentum_none_takes_the_fast_path_when_the_tasks_counts_agree(fast_calls):
+    """A cumulative moving average: the factor is one over the count of batches, the same
+    for tasks adapted together (the module's count, then each task's)."""
     net, support, query = make("conv2d")
     net[1].momentum = None
+    net[1].num_batches_tracked.fill_(4)
     reference = run(net, support, query, tasks=False)
     ours = run(net, support, query, tasks=True)
     assert_same(ours, reference)
+    assert len(fast_calls) >= 3 * 6
+    assert ours[2]["1.num_batches_tracked"].tolist() == [7] * T  # 4, two steps, the query
+
+
+def test_momentum_none_with_different_counts_runs_the_layer():
+    """Each task's own count, different ones: one factor cannot serve them, so the layer
+    runs by vmap's rule, each task with its own factor (as a loop gives it)."""
+    net, support, _ = make("conv2d")
+    net[1].momentum = None
+    fmodel = fm.functional_model(net)
+    buffers = {k: torch.stack([v.clone() for _ in range(T)]) for k, v in fmodel.buffers.items()}
+    buffers["1.num_batches_tracked"] = torch.tensor([1, 5, 9])
+    opt = fm.optim.sgd(lr=0.1)
+    result = fm.adapt_tasks(
+        fmodel, fmodel.params, F.cross_entropy, support, opt, steps=2, buffers=buffers
+    )
+    for t in range(T):
+        own = fm.adapt(
+            fmodel,
+            fmodel.params,
+            F.cross_entropy,
+            (support[0][t], support[1][t]),
+            opt,
+            steps=2,
+            buffers={k: v[t] for k, v in buffers.items()},
+        )
+        for k, v in own.buffers.items():
+            torch.testing.assert_close(result.buffers[k][t], v, rtol=1e-12, atol=1e-14)
+        for k, v in own.params.items():
+            torch.testing.assert_close(result.params[k][t], v, rtol=1e-10, atol=1e-12)
+    assert result.buffers["1.num_batches_tracked"].tolist() == [3, 7, 11]
 
 
 def test_running_statistics_are_each_tasks_own():

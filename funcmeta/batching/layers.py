@@ -40,8 +40,9 @@ input of the next without a copy:
 Each computes exactly what the layer computes per task (the same kernels on the same numbers
 per channel; :class:`TaskAttention` the same attention by the layer's other path, equal to
 rounding). A layer with hooks, and a call these do not cover (unbatched input, a
-single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``,
-``return_indices=True``), runs the layer as it is.
+single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``
+and tasks with different counts of batches, ``return_indices=True``), runs the layer as it
+is.
 
 Example:
     >>> import torch
@@ -204,14 +205,28 @@ class TaskConv(Standin):
         return _ungrouped(out, tasks, level)
 
 
+def _one_count(count: Tensor, level: int) -> int | None:
+    """The batches a BatchNorm has tracked, when every task's count is the same (a shared
+    count, or per-task counts that agree); None otherwise."""
+    values = physical(count, level) if is_batched(count) else count
+    if is_batched(values):
+        return None  # batched at an outer level too
+    first = values.reshape(-1)[:1]
+    if values.numel() == 0 or not bool((values == first).all()):
+        return None
+    return int(first.item())
+
+
 class TaskBatchNorm(Standin):
     """Stands in for ``nn.BatchNorm1d/2d/3d`` under task batching: one batch normalisation
     over ``T * C`` channels, with the module's train/eval logic and running-statistics
-    updates written into each task's buffers."""
+    updates written into each task's buffers. With ``momentum=None`` (a cumulative average)
+    the factor is one over the count of batches, so it runs when every task has the same
+    count (as tasks adapted together do), and leaves the layer to vmap otherwise."""
 
     def forward(self, x: Tensor) -> Tensor:
         m = self.original
-        if has_hooks(m) or m.momentum is None or not is_batched(x):
+        if has_hooks(m) or not is_batched(x):
             return m(x)
         if x.dim() not in _NORM[type(m)]:
             return m(x)  # the layer's own error for a wrong shape, or a single sample
@@ -226,8 +241,16 @@ class TaskBatchNorm(Standin):
             if stats is None:
                 return m(x)
             mean_g, var_g = stats
-        if m.training and m.track_running_stats and m.num_batches_tracked is not None:
+        counting = m.training and m.track_running_stats and m.num_batches_tracked is not None
+        momentum = m.momentum
+        if momentum is None:  # a cumulative average: 1 / each task's count of batches
+            count = _one_count(m.num_batches_tracked, level) if counting else None
+            if counting and count is None:
+                return m(x)  # tasks with different counts: one factor cannot serve them
+        if counting:
             m.num_batches_tracked.add_(1)
+        if momentum is None:
+            momentum = 1.0 / float(count + 1) if counting else 0.0  # as the layer computes it
         xg = _grouped(x, level)
         tasks = xg.shape[1] // x.shape[1]
         out = F.batch_norm(
@@ -237,7 +260,7 @@ class TaskBatchNorm(Standin):
             _per_task(m.weight, level, tasks),
             _per_task(m.bias, level, tasks),
             m.training or (mean is None and var is None),
-            m.momentum,
+            momentum,
             m.eps,
         )
         return _ungrouped(out, tasks, level)
