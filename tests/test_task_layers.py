@@ -357,14 +357,16 @@ class CastThenNorm(nn.Module):
 NORMS = {
     "group": lambda: nn.GroupNorm(2, 4),
     "instance": lambda: nn.InstanceNorm2d(4, affine=True),
+    "batch-cumulative": lambda: nn.BatchNorm2d(4, momentum=None).eval(),
 }
 
 
 @pytest.mark.parametrize("norm", list(NORMS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_group_and_instance_norm_keep_the_loops_dtypes(norm, dtype, fast_calls):
-    """group_norm and instance_norm take a bfloat16 input with float32 parameters (bfloat16
-    out) and refuse float64 with them; vmap's rule gave float32 and ran the second."""
+def test_normalisations_keep_the_loops_dtypes(norm, dtype, fast_calls):
+    """group_norm, instance_norm and batch_norm take a bfloat16 input with float32 parameters
+    (bfloat16 out) and refuse float64 with them; vmap's rule gave float32 and ran the second
+    (GroupNorm, InstanceNorm), or refused the first (BatchNorm with momentum=None)."""
     torch.manual_seed(9)
     fmodel = fm.functional_model(CastThenNorm(NORMS[norm](), dtype))
     g = torch.Generator().manual_seed(9)
