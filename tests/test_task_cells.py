@@ -177,3 +177,35 @@ def test_under_autocast_the_cell_runs_as_it_is(steps):
     assert not steps
     assert out.dtype == want.dtype
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("outer", ["inputs", "parameters"])
+def test_two_task_axes(outer, steps):
+    """Parameters per task at the inner vmap level and the inputs batched at both, or the
+    parameters batched at both and the inputs at the inner one: the outer vmap batches the
+    stand-in's operations (the layer itself has no batching rule at all)."""
+    torch.manual_seed(8)
+    cell = nn.LSTMCell(4, 5).to(DTYPE)
+    fmodel = fm.functional_model(cell)
+    params = _per_task(fmodel, 8)
+    g = torch.Generator().manual_seed(8)
+    if outer == "inputs":
+        x = torch.randn(2, T, N, 4, generator=g, dtype=DTYPE)
+        h, c = torch.func.vmap(torch.func.vmap(fmodel), in_dims=(None, 0))(params, x)
+
+        def case(i, t):
+            return {k: v[t] for k, v in params.items()}, x[i, t]
+    else:
+        twice = {k: torch.stack([v, v.flip(0)]) for k, v in params.items()}
+        x = torch.randn(T, N, 4, generator=g, dtype=DTYPE)
+        h, c = torch.func.vmap(torch.func.vmap(fmodel), in_dims=(0, None))(twice, x)
+
+        def case(i, t):
+            return {k: v[i, t] for k, v in twice.items()}, x[t]
+
+    assert steps
+    for i in range(2):
+        for t in range(T):
+            want_h, want_c = cell_call(cell, *case(i, t), None)
+            torch.testing.assert_close(h[i, t], want_h, rtol=1e-13, atol=1e-14)
+            torch.testing.assert_close(c[i, t], want_c, rtol=1e-13, atol=1e-14)

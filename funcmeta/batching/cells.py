@@ -8,8 +8,9 @@ the gates' sigmoid and tanh, ``c' = f * c + i * g`` and ``h' = o * tanh(c')``. I
 to rounding against the layer per task, and differentiable twice. (``nn.GRUCell`` and
 ``nn.RNNCell`` have batching rules already.)
 
-It steps aside, running the layer as it is, for a layer with hooks, tensors batched at
-different vmap levels or at an outer one too, under autocast (whose rules for the matrix
+Tensors batched at an outer vmap level too (two task axes) go through it as well: the
+outer vmap batches its operations. It steps aside, running the layer as it is, for a layer
+with hooks, tensors batched at different vmap levels, under autocast (whose rules for the matrix
 products would change their precision, not the layer's), and shapes the layer would refuse
 (it then gives its own error, from the per-task run).
 
@@ -27,46 +28,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from funcmeta._torch_private import add_batch_dim, has_hooks
-from funcmeta.batching.vmap import any_batched, is_batched, maybe_get_level, physical
+from funcmeta.batching.recurrent import _per_task, _project, _tasks, _Weight
+from funcmeta.batching.vmap import any_batched, is_batched, maybe_get_level
 from funcmeta.remat.shadow import Standin
 
 __all__ = ["TaskLSTMCell"]
-
-
-class _Unbatchable(Exception):
-    """A tensor batched at an outer vmap level too: leave the call to the layer."""
-
-
-def _task_first(value: Tensor, level: int, tasks: int) -> Tensor:
-    """``value`` with the task axis first: its tasks' values, or a shared value expanded."""
-    if is_batched(value):
-        p = physical(value, level)
-        if is_batched(p):
-            raise _Unbatchable
-        return p
-    return value.expand(tasks, *value.shape)
-
-
-def _affine(v: Tensor, w: Tensor, b: Tensor | None, level: int) -> Tensor:
-    """``v @ w^T + b`` for every task, ``v`` ``(T, N, in)``: batched matrix products with
-    per-task weights, one matrix product with shared ones."""
-    if is_batched(w):
-        wp = physical(w, level)
-        if is_batched(wp):
-            raise _Unbatchable
-        out = torch.bmm(v, wp.transpose(1, 2))
-    else:
-        out = F.linear(v, w)
-    if b is not None:
-        bp = physical(b, level) if is_batched(b) else b
-        if is_batched(bp):
-            raise _Unbatchable
-        out = out + (bp.unsqueeze(1) if is_batched(b) else bp)
-    return out
 
 
 class TaskLSTMCell(Standin):
@@ -85,32 +54,36 @@ class TaskLSTMCell(Standin):
             or torch.is_autocast_enabled("cpu")
         ):
             return m(input, hx)
-        levels = {maybe_get_level(v) for v in (input, *states, *weights) if is_batched(v)}
+        values = [v for v in (input, *states, *weights) if v is not None]
+        levels = {maybe_get_level(v) for v in values if is_batched(v)}
         if len(levels) != 1 or not _fits(m, input, states):
             return m(input, hx)  # another level's tensors, or the layer's own error
         (level,) = levels
-        try:
-            return self._cell(input, states, level)
-        except _Unbatchable:
-            return m(input, hx)
+        return self._cell(input, states, level, _tasks(values, level))
 
-    def _cell(self, input: Tensor, states: tuple[Tensor, ...], level: int) -> tuple[Tensor, Tensor]:
+    def _cell(
+        self, input: Tensor, states: tuple[Tensor, ...], level: int, tasks: int
+    ) -> tuple[Tensor, Tensor]:
         m = self.original
-        batched = [v for v in (input, *states, m.weight_ih, m.weight_hh) if is_batched(v)]
-        tasks = physical(batched[0], level).shape[0]
         one = input.dim() == 1  # one sample per task, without a batch axis
-        x = _task_first(input, level, tasks)
+        x = _per_task(input, level, tasks)
+        assert x is not None
         if one:
             x = x.unsqueeze(1)
         if states:
-            h, c = (_task_first(s, level, tasks) for s in states)
+            h, c = (_per_task(s, level, tasks) for s in states)
+            assert h is not None and c is not None
             if one:
                 h, c = h.unsqueeze(1), c.unsqueeze(1)
         else:
             h = c = x.new_zeros(tasks, x.shape[1], m.hidden_size)
+
+        def weight(value: Tensor | None) -> _Weight | None:
+            return None if value is None else _Weight(value, level)
+
         # torch's CPU cell: the hidden projection, then the input projection added to it
-        gates = _affine(h, m.weight_hh, m.bias_hh, level) + _affine(
-            x, m.weight_ih, m.bias_ih, level
+        gates = _project(h, weight(m.weight_hh), weight(m.bias_hh)) + _project(
+            x, weight(m.weight_ih), weight(m.bias_ih)
         )
         i, f, g, o = gates.chunk(4, dim=-1)
         c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
