@@ -39,7 +39,13 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from funcmeta._torch_private import add_batch_dim
-from funcmeta.batching.vmap import is_batched, maybe_get_level, outside_level, physical
+from funcmeta.batching.vmap import (
+    is_batched,
+    maybe_get_level,
+    outside_level,
+    physical,
+    uniform_value,
+)
 from funcmeta.remat.kernels import entered_again
 
 __all__ = ["TaskMode", "task_mode"]
@@ -74,7 +80,7 @@ class TaskMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func in _VALUE_METHODS and args and _batched_here(args[0]):
-            value = _uniform(args[0])
+            value = uniform_value(args[0])  # None: tasks disagree, refused as vmap does
             if value is not None:
                 self.used["values"] += 1
                 return _VALUE_METHODS[func](value)
@@ -101,18 +107,6 @@ def task_mode(mode: TaskMode | None = None) -> Iterator[TaskMode]:
 
 def _batched_here(x: Any) -> bool:
     return isinstance(x, Tensor) and is_batched(x)
-
-
-def _uniform(x: Tensor) -> Tensor | None:
-    """One task's value of ``x`` (batched at its innermost level) when every task's equals
-    it, else None (the caller then refuses as vmap does)."""
-    values = physical(x, maybe_get_level(x))
-    if is_batched(values):
-        return None  # batched at an outer level too: leave it to vmap
-    flat = values.reshape(values.shape[0], -1)
-    if flat.shape[0] and not bool((flat == flat[:1]).all()):
-        return None  # tasks disagree (NaN never agrees): refuse as vmap does
-    return values[0]
 
 
 def _attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:

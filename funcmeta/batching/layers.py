@@ -75,6 +75,7 @@ from funcmeta.batching.vmap import (
     is_batched,
     maybe_get_level,
     physical,
+    uniform_value,
 )
 from funcmeta.remat.shadow import Standin, within
 
@@ -208,13 +209,12 @@ class TaskConv(Standin):
 def _one_count(count: Tensor, level: int) -> int | None:
     """The batches a BatchNorm has tracked, when every task's count is the same (a shared
     count, or per-task counts that agree); None otherwise."""
-    values = physical(count, level) if is_batched(count) else count
-    if is_batched(values):
-        return None  # batched at an outer level too
-    first = values.reshape(-1)[:1]
-    if values.numel() == 0 or not bool((values == first).all()):
+    if not is_batched(count):
+        return int(count)
+    if maybe_get_level(count) != level:
         return None
-    return int(first.item())
+    value = uniform_value(count)
+    return None if value is None else int(value)
 
 
 class TaskBatchNorm(Standin):

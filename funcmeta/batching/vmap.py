@@ -60,6 +60,7 @@ __all__ = [
     "outside_level",
     "per_task_run",
     "physical",
+    "uniform_value",
 ]
 
 #: Whether :func:`fast_vmap` uses the primitives (tests switch it off to check the fallback).
@@ -280,3 +281,16 @@ def physical(x: Tensor, level: int, dim: int = 0) -> Tensor:
     ``dim`` (a view)."""
     tensor, bdim = unwrap_batched(x, level)
     return tensor if bdim == dim else tensor.movedim(bdim, dim)
+
+
+def uniform_value(x: Tensor) -> Tensor | None:
+    """One task's value of ``x`` (batched at its innermost level) when every task's equals
+    it, else None: where tasks disagree (NaN never agrees), or ``x`` is batched at an outer
+    level too."""
+    values = physical(x, maybe_get_level(x))
+    if is_batched(values):
+        return None  # batched at an outer level too
+    flat = values.reshape(values.shape[0], -1)
+    if flat.shape[0] and not bool((flat == flat[:1]).all()):
+        return None
+    return values[0]
