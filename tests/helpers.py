@@ -37,6 +37,16 @@ def batches(
     ]
 
 
+def per_task(params: dict[str, Tensor], tasks: int, seed: int, scale: float) -> dict[str, Tensor]:
+    """Each of ``tasks`` tasks' own parameters: ``params`` perturbed differently per task by
+    ``scale`` times standard normal noise drawn from ``seed``, with a leading task axis."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        k: v + scale * torch.randn(tasks, *v.shape, generator=g, dtype=v.dtype)
+        for k, v in params.items()
+    }
+
+
 def detached(params: dict[str, Tensor], requires_grad: bool = False) -> dict[str, Tensor]:
     return {k: v.detach().clone().requires_grad_(requires_grad) for k, v in params.items()}
 

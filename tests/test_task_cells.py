@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_task
 from test_task_layers import assert_same, run
 from torch import Tensor, nn
 
@@ -99,11 +100,7 @@ def test_the_model_stays_batched(steps):
 
 
 def _per_task(fmodel: fm.FunctionalModel, seed: int) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        k: v + 0.3 * torch.randn(T, *v.shape, generator=g, dtype=v.dtype)
-        for k, v in fmodel.params.items()
-    }
+    return per_task(fmodel.params, T, seed, 0.3)
 
 
 def cell_call(cell: nn.Module, params: dict[str, Tensor], x: Tensor, hx) -> tuple[Tensor, Tensor]:

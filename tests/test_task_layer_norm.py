@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_task
 from test_task_layers import assert_same, run
 from torch import Tensor, nn
 
@@ -187,11 +188,7 @@ def test_a_shared_bias_with_adapted_weights(calls):
 
 
 def _per_task_params(fmodel: fm.FunctionalModel, seed: int) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        k: (v + 0.3 * torch.randn(T, *v.shape, generator=g, dtype=v.dtype)).requires_grad_()
-        for k, v in fmodel.params.items()
-    }
+    return {k: v.requires_grad_() for k, v in per_task(fmodel.params, T, seed, 0.3).items()}
 
 
 def test_a_hooked_layer_runs_as_it_is(calls):

@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_task
 from torch import nn
 
 import funcmeta as fm
@@ -369,8 +370,7 @@ def test_normalisations_keep_the_loops_dtypes(norm, dtype, fast_calls):
     (GroupNorm, InstanceNorm), or refused the first (BatchNorm with momentum=None)."""
     torch.manual_seed(9)
     fmodel = fm.functional_model(CastThenNorm(NORMS[norm](), dtype))
-    g = torch.Generator().manual_seed(9)
-    params = {k: v + 0.3 * torch.randn(T, *v.shape, generator=g) for k, v in fmodel.params.items()}
+    params = per_task(fmodel.params, T, 9, 0.3)
     x = torch.randn(T, 5, 4, 3, 2)
 
     def one(t):

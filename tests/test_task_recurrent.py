@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import per_task
 from torch import nn
 
 import funcmeta as fm
@@ -174,11 +175,7 @@ def test_initial_state_per_task(kind, first_order, passes):
 
 def _per_task_params(fmodel: fm.FunctionalModel, seed: int) -> dict[str, torch.Tensor]:
     """Each task's own parameters: the model's, perturbed differently per task."""
-    g = torch.Generator().manual_seed(seed)
-    return {
-        k: v + 0.1 * torch.randn((T, *v.shape), generator=g, dtype=v.dtype)
-        for k, v in fmodel.params.items()
-    }
+    return per_task(fmodel.params, T, seed, 0.1)
 
 
 @pytest.mark.parametrize("with_hx", [False, True], ids=["no-hx", "hx"])
