@@ -206,3 +206,24 @@ def test_two_task_axes(outer, steps):
             want_h, want_c = cell_call(cell, *case(i, t), None)
             torch.testing.assert_close(h[i, t], want_h, rtol=1e-13, atol=1e-14)
             torch.testing.assert_close(c[i, t], want_c, rtol=1e-13, atol=1e-14)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["per-task", "shared"])
+def test_a_non_finite_task_leaves_the_others_alone(shared, steps):
+    torch.manual_seed(9)
+    net = Unrolled().to(DTYPE)
+    fmodel = fm.functional_model(net)
+    params = _per_task(fmodel, 9)
+    if shared:  # the cell's weights shared: one matrix product over all tasks' rows
+        params = {k: v if k.startswith("head") else fmodel.params[k] for k, v in params.items()}
+    x = torch.randn(T, N, L, 4, dtype=DTYPE)
+    x[1, 2, 1, 0] = float("nan")
+    x[2, 0, 3, 1] = float("inf")
+    out = fm.apply_tasks(fmodel, params, x)[0]
+    assert steps
+    for t in range(T):
+        one = {k: (v[t] if v.dim() > fmodel.params[k].dim() else v) for k, v in params.items()}
+        torch.testing.assert_close(
+            out[t], fmodel(one, x[t]), rtol=1e-12, atol=1e-13, equal_nan=True
+        )
+    assert bool(out[0].isfinite().all()) and not bool(out[1].isfinite().all())

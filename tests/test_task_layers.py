@@ -481,3 +481,22 @@ def test_tune_task_chunk_takes_the_meta_loss_on_the_query(monkeypatch):
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, query=query, repeats=1
     )
     assert len(scored) == 2 * 3 and all(x is query[0] for x in scored)
+
+
+@pytest.mark.parametrize("name", ["groupnorm", "instancenorm"])
+def test_a_non_finite_task_leaves_the_others_alone(name, fast_calls):
+    """NaN and inf in one task's input: the tasks share one normalisation call, but each
+    group's and channel's statistics are one task's, so the others' outputs are those of
+    the layer per task, and finite."""
+    net, _, (xq, _) = make(name)
+    fmodel = fm.functional_model(net)
+    params = per_task(fmodel.params, T, 11, 0.3)
+    x = xq.clone()
+    x[1, 0, 0, 0] = float("nan")
+    x[2, 3, 1, 2] = float("inf")
+    out = fm.apply_tasks(fmodel, params, x)[0]
+    assert fast_calls
+    for t in range(T):
+        own = fmodel({k: v[t] for k, v in params.items()}, x[t])
+        torch.testing.assert_close(out[t], own, rtol=1e-12, atol=1e-13, equal_nan=True)
+    assert bool(out[0].isfinite().all()) and not bool(out[1].isfinite().all())
