@@ -39,6 +39,8 @@ __all__ = [
     "ACCESSES",
     "FUNCTORCH",
     "add_batch_dim",
+    "pack_padded_op",
+    "pad_packed_op",
     "buffer_dict",
     "conv_forward",
     "conv_padding",
@@ -110,6 +112,11 @@ maybe_get_level = _functorch("maybe_get_level")
 peek_interpreter_stack = _functorch("peek_interpreter_stack")
 pop_dynamic_layer_stack = _functorch("pop_dynamic_layer_stack")
 push_dynamic_layer_stack = _functorch("push_dynamic_layer_stack")
+
+# The operators under ``pack_padded_sequence`` and ``pad_packed_sequence``, as the function
+# modes see them (``torch._VF`` forwards to them).
+pack_padded_op: Any = getattr(torch._C._VariableFunctions, "_pack_padded_sequence", None)
+pad_packed_op: Any = getattr(torch._C._VariableFunctions, "_pad_packed_sequence", None)
 
 _PREPARED = [False]
 
@@ -311,6 +318,9 @@ ACCESSES: dict[str, Callable[[], bool]] = {
     ),
     "torch.backends.mha fast-path flag": lambda: (
         callable(get_fast_path) and isinstance(get_fast_path(), bool)
+    ),
+    "torch._C._VariableFunctions._pack_padded_sequence / _pad_packed_sequence": lambda: (
+        callable(pack_padded_op) and callable(pad_packed_op)
     ),
     "nn.Module _parameters/_buffers/_modules, hook dicts, Conv _conv_forward": (
         _has_module_internals

@@ -41,6 +41,7 @@ LAYERS: list[list[str]] = [
         "batching.auto",
         "batching.fallback",
         "batching.intercept",
+        "batching.packed",
         "batching.recurrent",
         "batching.layer_norm",
         "batching.cells",

@@ -2,7 +2,7 @@
 
 :class:`TaskMode` is a ``torch.overrides.TorchFunctionMode`` that funcmeta enters around a
 model's forward under task batching, only for models that need it (the first task-batched
-call finds out). It changes two things, each exactly what a loop over the tasks computes:
+call finds out). It changes three things, each exactly what a loop over the tasks computes:
 
 - **Python values of batched tensors.** ``bool(t)``, ``t.item()``, ``int(t)``, ``float(t)``,
   ``t.tolist()`` on a tensor batched over the tasks is what ``vmap`` refuses ("data-dependent
@@ -16,6 +16,11 @@ call finds out). It changes two things, each exactly what a loop over the tasks 
   the task axis joins the batch axis: one call on ``(T * B, H, L, E)``, on whichever kernel the
   context allows (fused in first-order steps, query passes and evaluation; the math kernel
   inside :func:`funcmeta.remat.kernels.twice_differentiable`).
+- **Packed sequences.** ``pack_padded_sequence`` on task-batched tensors, whose tasks' packed
+  data differ in size, keeps them padded with each task's lengths
+  (:mod:`funcmeta.batching.packed`), for the recurrent layers and ``pad_packed_sequence``;
+  any other use of such a sequence is refused as ``vmap`` refuses. ``invert_permutation``'s
+  ``scatter_`` on the sorted indices runs on the tensors under the tasks (no batching rule).
 
 Example:
     >>> import torch
@@ -31,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,7 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from funcmeta._torch_private import add_batch_dim
+from funcmeta._torch_private import add_batch_dim, pack_padded_op
+from funcmeta.batching import packed
 from funcmeta.batching.vmap import (
     is_batched,
     maybe_get_level,
@@ -52,6 +59,8 @@ __all__ = ["TaskMode", "task_mode"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
+_PACK = pack_padded_op
+
 _VALUE_METHODS = {
     Tensor.__bool__: bool,
     Tensor.item: Tensor.item,
@@ -64,12 +73,12 @@ _VALUE_METHODS = {
 
 class TaskMode(TorchFunctionMode):
     """Answers uniform Python questions about task-batched tensors and runs fused attention
-    with the task axis in the batch (see the module docstring). ``used`` counts what it did:
-    ``"values"`` and ``"attention"``; :meth:`needed` says whether it did anything."""
+    with the task axis in the batch, and packs task-batched sequences (see the module
+    docstring). ``used`` counts what it did: ``"values"``, ``"attention"`` and ``"packed"``; :meth:`needed` says whether it did anything."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.used: dict[str, int] = {"values": 0, "attention": 0}
+        self.used: dict[str, int] = {"values": 0, "attention": 0, "packed": 0}
 
     def __torch_function__(
         self,
@@ -79,11 +88,22 @@ class TaskMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _VALUE_METHODS and args and _batched_here(args[0]):
+        if packed.made and packed.token_in(args, kwargs):
+            return packed.on_token(func, args, kwargs, sys._getframe(1))
+        if func is _PACK:
+            tokens = packed.pack(*args, **kwargs)
+            if tokens is not None:
+                self.used["packed"] += 1
+                return tokens
+        elif func in _VALUE_METHODS and args and _batched_here(args[0]):
             value = uniform_value(args[0])  # None: tasks disagree, refused as vmap does
             if value is not None:
                 self.used["values"] += 1
                 return _VALUE_METHODS[func](value)
+        elif func is Tensor.scatter_ and not kwargs and len(args) == 4:
+            if _scatter_(*args):
+                self.used["packed"] += 1
+                return args[0]
         elif func is F.scaled_dot_product_attention:
             out = _attention(args, kwargs)
             if out is not None:
@@ -154,6 +174,27 @@ def _attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
     if rank > 2:
         out = out.unflatten(0, (tasks, -1))
     return add_batch_dim(out, 0, level)
+
+
+def _scatter_(out: Tensor, dim: int, index: Tensor, src: Any) -> bool:
+    """``out.scatter_(dim, index, src)`` on the tensors under a task-batched ``out`` and
+    ``index``, where neither ``out`` nor ``src`` needs gradients: what
+    ``invert_permutation`` does to a packed sequence's sorted indices, for which vmap has no
+    batching rule. False (nothing done) otherwise."""
+    if not (isinstance(src, Tensor) and _batched_here(out) and _batched_here(index)):
+        return False
+    level = maybe_get_level(out)
+    if maybe_get_level(index) != level or (is_batched(src) and maybe_get_level(src) != level):
+        return False
+    target, where = physical(out, level), physical(index, level)
+    tasks = target.shape[0]
+    values = physical(src, level) if is_batched(src) else src.expand(tasks, *src.shape)
+    if any(is_batched(t) or t.requires_grad for t in (target, where, values)):
+        return False
+    if not isinstance(dim, int) or where.dim() != target.dim() or values.dim() != target.dim():
+        return False
+    target.scatter_(dim % out.dim() + 1, where, values)
+    return True
 
 
 class _Unbatched(Exception):

@@ -25,8 +25,10 @@ Covered: any ``num_layers``, ``bidirectional``, ``batch_first`` either way, ``bi
 shared, weights per task or shared. It steps aside to the per-task loop (:class:`TaskLoop`,
 which runs the layer once per task outside the vmap level, and runs subclasses of
 ``nn.RNNBase``, which may compute something else),
-saying once why, for what it cannot compute exactly: a ``PackedSequence`` input, dropout
-between layers in training mode (a loop draws each task's masks separately), forward hooks
+saying once why, for what it cannot compute exactly: a ``PackedSequence`` built by hand (one
+made by ``pack_padded_sequence`` in the model runs in the one pass, each sequence's later
+steps masked: :mod:`funcmeta.batching.packed`), dropout between layers in training mode (a
+loop draws each task's masks separately), forward hooks
 on the layer, tensors batched at different ``vmap`` levels.
 
 Example:
@@ -57,7 +59,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from funcmeta._torch_private import add_batch_dim, cudnn_disabled, fused_rnn, has_hooks
+from funcmeta._torch_private import (
+    add_batch_dim,
+    cudnn_disabled,
+    fused_rnn,
+    has_hooks,
+    pack_padded_op,
+    pad_packed_op,
+)
+from funcmeta.batching.packed import TaskPacked, packed_of, sequence
 from funcmeta.batching.vmap import (
     any_batched,
     call_outside_vmap,
@@ -71,6 +81,8 @@ from funcmeta.remat.shadow import LayerTensors, Standin, within
 
 __all__ = ["TaskLoop", "TaskRecurrent", "recurrent_layers", "recurrent_standins", "reporting"]
 
+_PACK = pack_padded_op
+_PAD = pad_packed_op
 _BLOCK = 4  # time steps per projection of the input (see _direction)
 
 
@@ -89,6 +101,8 @@ class TaskLoop(Standin):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.original
+        if args and packed_of(args[0]) is not None:
+            return _per_task_packed(original, args[0], args[1:], kwargs)
         layer, params, buffers = LayerTensors.of(original)
         tensors = params + buffers
         with _rnn_kernels():
@@ -101,6 +115,40 @@ class TaskLoop(Standin):
             return call_outside_vmap(
                 lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
             )
+
+
+def _per_task_packed(
+    original: nn.Module, seq: PackedSequence, rest: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The layer once per task on a task-batched packed sequence
+    (:mod:`funcmeta.batching.packed`): each task's own packed sequence, built from its
+    padded steps and lengths; the output packed sequence stands for all tasks again."""
+    packed = packed_of(seq)
+    assert packed is not None
+    layer, params, buffers = LayerTensors.of(original)
+    tensors, n = params + buffers, len(params)
+    level, steps = packed.level, packed.padded.shape[1]
+    order, unorder = seq.sorted_indices, seq.unsorted_indices
+
+    def one_task(ts: list[Tensor], x: Tensor, lengths: Tensor, a: Any, kw: Any) -> Any:
+        data, sizes = _PACK(x, lengths, False)  # in the pack's order already
+        given = PackedSequence(data, sizes, *a[:2])
+        out, state = layer.call(original, ts[:n], ts[n:], (given, *a[2:]), kw)
+        if not isinstance(out, PackedSequence):
+            raise RuntimeError(
+                f"vmap: {type(original).__name__} did not return a packed sequence for one"
+            )
+        return _PAD(out.data, out.batch_sizes, False, 0.0, steps)[0], state
+
+    x, lengths = add_batch_dim(packed.padded, 0, level), add_batch_dim(packed.lengths, 0, level)
+    with _rnn_kernels():
+        out, state = call_outside_vmap(
+            lambda f, flat: f(*flat),
+            one_task,
+            (tensors, x, lengths, (order, unorder, *rest), kwargs),
+            per_task=True,
+        )
+    return sequence(TaskPacked(physical(out, level), packed.lengths, level), order, unorder), state
 
 
 def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
@@ -161,6 +209,9 @@ class TaskRecurrent(TaskLoop):
         m = self.original
         hxs = list(hx) if isinstance(hx, tuple | list) else [hx]
         weights = {name: getattr(m, name) for name in _weight_names(m)}
+        packed = packed_of(input)
+        if packed is not None:
+            return self._packed(input, packed, hx, hxs, weights)
         values = [input if isinstance(input, Tensor) else None, *hxs, *weights.values()]
         if not any(v is not None and is_batched(v) for v in values):
             return super().forward(input, hx)
@@ -190,6 +241,37 @@ class TaskRecurrent(TaskLoop):
         state = (wrapped[0], wrapped[1]) if m.mode == "LSTM" else wrapped[0]
         return add_batch_dim(out, 0, level), state
 
+    def _packed(
+        self,
+        seq: PackedSequence,
+        packed: TaskPacked,
+        hx: Any,
+        hxs: list[Any],
+        weights: dict[str, Tensor],
+    ) -> Any:
+        """The layer on a task-batched packed sequence: one pass with each sequence's later
+        steps masked, or once per task (each task's own packed sequence) on the fused kernel,
+        or where one pass cannot be exact."""
+        m = self.original
+        level = packed.level
+        why = _why_not_packed(m, hxs, [*hxs, *weights.values()], level)
+        if why is not None:
+            self._tell(why)
+            return super().forward(seq, hx)
+        if not in_twice_differentiable() and fused_rnn(m.mode, packed.padded):
+            return super().forward(seq, hx)  # the fused kernel, per task, is faster
+        view = packed.padded[0]
+        _check_call(m, view.transpose(0, 1) if m.batch_first else view, hx)
+        tasks = packed.padded.shape[0]
+        order, unorder = seq.sorted_indices, seq.unsorted_indices
+        starts = [_permuted(_per_task(h, level, tasks), order, level) for h in hxs]
+        starts += [None] * ((2 if m.mode == "LSTM" else 1) - len(starts))
+        layer = {k: _Weight(v, level) for k, v in weights.items()}
+        out, final = _layers(m, packed.padded, starts, layer, packed.lengths)
+        wrapped = [add_batch_dim(_permuted(t, unorder, level), 0, level) for t in final]
+        state = (wrapped[0], wrapped[1]) if m.mode == "LSTM" else wrapped[0]
+        return sequence(TaskPacked(out, packed.lengths, level), order, unorder), state
+
     def __init__(self, original: nn.Module, name: str = "", report: dict | None = None) -> None:
         super().__init__(original)
         self.__dict__["_fm_name"] = name
@@ -212,7 +294,7 @@ def _why_not(m: nn.Module, x: Any, hxs: list[Any], values: list[Any]) -> str | N
     if has_hooks(m):
         return "it has hooks, which run once per call of the layer"
     if isinstance(x, PackedSequence):
-        return "its input is a PackedSequence (pack per task outside the model, or pad)"
+        return "its input is a PackedSequence built by hand (pack it with pack_padded_sequence)"
     if m.training and m.dropout > 0 and m.num_layers > 1:
         return "dropout between its layers draws each task's masks on its own in training mode"
     if not isinstance(x, Tensor) or x.dim() not in (2, 3):
@@ -223,6 +305,29 @@ def _why_not(m: nn.Module, x: Any, hxs: list[Any], values: list[Any]) -> str | N
     if len(levels) > 1:
         return "its tensors are batched at different vmap levels"
     return None
+
+
+def _why_not_packed(m: nn.Module, hxs: list[Any], values: list[Any], level: int) -> str | None:
+    """Why the layer cannot run a task-batched packed sequence as one pass, or None."""
+    if has_hooks(m):
+        return "it has hooks, which run once per call of the layer"
+    if m.training and m.dropout > 0 and m.num_layers > 1:
+        return "dropout between its layers draws each task's masks on its own in training mode"
+    if not all(h is None or isinstance(h, Tensor) for h in hxs):
+        return "its hx is not a tensor or a tuple of tensors"
+    if any(isinstance(v, Tensor) and is_batched(v) and maybe_get_level(v) != level for v in values):
+        return "its tensors are batched at different vmap levels"
+    return None
+
+
+def _permuted(h: Tensor | None, order: Tensor | None, level: int) -> Tensor | None:
+    """``h`` ``(T, D, N, H)`` with its sequences in ``order`` (batched ``(N,)`` per task, or
+    shared), as torch's recurrent layers permute ``hx`` for a packed sequence."""
+    if h is None or order is None:
+        return h
+    tasks, dirs, batch, size = h.shape
+    index = physical(order, level) if is_batched(order) else order.expand(tasks, batch)
+    return h.gather(2, index.view(tasks, 1, batch, 1).expand(tasks, dirs, batch, size))
 
 
 def _no_graph(values: list[Any]) -> bool:
@@ -323,18 +428,42 @@ def _run(
         x = x.unsqueeze(2)  # (T, L, 1, I)
     elif m.batch_first:
         x = x.transpose(1, 2)  # (T, L, N, I)
-    batch = x.shape[2]
+    starts = []
+    for i in range(2 if m.mode == "LSTM" else 1):
+        start = _per_task(hxs[i] if i < len(hxs) else None, level, tasks)
+        starts.append(start.unsqueeze(2) if start is not None and unbatched else start)
+    x, final = _layers(m, x, starts, weights)
+    if unbatched:
+        return x.squeeze(2), [h.squeeze(2) for h in final]
+    return (x.transpose(1, 2) if m.batch_first else x), final
+
+
+def _layers(
+    m: nn.Module,
+    x: Tensor,
+    starts: list[Tensor | None],
+    weights: dict[str, _Weight],
+    lengths: Tensor | None = None,
+) -> tuple[Tensor, list[Tensor]]:
+    """The layer's stack over ``x`` ``(T, L, N, I)`` from ``starts`` (``(T, layers * dirs,
+    N, H)`` each, None for zeros): the outputs ``(T, L, N, H)`` and the final states. With
+    ``lengths`` ``(T, N)``, each sequence ends at its length, as in a packed sequence: its
+    later steps leave the state as it is, and their outputs are undefined."""
+    tasks, _, batch, _ = x.shape
     dirs = 2 if m.bidirectional else 1
     h_size = m.proj_size if getattr(m, "proj_size", 0) > 0 else m.hidden_size
     sizes = [h_size, m.hidden_size] if m.mode == "LSTM" else [h_size]
-    states = []
-    for i, size in enumerate(sizes):
-        start = _per_task(hxs[i] if i < len(hxs) else None, level, tasks)
-        if start is None:
-            start = x.new_zeros(tasks, m.num_layers * dirs, batch, size)
-        elif unbatched:
-            start = start.unsqueeze(2)
-        states.append(start)
+    states = [
+        x.new_zeros(tasks, m.num_layers * dirs, batch, size) if start is None else start
+        for start, size in zip(starts, sizes, strict=True)
+    ]
+    valid = None
+    if lengths is not None:
+        steps = torch.arange(x.shape[1], device=x.device)
+        valid = (steps.view(1, -1, 1) < lengths.to(x.device).unsqueeze(1)).unsqueeze(-1)
+        # zeros, not whatever the padding holds: a NaN there would reach the weights'
+        # gradients as 0 * NaN
+        x = x.masked_fill(~valid, 0)
     finals: list[list[Tensor]] = [[] for _ in sizes]
     for layer in range(m.num_layers):
         outs = []
@@ -345,16 +474,13 @@ def _run(
             }
             start = [s[:, layer * dirs + d] for s in states]
             out, last = _direction(
-                m.mode, x, start, {k: weights.get(n) for k, n in names.items()}, d == 1
+                m.mode, x, start, {k: weights.get(n) for k, n in names.items()}, d == 1, valid
             )
             outs.append(out)
             for f, t in zip(finals, last, strict=True):
                 f.append(t)
         x = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
-    final = [torch.stack(f, dim=1) for f in finals]  # (T, layers * dirs, N, H)
-    if unbatched:
-        return x.squeeze(2), [h.squeeze(2) for h in final]
-    return (x.transpose(1, 2) if m.batch_first else x), final
+    return x, [torch.stack(f, dim=1) for f in finals]  # (T, layers * dirs, N, H)
 
 
 def _direction(
@@ -363,10 +489,13 @@ def _direction(
     state: list[Tensor],
     w: dict[str, _Weight | None],
     reverse: bool,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """One layer in one direction over ``x`` ``(T, L, N, I)`` from ``state`` (``[h]``, or
     ``[h, c]`` for an LSTM, each ``(T, N, H)``): the outputs ``(T, L, N, H)`` in time order
-    and the final state."""
+    and the final state. Where ``valid`` ``(T, L, N, 1)`` is False, the step keeps the state
+    (a packed sequence's end: the reverse direction then starts at each sequence's last
+    step)."""
     tasks, steps, batch, size = x.shape
     w_ih, w_hh, b_hh = w["weight_ih"], w["weight_hh"], w["bias_hh"]
     assert w_ih is not None and w_hh is not None
@@ -391,7 +520,13 @@ def _direction(
         block = gi.view(tasks, span, batch, -1).unbind(1)
         del gi
         for j in reversed(range(span)) if reverse else range(span):
-            h, c = _cell(mode, block[j], h, c, w, cell_bias)
+            h_new, c_new = _cell(mode, block[j], h, c, w, cell_bias)
+            if valid is None:
+                h, c = h_new, c_new
+            else:
+                keep = valid[:, k * _BLOCK + j]
+                h = torch.where(keep, h_new, h)
+                c = None if c is None else torch.where(keep, c_new, c)  # type: ignore[arg-type]
             outs[k * _BLOCK + j] = h
     return torch.stack(outs, dim=1), [h] if c is None else [h, c]
 

@@ -63,6 +63,10 @@ __all__ = [
     "uniform_value",
 ]
 
+#: The attribute marking the tensors that stand for task-batched packed sequences
+#: (:mod:`funcmeta.batching.packed`): they are not what they seem, and are never unwrapped.
+PACKED_TOKEN = "_fm_task_packed"
+
 #: Whether :func:`fast_vmap` uses the primitives (tests switch it off to check the fallback).
 USE_PRIMITIVES = vmap_increment_nesting is not None
 
@@ -249,6 +253,11 @@ def call_outside_vmap(
     level = innermost_level(leaves)
     flat, dims = [], []
     for x in leaves:
+        if hasattr(x, PACKED_TOKEN):
+            raise RuntimeError(
+                "vmap: a layer run outside the vmap level cannot take a task-batched packed "
+                "sequence whose tasks differ in length"
+            )
         if is_batched(x) and maybe_get_level(x) == level:
             tensor, dim = unwrap_batched(x, level)
             flat.append(tensor)
