@@ -5,7 +5,8 @@ Each task is 5-way with 5 support and 5 query sequences per class (25 + 25 seque
 tokens, vocabulary 1000), padded: every sequence has a random length from 16 to 32 and an
 ``attention_mask``. Models, built from configs (dropout off, so that the implementations
 can be compared): BERT-small, GPT-2-small and Llama-small (2 layers, hidden 128, 4 heads,
-``"sdpa"`` attention), and embedding + LSTM / GRU classifiers (hidden 128). One inner SGD
+``"sdpa"`` attention), and embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
+``gru-packed`` pack the sequences by their lengths, which differ within and across tasks). One inner SGD
 step, first and second order. "batched" runs all tasks in one vmapped computation
 (``task_chunk=None``); "default" as a user gets it, a fresh model with
 ``task_chunk="auto"``, timed once it has chosen (its measuring calls run before the timed
@@ -23,7 +24,7 @@ from memory the warm-up had left in its heap (a GRU's first-order loop read 19 M
 way, 59 MiB counted by allocations; 4,500 tensors of 12.8 KB, 55 MiB, grew the resident set
 by 34 MiB even with glibc's mmap threshold at 4 KiB).
 
-    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama lstm gru]
+    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama lstm gru lstm-packed gru-packed]
         [--orders second first] [--repeats 3] [--threads N] [--no-tune] [--skip-memory]
         [--skip-timing] [--memory-tasks 16] [--keep-freed-memory]
 """
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from tasks import ALLOCATOR_WHY, add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 import funcmeta as fm
 
@@ -53,21 +55,32 @@ WAYS, SHOTS, QUERIES, LENGTH, VOCAB, HIDDEN, LR = 5, 5, 5, 32, 1000, 128, 0.1
 
 
 class RecurrentClassifier(nn.Module):
-    def __init__(self, kind: str) -> None:
+    """Embedding, LSTM or GRU, and a head on the last real token's output; with ``packed``,
+    the sequences packed by their lengths and the head on the final state."""
+
+    def __init__(self, kind: str, packed: bool = False) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.rnn = (nn.LSTM if kind == "lstm" else nn.GRU)(HIDDEN, HIDDEN, batch_first=True)
         self.head = nn.Linear(HIDDEN, WAYS)
+        self.packed = packed
 
     def forward(self, input_ids, attention_mask):
+        if self.packed:
+            lengths = attention_mask.sum(1)
+            x = pack_padded_sequence(
+                self.embed(input_ids), lengths, batch_first=True, enforce_sorted=False
+            )
+            state = self.rnn(x)[1]
+            return self.head((state[0] if isinstance(state, tuple) else state)[-1])
         out, _ = self.rnn(self.embed(input_ids))
         last = attention_mask.sum(1) - 1  # the last real token of each sequence
         return self.head(out[torch.arange(out.shape[0]), last])
 
 
 def build(name: str) -> nn.Module:
-    if name in ("lstm", "gru"):
-        return RecurrentClassifier(name)
+    if name in ("lstm", "gru", "lstm-packed", "gru-packed"):
+        return RecurrentClassifier(name[:4].rstrip("-"), packed=name.endswith("packed"))
     import transformers as tr
 
     common = dict(num_labels=WAYS, pad_token_id=0, attn_implementation="sdpa")
@@ -223,7 +236,11 @@ def peak_memory(name: str, impl: str, tasks: int, first_order: bool, threads: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, nargs="+", default=[4, 16, 32])
-    parser.add_argument("--models", nargs="+", default=["bert", "gpt2", "llama", "lstm", "gru"])
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=["bert", "gpt2", "llama", "lstm", "gru", "lstm-packed", "gru-packed"],
+    )
     parser.add_argument("--orders", nargs="+", default=["second", "first"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(

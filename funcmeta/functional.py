@@ -257,6 +257,10 @@ class FunctionalModel:
                 self._report(error)
 
         def one_task(p: Any, b: Any, a: Any, kw: Any) -> tuple[Any, dict[str, Tensor]]:
+            if any_batched(p, b, a, kw):
+                # batched at an outer vmap level too (two task axes): what the inner level
+                # refused, plain vmap would refuse at the outer one; it runs per task as well
+                return self._apply_tasks(p, b, a, kw)
             return self._execute(self._runner, self._copies, self._swap, p, b, a, kw)
 
         return call_outside_vmap(

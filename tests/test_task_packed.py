@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import per_task
 from test_task_recurrent import _layer, _meta_grads
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -290,3 +291,36 @@ def test_nothing_else_is_refused_for_a_model_without_packing():
         warnings.simplefilter("error")
         out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
     torch.testing.assert_close(out, torch.stack([net(x[t]) for t in range(T)]))
+
+
+def test_two_task_axes_run_once_per_task_exactly():
+    """Packing under two vmap levels would need a task-batched sequence at each: the model
+    runs once per task of both, exactly, and says so."""
+    torch.manual_seed(13)
+    net = Reader(_layer("lstm", bidirectional=True)).to(DTYPE)
+    fmodel = fm.functional_model(net)
+    params = per_task(dict(fmodel.params), T, 13, 0.1)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, T, L, N, IN, generator=g, dtype=DTYPE)
+    lengths = torch.randint(1, L + 1, (2, T, N), generator=g)
+    with pytest.warns(UserWarning, match="outer vmap level"):
+        out = torch.func.vmap(torch.func.vmap(fmodel), in_dims=(None, 0, 0))(params, x, lengths)
+    for i, t in itertools.product(range(2), range(T)):
+        one = {k: v[t] for k, v in params.items()}
+        want = torch.func.functional_call(net, one, (x[i, t], lengths[i, t]))
+        torch.testing.assert_close(out[i, t], want, rtol=1e-13, atol=1e-14)
+
+
+def test_a_checkpointed_recurrent_layer_runs_once_per_task_exactly():
+    """A checkpointed layer runs outside the vmap level, where a task-batched packed sequence
+    cannot go: the model runs once per task, and the meta-gradients are the loop's."""
+    torch.manual_seed(14)
+    net = Reader(_layer("gru", num_layers=2)).to(DTYPE)
+    x, lengths, y = _data(False, 14)
+    _, ref = _meta_grads(fm.functional_model(net), x, y, False, extra=(lengths,))
+    fmodel = fm.functional_model(net, checkpoint_layers=["rnn"])
+    with pytest.warns(UserWarning, match="packed sequence"):
+        _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
+    assert fmodel.task_loop is True
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

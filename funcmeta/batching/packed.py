@@ -136,9 +136,8 @@ class PackedRefusal(RuntimeError):
 
 
 def refuse(what: str) -> PackedRefusal:
-    return PackedRefusal(
-        f"vmap: task batching cannot batch {what} of a packed sequence whose tasks differ in length"
-    )
+    """The refusal of ``what``, worded as vmap's (so that the model runs once per task)."""
+    return PackedRefusal(f"vmap: task batching cannot batch {what}")
 
 
 def pack(input: Tensor, lengths: Tensor, batch_first: bool) -> tuple[Tensor, Tensor] | None:
@@ -154,7 +153,7 @@ def pack(input: Tensor, lengths: Tensor, batch_first: bool) -> tuple[Tensor, Ten
     x = physical(input, level) if is_batched(input) else input.expand(1, *input.shape)
     lens = physical(lengths, level) if is_batched(lengths) else lengths.expand(1, *lengths.shape)
     if is_batched(x) or is_batched(lens):
-        raise refuse("packing tensors batched at an outer vmap level too")
+        raise refuse("packing tensors batched at an outer vmap level too (two task axes)")
     tasks = max(x.shape[0], lens.shape[0])
     x, lens = x.expand(tasks, *x.shape[1:]), lens.expand(tasks, *lens.shape[1:])
     if x.dim() >= 3 and batch_first:
@@ -221,7 +220,7 @@ def on_token(
         if token_is_sizes and (_is_pad(caller) or packed.longest_agree()):
             return func(*args, **kwargs)  # the longest sequence, as pad_packed_sequence reads it
     name = getattr(func, "__name__", repr(func))
-    raise refuse(f"{name} on the data or batch_sizes")
+    raise refuse(f"{name} on a packed sequence's data or batch_sizes (each task's has its size)")
 
 
 def _is_pad(frame: FrameType | None) -> bool:
@@ -240,13 +239,13 @@ def _pad(
     order, as each task's own."""
     packed = packed_of(data)
     if packed is None or packed_of(batch_sizes) is not packed:
-        raise refuse("padding mixed tokens")
+        raise refuse("pad_packed_sequence on parts of different packed sequences")
     given = caller.f_locals.get("total_length", total_length) if _is_pad(caller) else total_length
     steps = packed.padded.shape[1]
     if given is None and not packed.longest_agree():
         raise refuse(
-            "pad_packed_sequence without total_length (each task's output would be as long as "
-            "its longest sequence)"
+            "pad_packed_sequence without total_length where the tasks' longest sequences differ "
+            "(each task's output would be as long as its own longest)"
         )
     length = steps if given is None else int(given)
     if length < steps:
