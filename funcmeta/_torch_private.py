@@ -178,15 +178,17 @@ def cudnn_disabled() -> Iterator[None]:
         torch.backends.cudnn.enabled = True
 
 
-def fused_rnn(mode: str, x: Tensor) -> bool:
-    """Whether torch runs a recurrent layer of ``mode`` (``nn.RNNBase.mode``) on ``x`` on a
-    fused kernel in first order: cuDNN on CUDA (when enabled), oneDNN's LSTM on CPU in
-    float32 or bfloat16 (when enabled). Elsewhere it runs op by op, one time step at a
-    time."""
+def fused_rnn(mode: str, x: Tensor, packed: bool = False) -> bool:
+    """Whether torch runs a recurrent layer of ``mode`` (``nn.RNNBase.mode``) on ``x`` (the
+    steps of a packed sequence with ``packed``) on a fused kernel in first order: cuDNN on
+    CUDA (when enabled), oneDNN's LSTM on CPU in float32 or bfloat16 (when enabled; not for
+    packed sequences, which torch runs op by op on CPU). Elsewhere it runs op by op, one time
+    step at a time."""
     if x.device.type == "cuda":
         return bool(torch.backends.cudnn.enabled) and torch.backends.cudnn.is_available()
     return (
-        x.device.type == "cpu"
+        not packed
+        and x.device.type == "cpu"
         and mode == "LSTM"
         and x.dtype in (torch.float32, torch.bfloat16)
         and bool(torch.backends.mkldnn.enabled)

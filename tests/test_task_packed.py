@@ -235,17 +235,29 @@ def test_hooks_run_each_task_on_its_own_packed_sequence(passes):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-def test_float32_lstm_first_order_runs_the_fused_kernel_per_task(passes):
-    """In first order an LSTM on CPU in float32 runs torch's fused kernel once per task, on
-    each task's own packed sequence; in second order one pass for all tasks."""
+def test_float32_lstm_runs_one_pass_in_first_order_too(passes):
+    """oneDNN's fused LSTM takes padded input only: torch runs a packed sequence op by op on
+    CPU, so the one pass serves first order in float32 too."""
     torch.manual_seed(10)
     net = Reader(_layer("lstm", bidirectional=True))
     x, lengths, y = _data(False, 10)
     x = x.float()
     _compare(net, x, (lengths,), y, first_order=True, rtol=1e-5)
-    assert not passes
-    _compare(net, x, (lengths,), y, rtol=1e-4)
     assert passes
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("order", ["first", "second"])
+def test_cuda_packed_lstm_equals_the_loop(order, passes):
+    """On CUDA first-order steps run cuDNN's packed kernel once per task (each task's own
+    packed sequence); second-order steps the one pass (cuDNN has no double backward)."""
+    torch.manual_seed(10)
+    net = Reader(_layer("lstm", num_layers=2, bidirectional=True)).cuda()
+    x, lengths, y = _data(False, 10)
+    x, y = x.float().cuda(), y.cuda()
+    _compare(net, x, (lengths,), y, first_order=order == "first", rtol=1e-4)
+    assert bool(passes) == (order == "second")
 
 
 def test_a_zero_length_gives_torchs_error():
