@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from funcmeta._check import check_int, check_tree
 from funcmeta._torch_private import buffer_dict, is_vmap_refusal, parameter_dict
+from funcmeta.batching import packed
 from funcmeta.batching.auto import ChunkTuner
 from funcmeta.batching.fallback import describe_refusal
 from funcmeta.batching.intercept import TaskMode, task_mode
@@ -249,7 +250,9 @@ class FunctionalModel:
         if not self._task_loop:
             try:
                 with task_mode() if self._task_mode else contextlib.nullcontext():
-                    return self._execute(*task_run, params, buffers, args, kwargs)
+                    return packed.check_output(
+                        self._execute(*task_run, params, buffers, args, kwargs)
+                    )
             except RuntimeError as error:
                 if not is_vmap_refusal(error):
                     raise
@@ -293,7 +296,7 @@ class FunctionalModel:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
                 with task_mode(mode):
-                    self._execute(*task_run, *inputs)
+                    packed.check_output(self._execute(*task_run, *inputs))
             except RuntimeError as error:
                 if is_vmap_refusal(error):
                     return error

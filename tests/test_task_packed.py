@@ -336,3 +336,30 @@ def test_a_checkpointed_recurrent_layer_runs_once_per_task_exactly():
     assert fmodel.task_loop is True
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+class Packer(nn.Module):
+    """Returns the packed output itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(IN, HID)
+
+    def forward(self, x: Tensor, lengths: Tensor):
+        return self.rnn(pack_padded_sequence(x, lengths, enforce_sorted=False))[0]
+
+
+def test_a_packed_sequence_as_the_output_runs_once_per_task():
+    """Tasks whose sums of lengths agree stack in a loop: the output is each task's real
+    packed data, never the padded steps behind the tokens."""
+    net = Packer().to(DTYPE)
+    fmodel = fm.functional_model(net)
+    x, _, _ = _data(False, 15)
+    lengths = torch.tensor([[4, 3, 3, 2], [4, 4, 2, 2], [4, 2, 3, 3]])  # 12 steps, 4 at most
+    with pytest.warns(UserWarning, match="packed sequence in the model's output"):
+        out, _ = fm.apply_tasks(fmodel, fmodel.params, (x, lengths))
+    assert fmodel.task_loop is True
+    for t in range(T):
+        want = net(x[t], lengths[t])
+        torch.testing.assert_close(out.data[t], want.data, rtol=1e-13, atol=1e-14)
+        assert torch.equal(out.batch_sizes[t], want.batch_sizes)

@@ -49,6 +49,7 @@ import torch.nn.utils.rnn as rnn_utils
 from torch import Tensor
 from torch.nn.utils.rnn import PackedSequence
 
+from funcmeta import tree
 from funcmeta._torch_private import add_batch_dim, pack_padded_op, pad_packed_op
 from funcmeta.batching.vmap import (
     PACKED_TOKEN,
@@ -58,7 +59,15 @@ from funcmeta.batching.vmap import (
     physical,
 )
 
-__all__ = ["TaskPacked", "on_token", "pack", "packed_of", "sequence", "token_in"]
+__all__ = [
+    "TaskPacked",
+    "check_output",
+    "on_token",
+    "pack",
+    "packed_of",
+    "sequence",
+    "token_in",
+]
 
 _TOKEN = PACKED_TOKEN
 #: Whether a token was ever made: until then no call needs looking at for one.
@@ -128,6 +137,14 @@ def token_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         ):
             return True
     return False
+
+
+def check_output(out: Any) -> Any:
+    """``out`` (a model's output under task batching), refused if it holds a task-batched
+    packed sequence: leaving the vmap, its tokens would pass for each task's packed data."""
+    if made and any(hasattr(t, _TOKEN) for t in tree.flatten_registered(out)[0]):
+        raise refuse("a packed sequence in the model's output (each task's has its own size)")
+    return out
 
 
 class PackedRefusal(RuntimeError):
