@@ -74,7 +74,7 @@ _TOKEN = PACKED_TOKEN
 made = False
 _PACK = pack_padded_op
 _PAD = pad_packed_op
-_METADATA = (Tensor.device, Tensor.dtype)
+_METADATA = (Tensor.device, Tensor.dtype, Tensor.is_cuda)
 
 
 @dataclass(frozen=True)
