@@ -109,7 +109,12 @@ def sequence(
     """A ``PackedSequence`` standing for ``packed``: its ``data`` and ``batch_sizes`` are
     tokens batched at ``packed.level``."""
     level = packed.level
-    data = add_batch_dim(packed.padded.flatten(1, 2), 0, level)
+    padded = packed.padded
+    # a token holds no values: an expanded scalar of the data's shape, dtype and device
+    # (flattening the padded steps would copy them, and the token lives as long as the
+    # sequence does)
+    shape = (padded.shape[0], padded.shape[1] * padded.shape[2], *padded.shape[3:])
+    data = add_batch_dim(padded.new_zeros(()).expand(shape), 0, level)
     batch_sizes = add_batch_dim(packed.batch_sizes(), 0, level)
     global made
     made = True

@@ -183,10 +183,24 @@ class _Weight:
     def __init__(self, value: Tensor, level: int) -> None:
         self.per_task = is_batched(value)
         self.tensor = physical(value, level) if self.per_task else value
+        self._t: Tensor | None = None
+        self._bias: Tensor | None = None
+
+    def t(self) -> Tensor:
+        """The transpose (of each task's matrix), made once for every use in the call: one
+        view per time step was one autograd node per step, and in second order each held a
+        weight-sized gradient (4 MiB for an LSTM's at T = 16) until that step's other use
+        was reached in the backward; with one view they accumulate in one buffer."""
+        if self._t is None:
+            self._t = self.tensor.transpose(1, 2) if self.per_task else self.tensor.t()
+        return self._t
 
     def bias(self) -> Tensor:
-        """As a bias for ``(T, M, G)``: ``(T, 1, G)`` per task, ``(G,)`` shared."""
-        return self.tensor.unsqueeze(1) if self.per_task else self.tensor
+        """As a bias for ``(T, M, G)``: ``(T, 1, G)`` per task, ``(G,)`` shared (made once,
+        as :meth:`t`)."""
+        if self._bias is None:
+            self._bias = self.tensor.unsqueeze(1) if self.per_task else self.tensor
+        return self._bias
 
 
 def _project(x: Tensor, w: _Weight, b: _Weight | None) -> Tensor:
@@ -194,10 +208,10 @@ def _project(x: Tensor, w: _Weight, b: _Weight | None) -> Tensor:
     if not w.per_task:
         if b is None or not b.per_task:
             return F.linear(x, w.tensor, None if b is None else b.tensor)
-        return torch.baddbmm(b.bias(), x, w.tensor.t().expand(x.shape[0], -1, -1))
+        return torch.baddbmm(b.bias(), x, w.t().expand(x.shape[0], -1, -1))
     if b is None:
-        return torch.bmm(x, w.tensor.transpose(1, 2))
-    return torch.baddbmm(b.bias().expand(x.shape[0], 1, -1), x, w.tensor.transpose(1, 2))
+        return torch.bmm(x, w.t())
+    return torch.baddbmm(b.bias().expand(x.shape[0], 1, -1), x, w.t())
 
 
 class TaskRecurrent(TaskLoop):
@@ -459,13 +473,13 @@ def _layers(
         x.new_zeros(tasks, m.num_layers * dirs, batch, size) if start is None else start
         for start, size in zip(starts, sizes, strict=True)
     ]
-    valid = None
+    ends = None
     if lengths is not None:
-        steps = torch.arange(x.shape[1], device=x.device)
-        valid = (steps.view(1, -1, 1) < lengths.to(x.device).unsqueeze(1)).unsqueeze(-1)
-        # zeros, not whatever the padding holds: a NaN there would reach the weights'
-        # gradients as 0 * NaN
-        x = x.masked_fill(~valid, 0)
+        ends = _Ends(lengths.to(x.device), x.shape[1])
+        # What the padding holds reaches the weights' gradients times 0: zeros in place of
+        # it where it is not finite (0 * NaN), and only then (a copy of the input)
+        if not bool(torch.isfinite(x).all()):
+            x = x.masked_fill(~ends.valid.unsqueeze(-1), 0)
     finals: list[list[Tensor]] = [[] for _ in sizes]
     for layer in range(m.num_layers):
         outs = []
@@ -476,7 +490,7 @@ def _layers(
             }
             start = [s[:, layer * dirs + d] for s in states]
             out, last = _direction(
-                m.mode, x, start, {k: weights.get(n) for k, n in names.items()}, d == 1, valid
+                m.mode, x, start, {k: weights.get(n) for k, n in names.items()}, d == 1, ends
             )
             outs.append(out)
             for f, t in zip(finals, last, strict=True):
@@ -485,19 +499,42 @@ def _layers(
     return x, [torch.stack(f, dim=1) for f in finals]  # (T, layers * dirs, N, H)
 
 
+class _Ends:
+    """Where packed sequences end, from their ``lengths`` ``(T, N)`` (descending in each
+    task) over ``steps`` steps: ``valid`` ``(T, L, N)``; ``rows[s]``, how many rows some task
+    still runs at step ``s`` (a prefix, since each task's are sorted longest first);
+    ``keep[s]``, which of those rows run, ``(T, rows[s], 1)``, or None where all do."""
+
+    def __init__(self, lengths: Tensor, steps: int) -> None:
+        t = torch.arange(steps, device=lengths.device)
+        self.valid = t.view(1, -1, 1) < lengths.unsqueeze(1)
+        longest = lengths.max(0).values  # (N,), non-increasing
+        counts = (longest.view(1, -1) > t.view(-1, 1)).sum(1)
+        inside = torch.arange(lengths.shape[1], device=lengths.device).view(1, -1) < counts.view(
+            -1, 1
+        )
+        ragged = ((~self.valid) & inside).any(0).any(-1)  # (L,)
+        self.rows: list[int] = counts.tolist()
+        self.keep: list[Tensor | None] = [
+            self.valid[:, s, :n].unsqueeze(-1) if r else None
+            for s, (n, r) in enumerate(zip(self.rows, ragged.tolist(), strict=True))
+        ]
+
+
 def _direction(
     mode: str,
     x: Tensor,
     state: list[Tensor],
     w: dict[str, _Weight | None],
     reverse: bool,
-    valid: Tensor | None = None,
+    ends: _Ends | None = None,
 ) -> tuple[Tensor, list[Tensor]]:
     """One layer in one direction over ``x`` ``(T, L, N, I)`` from ``state`` (``[h]``, or
     ``[h, c]`` for an LSTM, each ``(T, N, H)``): the outputs ``(T, L, N, H)`` in time order
-    and the final state. Where ``valid`` ``(T, L, N, 1)`` is False, the step keeps the state
-    (a packed sequence's end: the reverse direction then starts at each sequence's last
-    step)."""
+    and the final state. With ``ends`` (packed sequences), a step runs only the rows some
+    task still runs (the forward direction's shrink over time; the reverse direction's grow,
+    each row starting from its initial state at its sequence's last step), and keeps the
+    state of the rows whose sequence has ended; its outputs past a length are undefined."""
     tasks, steps, batch, size = x.shape
     w_ih, w_hh, b_hh = w["weight_ih"], w["weight_hh"], w["bias_hh"]
     assert w_ih is not None and w_hh is not None
@@ -511,9 +548,11 @@ def _direction(
     joined = b_hh is not None and mode != "GRU"
     cell_bias = b_hh if mode == "GRU" else None
     parts = x.split(_BLOCK, dim=1)
-    h = state[0]
-    c = state[1] if mode == "LSTM" else None
-    outs: list[Tensor] = [h] * steps
+    initial = list(state)
+    running = batch if ends is None or not reverse else 0  # the rows that run (a prefix)
+    done: list[list[Tensor]] = []  # forward: the states of rows that ended, later rows first
+    state = initial if running == batch else [v[:, :running] for v in initial]
+    outs: list[Tensor] = [state[0]] * steps
     for k in reversed(range(len(parts))) if reverse else range(len(parts)):
         span = parts[k].shape[1]
         gi = _project(parts[k].reshape(tasks, span * batch, size), w_ih, w["bias_ih"])
@@ -522,15 +561,34 @@ def _direction(
         block = gi.view(tasks, span, batch, -1).unbind(1)
         del gi
         for j in reversed(range(span)) if reverse else range(span):
-            h_new, c_new = _cell(mode, block[j], h, c, w, cell_bias)
-            if valid is None:
-                h, c = h_new, c_new
+            step = k * _BLOCK + j
+            keep = None
+            if ends is not None:
+                rows, keep = ends.rows[step], ends.keep[step]
+                if rows < running:  # forward: these rows' sequences have all ended
+                    done.append([v[:, rows:running] for v in state])
+                    state = [v[:, :rows] for v in state]
+                elif rows > running:  # reverse: these rows' sequences start here
+                    state = [
+                        torch.cat([v, i[:, running:rows]], 1)
+                        for v, i in zip(state, initial, strict=True)
+                    ]
+                running = rows
+            h, c = state[0], state[1] if mode == "LSTM" else None
+            gate_in = block[j] if running == batch else block[j][:, :running]
+            h_new, c_new = _cell(mode, gate_in, h, c, w, cell_bias)
+            if keep is None:
+                state = [h_new] if c_new is None else [h_new, c_new]
             else:
-                keep = valid[:, k * _BLOCK + j]
-                h = torch.where(keep, h_new, h)
-                c = None if c is None else torch.where(keep, c_new, c)  # type: ignore[arg-type]
-            outs[k * _BLOCK + j] = h
-    return torch.stack(outs, dim=1), [h] if c is None else [h, c]
+                state = [torch.where(keep, h_new, h)]
+                if c_new is not None:
+                    state.append(torch.where(keep, c_new, c))  # type: ignore[arg-type]
+            outs[step] = (
+                state[0] if running == batch else F.pad(state[0], (0, 0, 0, batch - running))
+            )
+    if done:
+        state = [torch.cat([v, *(d[i] for d in reversed(done))], 1) for i, v in enumerate(state)]
+    return torch.stack(outs, dim=1), state
 
 
 def _cell(
@@ -571,11 +629,9 @@ def _recur(acc: Tensor, h: Tensor, w: _Weight) -> Tensor:
     """``acc + h @ w^T`` for every task, in one call: ``acc`` ``(T, N, G)``, ``h``
     ``(T, N, H)``."""
     if w.per_task:
-        return torch.baddbmm(acc, h, w.tensor.transpose(1, 2))
+        return torch.baddbmm(acc, h, w.t())
     tasks, batch, width = h.shape
-    flat = torch.addmm(
-        acc.reshape(tasks * batch, -1), h.reshape(tasks * batch, width), w.tensor.t()
-    )
+    flat = torch.addmm(acc.reshape(tasks * batch, -1), h.reshape(tasks * batch, width), w.t())
     return flat.view(tasks, batch, -1)
 
 
