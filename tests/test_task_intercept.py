@@ -453,3 +453,61 @@ def test_what_a_forward_sets_on_its_module_reaches_the_module_but_no_batched_ten
     fm.apply_tasks(fmodel, fmodel.params, torch.randn(T, 4, 3, dtype=DTYPE))
     assert net.calls == 2  # the probe and the run: written back
     assert not hasattr(net, "last")
+
+
+# --- index_select with each task's own indices ----------------------------------------------
+
+
+class Permuted(nn.Module):
+    """Reorders its rows by each task's own permutation (as pack_padded_sequence sorts a
+    batch), then weighs them by position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2, dtype=DTYPE)
+
+    def forward(self, x, order):
+        weights = torch.arange(1, x.shape[0] + 1, dtype=DTYPE).unsqueeze(1)
+        return self.lin(x).index_select(0, order) * weights
+
+
+def _permuted_data():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(T, 5, 3, generator=g, dtype=DTYPE)
+    order = torch.stack([torch.randperm(5, generator=g) for _ in range(T)])
+    return {"x": x, "order": order}, torch.randn(T, 5, 2, generator=g, dtype=DTYPE)
+
+
+def _saved_shapes(fmodel, inputs) -> set[tuple[int, ...]]:
+    shapes: set[tuple[int, ...]] = set()
+
+    def pack(t):
+        shapes.add(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fm.apply_tasks(fmodel, fmodel.params, inputs)
+    return shapes
+
+
+@pytest.mark.parametrize("first_order", [False, True], ids=["second", "first"])
+def test_index_select_with_per_task_indices_equals_the_loop(first_order, strict_warnings):
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(Permuted())
+    inputs, y = _permuted_data()
+    reference = _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order)
+    ours = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
+    _assert_same(ours, reference)
+
+
+@pytest.mark.parametrize("ours", [True, False], ids=["index", "vmap-rule"])
+def test_index_select_with_per_task_indices_keeps_only_the_indices(ours, monkeypatch):
+    """vmap's rule gathers, and the gather's backward saves the whole source for all tasks;
+    the advanced index saves the indices only. The control (vmap's rule) keeps it."""
+    if not ours:
+        monkeypatch.setattr(intercept, "_index_select", lambda *args: None)
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(Permuted())
+    inputs, _ = _permuted_data()
+    source = {(T, 5, 2), (5, 2)}  # the linear layer's output, under vmap or not
+    assert bool(_saved_shapes(fmodel, inputs) & source) is not ours

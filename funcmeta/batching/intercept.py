@@ -20,7 +20,9 @@ call finds out). It changes three things, each exactly what a loop over the task
   data differ in size, keeps them padded with each task's lengths
   (:mod:`funcmeta.batching.packed`), for the recurrent layers and ``pad_packed_sequence``;
   any other use of such a sequence is refused as ``vmap`` refuses. ``invert_permutation``'s
-  ``scatter_`` on the sorted indices runs on the tensors under the tasks (no batching rule).
+  ``scatter_`` on the sorted indices runs on the tensors under the tasks (no batching rule),
+  and so does the sort's ``index_select`` of each task's batch (vmap's rule gathers, and its
+  backward keeps the whole input for all tasks).
 
 Example:
     >>> import torch
@@ -40,6 +42,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
@@ -61,6 +64,8 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 _PACK = pack_padded_op
 
+_INDEX_SELECT = (Tensor.index_select, torch.index_select)
+
 _VALUE_METHODS = {
     Tensor.__bool__: bool,
     Tensor.item: Tensor.item,
@@ -74,11 +79,12 @@ _VALUE_METHODS = {
 class TaskMode(TorchFunctionMode):
     """Answers uniform Python questions about task-batched tensors and runs fused attention
     with the task axis in the batch, and packs task-batched sequences (see the module
-    docstring). ``used`` counts what it did: ``"values"``, ``"attention"`` and ``"packed"``; :meth:`needed` says whether it did anything."""
+    docstring). ``used`` counts what it did: ``"values"``, ``"attention"``, ``"packed"`` and
+    ``"index"``; :meth:`needed` says whether it did anything."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.used: dict[str, int] = {"values": 0, "attention": 0, "packed": 0}
+        self.used: dict[str, int] = {"values": 0, "attention": 0, "packed": 0, "index": 0}
 
     def __torch_function__(
         self,
@@ -100,6 +106,11 @@ class TaskMode(TorchFunctionMode):
             if value is not None:
                 self.used["values"] += 1
                 return _VALUE_METHODS[func](value)
+        elif func in _INDEX_SELECT and not kwargs and len(args) == 3:
+            out = _index_select(*args)
+            if out is not None:
+                self.used["index"] += 1
+                return out
         elif func is Tensor.scatter_ and not kwargs and len(args) == 4:
             if _scatter_(*args):
                 self.used["packed"] += 1
@@ -173,6 +184,28 @@ def _attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
         out = F.scaled_dot_product_attention(**merged, **given)
     if rank > 2:
         out = out.unflatten(0, (tasks, -1))
+    return add_batch_dim(out, 0, level)
+
+
+def _index_select(source: Any, dim: Any, index: Any) -> Tensor | None:
+    """``source.index_select(dim, index)`` with both task-batched (each task its own
+    indices, as ``pack_padded_sequence`` sorts each task's batch) as one advanced index on
+    the tensors under them. vmap's rule gathers, and its backward saves the whole source
+    for all tasks (an activation-sized tensor a loop's ``index_select`` never keeps); the
+    index's backward keeps the indices only. None where vmap's rule is left to it."""
+    if not (isinstance(source, Tensor) and isinstance(index, Tensor) and isinstance(dim, int)):
+        return None
+    if not (_batched_here(source) and _batched_here(index)) or index.dim() != 1:
+        return None
+    level = maybe_get_level(source)
+    if maybe_get_level(index) != level or source.dim() == 0:
+        return None
+    values, where = physical(source, level), physical(index, level)
+    if is_batched(values) or is_batched(where):
+        return None  # batched at an outer level too
+    axis = dim % source.dim() + 1
+    tasks = torch.arange(values.shape[0], device=where.device).view(-1, 1)
+    out = values.movedim(axis, 1)[tasks, where].movedim(1, axis)
     return add_batch_dim(out, 0, level)
 
 
