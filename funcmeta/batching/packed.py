@@ -40,7 +40,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -77,24 +77,48 @@ _PAD = pad_packed_op
 _METADATA = (Tensor.device, Tensor.dtype, Tensor.is_cuda)
 
 
-@dataclass(frozen=True)
 class TaskPacked:
-    """The tasks' packed sequences as one padded tensor: ``padded`` ``(T, L, N, *)``, time first
-    and in the pack's order, rows past a sequence's length undefined; ``lengths`` ``(T, N)``
-    (int64, descending in each task); ``level`` the vmap level of the tasks."""
+    """The tasks' packed sequences as one padded tensor ``padded`` ``(T, L, N, *)``, time
+    first and in the pack's order, rows past a sequence's length undefined; ``lengths``
+    ``(T, N)`` (int64, descending in each task); ``level`` the vmap level of the tasks.
+    ``padded`` may be given as a function that makes it, with its ``shape`` and a tensor
+    ``like`` it (dtype, device): a recurrent layer's outputs, stacked only when read (most
+    classifiers read the final state alone)."""
 
-    padded: Tensor
-    lengths: Tensor
-    level: int
+    def __init__(
+        self,
+        padded: Tensor | Callable[[], Tensor],
+        lengths: Tensor,
+        level: int,
+        shape: tuple[int, ...] | None = None,
+        like: Tensor | None = None,
+    ) -> None:
+        self._padded = padded
+        self.lengths, self.level = lengths, level
+        if isinstance(padded, Tensor):
+            shape, like = tuple(padded.shape), padded
+        assert shape is not None and like is not None
+        self.shape, self.dtype, self.device = shape, like.dtype, like.device
+
+    @property
+    def padded(self) -> Tensor:
+        if not isinstance(self._padded, Tensor):
+            self._padded = self._padded()
+        return self._padded
+
+    def empty(self, shape: tuple[int, ...]) -> Tensor:
+        """A tensor of ``shape`` with the steps' dtype and device that holds no values (an
+        expanded scalar)."""
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(shape)
 
     def valid(self) -> Tensor:
         """``(T, L, N)``: whether each step is within its sequence."""
-        steps = torch.arange(self.padded.shape[1], device=self.padded.device)
-        return steps.view(1, -1, 1) < self.lengths.to(self.padded.device).unsqueeze(1)
+        steps = torch.arange(self.shape[1], device=self.device)
+        return steps.view(1, -1, 1) < self.lengths.to(self.device).unsqueeze(1)
 
     def batch_sizes(self) -> Tensor:
         """``(T, L)``: each task's ``batch_sizes`` (zeros past its longest sequence)."""
-        steps = torch.arange(self.padded.shape[1])
+        steps = torch.arange(self.shape[1])
         return (self.lengths.unsqueeze(1) > steps.view(1, -1, 1)).sum(-1)
 
     def longest_agree(self) -> bool:
@@ -108,13 +132,10 @@ def sequence(
 ) -> PackedSequence:
     """A ``PackedSequence`` standing for ``packed``: its ``data`` and ``batch_sizes`` are
     tokens batched at ``packed.level``."""
-    level = packed.level
-    padded = packed.padded
-    # a token holds no values: an expanded scalar of the data's shape, dtype and device
-    # (flattening the padded steps would copy them, and the token lives as long as the
-    # sequence does)
-    shape = (padded.shape[0], padded.shape[1] * padded.shape[2], *padded.shape[3:])
-    data = add_batch_dim(padded.new_zeros(()).expand(shape), 0, level)
+    level, shape = packed.level, packed.shape
+    # a token holds no values (flattening the padded steps would copy them, and the token
+    # lives as long as the sequence does)
+    data = add_batch_dim(packed.empty((shape[0], shape[1] * shape[2], *shape[3:])), 0, level)
     batch_sizes = add_batch_dim(packed.batch_sizes(), 0, level)
     global made
     made = True
@@ -263,7 +284,7 @@ def _pad(
     if packed is None or packed_of(batch_sizes) is not packed:
         raise refuse("pad_packed_sequence on parts of different packed sequences")
     given = caller.f_locals.get("total_length", total_length) if _is_pad(caller) else total_length
-    steps = packed.padded.shape[1]
+    steps = packed.shape[1]
     if given is None and not packed.longest_agree():
         raise refuse(
             "pad_packed_sequence without total_length where the tasks' longest sequences differ "

@@ -127,7 +127,7 @@ def _per_task_packed(
     assert packed is not None
     layer, params, buffers = LayerTensors.of(original)
     tensors, n = params + buffers, len(params)
-    level, steps = packed.level, packed.padded.shape[1]
+    level, steps = packed.level, packed.shape[1]
     order, unorder = seq.sorted_indices, seq.unsorted_indices
 
     def one_task(ts: list[Tensor], x: Tensor, lengths: Tensor, a: Any, kw: Any) -> Any:
@@ -274,11 +274,11 @@ class TaskRecurrent(TaskLoop):
         if why is not None:
             self._tell(why)
             return super().forward(seq, hx)
-        if not in_twice_differentiable() and fused_rnn(m.mode, packed.padded, packed=True):
+        one = packed.empty(packed.shape[1:])  # one task's steps, for the checks
+        if not in_twice_differentiable() and fused_rnn(m.mode, one, packed=True):
             return super().forward(seq, hx)  # cuDNN, per task
-        view = packed.padded[0]
-        _check_call(m, view.transpose(0, 1) if m.batch_first else view, hx)
-        tasks = packed.padded.shape[0]
+        _check_call(m, one.transpose(0, 1) if m.batch_first else one, hx)
+        tasks = packed.shape[0]
         order, unorder = seq.sorted_indices, seq.unsorted_indices
         starts = [_permuted(_per_task(h, level, tasks), order, level) for h in hxs]
         starts += [None] * ((2 if m.mode == "LSTM" else 1) - len(starts))
@@ -286,7 +286,9 @@ class TaskRecurrent(TaskLoop):
         out, final = _layers(m, packed.padded, starts, layer, packed.lengths)
         wrapped = [add_batch_dim(_permuted(t, unorder, level), 0, level) for t in final]
         state = (wrapped[0], wrapped[1]) if m.mode == "LSTM" else wrapped[0]
-        return sequence(TaskPacked(out, packed.lengths, level), order, unorder), state
+        assert isinstance(out, _Steps)
+        outputs = TaskPacked(out.stacked, packed.lengths, level, out.shape, final[0])
+        return sequence(outputs, order, unorder), state
 
     def __init__(self, original: nn.Module, name: str = "", report: dict | None = None) -> None:
         super().__init__(original)
@@ -448,7 +450,9 @@ def _run(
     for i in range(2 if m.mode == "LSTM" else 1):
         start = _per_task(hxs[i] if i < len(hxs) else None, level, tasks)
         starts.append(start.unsqueeze(2) if start is not None and unbatched else start)
-    x, final = _layers(m, x, starts, weights)
+    out, final = _layers(m, x, starts, weights)
+    assert isinstance(out, Tensor)
+    x = out
     if unbatched:
         return x.squeeze(2), [h.squeeze(2) for h in final]
     return (x.transpose(1, 2) if m.batch_first else x), final
@@ -460,11 +464,12 @@ def _layers(
     starts: list[Tensor | None],
     weights: dict[str, _Weight],
     lengths: Tensor | None = None,
-) -> tuple[Tensor, list[Tensor]]:
+) -> tuple[Tensor | _Steps, list[Tensor]]:
     """The layer's stack over ``x`` ``(T, L, N, I)`` from ``starts`` (``(T, layers * dirs,
     N, H)`` each, None for zeros): the outputs ``(T, L, N, H)`` and the final states. With
     ``lengths`` ``(T, N)``, each sequence ends at its length, as in a packed sequence: its
-    later steps leave the state as it is, and their outputs are undefined."""
+    later steps leave the state as it is, their outputs are undefined, and the outputs come
+    as :class:`_Steps`."""
     tasks, _, batch, _ = x.shape
     dirs = 2 if m.bidirectional else 1
     h_size = m.proj_size if getattr(m, "proj_size", 0) > 0 else m.hidden_size
@@ -495,8 +500,29 @@ def _layers(
             outs.append(out)
             for f, t in zip(finals, last, strict=True):
                 f.append(t)
-        x = outs[0] if dirs == 1 else torch.cat(outs, dim=-1)
+        steps = _Steps(outs, batch)
+        x = steps.stacked() if ends is None or layer < m.num_layers - 1 else steps
     return x, [torch.stack(f, dim=1) for f in finals]  # (T, layers * dirs, N, H)
+
+
+class _Steps:
+    """A layer's outputs as each direction's steps (``(T, rows, H)`` each, ``rows`` a prefix
+    of the ``batch``), stacked into ``(T, L, N, H * dirs)`` by :meth:`stacked` only when
+    read: a classifier on packed sequences often reads the final state alone."""
+
+    def __init__(self, directions: list[list[Tensor]], batch: int) -> None:
+        self.directions, self.batch = directions, batch
+        first = directions[0][0]
+        width = sum(d[0].shape[-1] for d in directions)
+        self.shape = (first.shape[0], len(directions[0]), batch, width)
+
+    def stacked(self) -> Tensor:
+        def full(t: Tensor) -> Tensor:
+            missing = self.batch - t.shape[1]
+            return t if not missing else F.pad(t, (0, 0, 0, missing))
+
+        parts = [torch.stack([full(t) for t in d], dim=1) for d in self.directions]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 class _Ends:
@@ -528,10 +554,10 @@ def _direction(
     w: dict[str, _Weight | None],
     reverse: bool,
     ends: _Ends | None = None,
-) -> tuple[Tensor, list[Tensor]]:
+) -> tuple[list[Tensor], list[Tensor]]:
     """One layer in one direction over ``x`` ``(T, L, N, I)`` from ``state`` (``[h]``, or
-    ``[h, c]`` for an LSTM, each ``(T, N, H)``): the outputs ``(T, L, N, H)`` in time order
-    and the final state. With ``ends`` (packed sequences), a step runs only the rows some
+    ``[h, c]`` for an LSTM, each ``(T, N, H)``): the outputs, each step's ``(T, rows, H)``
+    in time order (all ``N`` rows but for packed sequences), and the final state. With ``ends`` (packed sequences), a step runs only the rows some
     task still runs (the forward direction's shrink over time; the reverse direction's grow,
     each row starting from its initial state at its sequence's last step), and keeps the
     state of the rows whose sequence has ended; its outputs past a length are undefined."""
@@ -583,12 +609,10 @@ def _direction(
                 state = [torch.where(keep, h_new, h)]
                 if c_new is not None:
                     state.append(torch.where(keep, c_new, c))  # type: ignore[arg-type]
-            outs[step] = (
-                state[0] if running == batch else F.pad(state[0], (0, 0, 0, batch - running))
-            )
+            outs[step] = state[0]
     if done:
         state = [torch.cat([v, *(d[i] for d in reversed(done))], 1) for i, v in enumerate(state)]
-    return torch.stack(outs, dim=1), state
+    return outs, state
 
 
 def _cell(
