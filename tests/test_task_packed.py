@@ -90,6 +90,17 @@ def _compare(net, x, extra, y, *, first_order=False, rtol=1e-9):
     return fmodel
 
 
+def _once_per_task(fmodel, x, lengths, y, match: str, reference=None) -> None:
+    """The task-batched run falls back to once per task, saying ``match``, and its
+    meta-gradients are the loop's (of ``reference``, by default ``fmodel`` itself)."""
+    _, ref = _meta_grads(reference or fmodel, x, y, False, extra=(lengths,))
+    with pytest.warns(UserWarning, match=match):
+        _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
+    assert fmodel.task_loop is True
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
 CONFIGS = [
     dict(kind=kind, num_layers=layers, bidirectional=bi, batch_first=bf)
     for kind, layers, bi, bf in itertools.product(
@@ -181,13 +192,7 @@ def test_pad_without_total_length_where_the_longest_differ_runs_once_per_task():
     torch.manual_seed(7)
     net = Reader(_layer("gru"), total=False).to(DTYPE)
     x, lengths, y = _data(False, 7)
-    fmodel = fm.functional_model(net)
-    _, ref = _meta_grads(fmodel, x, y, False, extra=(lengths,))
-    with pytest.warns(UserWarning, match="once per task.*total_length"):
-        _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
-    assert fmodel.task_loop is True
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    _once_per_task(fm.functional_model(net), x, lengths, y, "once per task.*total_length")
 
 
 class DataReader(nn.Module):
@@ -207,13 +212,8 @@ def test_reading_the_packed_data_runs_once_per_task():
     net = DataReader().to(DTYPE)
     x, lengths, y = _data(False, 8)
     fmodel = fm.functional_model(net)
-    _, ref = _meta_grads(fmodel, x, y, False, extra=(lengths,))
-    with pytest.warns(UserWarning, match="once per task.*packed sequence"):
-        _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
-    assert fmodel.task_loop is True
+    _once_per_task(fmodel, x, lengths, y, "once per task.*packed sequence")
     assert "packed sequence" in next(iter(fmodel.task_loop_layers.values()))
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_hooks_run_each_task_on_its_own_packed_sequence(passes):
@@ -329,13 +329,8 @@ def test_a_checkpointed_recurrent_layer_runs_once_per_task_exactly():
     torch.manual_seed(14)
     net = Reader(_layer("gru", num_layers=2)).to(DTYPE)
     x, lengths, y = _data(False, 14)
-    _, ref = _meta_grads(fm.functional_model(net), x, y, False, extra=(lengths,))
     fmodel = fm.functional_model(net, checkpoint_layers=["rnn"])
-    with pytest.warns(UserWarning, match="packed sequence"):
-        _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
-    assert fmodel.task_loop is True
-    for a, b in zip(ours, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    _once_per_task(fmodel, x, lengths, y, "packed sequence", fm.functional_model(net))
 
 
 class Packer(nn.Module):
