@@ -186,6 +186,14 @@ class _Weight:
         self._t: Tensor | None = None
         self._bias: Tensor | None = None
 
+    @classmethod
+    def sum(cls, a: _Weight, b: _Weight) -> _Weight:
+        """``a + b`` (biases), per task where either is."""
+        out = cls.__new__(cls)
+        out.per_task, out.tensor = a.per_task or b.per_task, a.tensor + b.tensor
+        out._t = out._bias = None
+        return out
+
     def t(self) -> Tensor:
         """The transpose (of each task's matrix), made once for every use in the call: one
         view per time step was one autograd node per step, and in second order each held a
@@ -565,13 +573,15 @@ def _direction(
     w_ih, w_hh, b_hh = w["weight_ih"], w["weight_hh"], w["bias_hh"]
     assert w_ih is not None and w_hh is not None
     # The input's projection, made a block of time steps at a time just before the cell
-    # needs it; the hidden bias joins it where the cell adds the two projections anyway (not
-    # the GRU's n). Blocks, not all steps at once: the whole projection, for every task,
+    # needs it; the hidden bias joins its bias where the cell adds the two projections anyway
+    # (not the GRU's n), so that it takes no pass of its own. Blocks, not all steps at once: the whole projection, for every task,
     # would stay alive until the last step (19.7 MiB for a GRU at T = 16, which a loop holds
     # for one task at a time), and so would its gradients in the backward of unbind.
     # split and unbind, not indexing: one backward per block and for all blocks, instead of
     # a full-size zero per step.
-    joined = b_hh is not None and mode != "GRU"
+    in_bias = w["bias_ih"]
+    if b_hh is not None and mode != "GRU":  # both biases join the input's projection
+        in_bias = b_hh if in_bias is None else _Weight.sum(in_bias, b_hh)
     cell_bias = b_hh if mode == "GRU" else None
     parts = x.split(_BLOCK, dim=1)
     initial = list(state)
@@ -581,9 +591,7 @@ def _direction(
     outs: list[Tensor] = [state[0]] * steps
     for k in reversed(range(len(parts))) if reverse else range(len(parts)):
         span = parts[k].shape[1]
-        gi = _project(parts[k].reshape(tasks, span * batch, size), w_ih, w["bias_ih"])
-        if joined:
-            gi = gi + b_hh.bias()  # type: ignore[union-attr]
+        gi = _project(parts[k].reshape(tasks, span * batch, size), w_ih, in_bias)
         block = gi.view(tasks, span, batch, -1).unbind(1)
         del gi
         for j in reversed(range(span)) if reverse else range(span):
@@ -610,6 +618,7 @@ def _direction(
                 if c_new is not None:
                     state.append(torch.where(keep, c_new, c))  # type: ignore[arg-type]
             outs[step] = state[0]
+        del block  # before the next block's projection: one block's alive at a time
     if done:
         state = [torch.cat([v, *(d[i] for d in reversed(done))], 1) for i, v in enumerate(state)]
     return outs, state
