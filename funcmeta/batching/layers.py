@@ -54,6 +54,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -146,6 +147,14 @@ def _grouped(x: Tensor, level: int) -> Tensor:
 def _ungrouped(out: Tensor, tasks: int, level: int) -> Tensor:
     """``(N, T * C, ...)`` back to a tensor batched at ``level`` (a view, batch dim 1)."""
     return add_batch_dim(out.view(out.shape[0], tasks, -1, *out.shape[2:]), 1, level)
+
+
+def _on_channels(x: Tensor, level: int, fn: Callable[[Tensor, int], Tensor]) -> Tensor:
+    """``fn(xg, tasks)`` on ``x`` as ``(N, T * C, ...)`` (:func:`_grouped`), batched at
+    ``level`` again: a normalisation of ``T * C`` channels with each task's parameters."""
+    xg = _grouped(x, level)
+    tasks = xg.shape[1] // x.shape[1]
+    return _ungrouped(fn(xg, tasks), tasks, level)
 
 
 def _per_task(value: Tensor | None, level: int, tasks: int) -> Tensor | None:
@@ -251,19 +260,20 @@ class TaskBatchNorm(Standin):
             m.num_batches_tracked.add_(1)
         if momentum is None:
             momentum = 1.0 / float(count + 1) if counting else 0.0  # as the layer computes it
-        xg = _grouped(x, level)
-        tasks = xg.shape[1] // x.shape[1]
-        out = F.batch_norm(
-            xg,
-            mean_g,
-            var_g,
-            _per_task(m.weight, level, tasks),
-            _per_task(m.bias, level, tasks),
-            m.training or (mean is None and var is None),
-            momentum,
-            m.eps,
+        return _on_channels(
+            x,
+            level,
+            lambda xg, tasks: F.batch_norm(
+                xg,
+                mean_g,
+                var_g,
+                _per_task(m.weight, level, tasks),
+                _per_task(m.bias, level, tasks),
+                m.training or (mean is None and var is None),
+                momentum,
+                m.eps,
+            ),
         )
-        return _ungrouped(out, tasks, level)
 
 
 class TaskGroupNorm(Standin):
@@ -284,12 +294,17 @@ class TaskGroupNorm(Standin):
         level = maybe_get_level(x)
         if not _same_level(level, w, b) or x.shape[1] != m.num_channels:
             return m(x)  # another level's parameters, or the layer's own error
-        xg = _grouped(x, level)
-        tasks = xg.shape[1] // x.shape[1]
-        out = F.group_norm(
-            xg, m.num_groups * tasks, _per_task(w, level, tasks), _per_task(b, level, tasks), m.eps
+        return _on_channels(
+            x,
+            level,
+            lambda xg, tasks: F.group_norm(
+                xg,
+                m.num_groups * tasks,
+                _per_task(w, level, tasks),
+                _per_task(b, level, tasks),
+                m.eps,
+            ),
         )
-        return _ungrouped(out, tasks, level)
 
 
 class TaskInstanceNorm(Standin):
@@ -313,19 +328,20 @@ class TaskInstanceNorm(Standin):
             if stats is None:
                 return m(x)
             mean_g, var_g = stats
-        xg = _grouped(x, level)
-        tasks = xg.shape[1] // x.shape[1]
-        out = F.instance_norm(
-            xg,
-            mean_g,
-            var_g,
-            _per_task(w, level, tasks),
-            _per_task(b, level, tasks),
-            m.training or not m.track_running_stats,
-            m.momentum if m.momentum is not None else 0.0,
-            m.eps,
+        return _on_channels(
+            x,
+            level,
+            lambda xg, tasks: F.instance_norm(
+                xg,
+                mean_g,
+                var_g,
+                _per_task(w, level, tasks),
+                _per_task(b, level, tasks),
+                m.training or not m.track_running_stats,
+                m.momentum if m.momentum is not None else 0.0,
+                m.eps,
+            ),
         )
-        return _ungrouped(out, tasks, level)
 
 
 class TaskPool(Standin):
