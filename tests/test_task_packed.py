@@ -12,12 +12,11 @@ import warnings
 import pytest
 import torch
 from helpers import per_task
-from test_task_recurrent import _layer, _meta_grads
+from test_task_recurrent import _counting, _layer, _meta_grads
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import funcmeta as fm
-import funcmeta.batching.recurrent as recurrent
 
 DTYPE = torch.float64
 T, N, L, IN, HID = 3, 4, 6, 3, 4
@@ -65,15 +64,7 @@ def _data(batch_first: bool, seed: int = 0, *, presorted: bool = False, nan: boo
 @pytest.fixture
 def passes(monkeypatch):
     """Counts the one-pass computations of a recurrent layer's stack (packed or not)."""
-    calls: list[int] = []
-    real = recurrent._layers
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(recurrent, "_layers", counted)
-    return calls
+    return _counting(monkeypatch, "_layers")
 
 
 def _compare(net, x, extra, y, *, first_order=False, rtol=1e-9):

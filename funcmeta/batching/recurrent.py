@@ -278,7 +278,7 @@ class TaskRecurrent(TaskLoop):
         pass against 570 ms per task (benchmarks/sequence_tasks.py, float32)."""
         m = self.original
         level = packed.level
-        why = _why_not_packed(m, hxs, [*hxs, *weights.values()], level)
+        why = _why_not(m, seq, hxs, [*hxs, *weights.values()], packed)
         if why is not None:
             self._tell(why)
             return super().forward(seq, hx)
@@ -291,7 +291,7 @@ class TaskRecurrent(TaskLoop):
         starts = [_permuted(_per_task(h, level, tasks), order, level) for h in hxs]
         starts += [None] * ((2 if m.mode == "LSTM" else 1) - len(starts))
         layer = {k: _Weight(v, level) for k, v in weights.items()}
-        out, final = _layers(m, packed.padded, starts, layer, packed.lengths)
+        out, final = _layers(m, packed.padded, starts, layer, packed.valid())
         wrapped = [add_batch_dim(_permuted(t, unorder, level), 0, level) for t in final]
         state = (wrapped[0], wrapped[1]) if m.mode == "LSTM" else wrapped[0]
         assert isinstance(out, _Steps)
@@ -315,33 +315,23 @@ class TaskRecurrent(TaskLoop):
             )
 
 
-def _why_not(m: nn.Module, x: Any, hxs: list[Any], values: list[Any]) -> str | None:
-    """Why the layer cannot run as one pass for all tasks, or None."""
+def _why_not(
+    m: nn.Module, x: Any, hxs: list[Any], values: list[Any], packed: TaskPacked | None = None
+) -> str | None:
+    """Why the layer cannot run as one pass for all tasks, or None; ``x`` is ``packed``'s
+    sequence where the input is a task-batched packed sequence."""
     if has_hooks(m):
         return "it has hooks, which run once per call of the layer"
-    if isinstance(x, PackedSequence):
+    if packed is None and isinstance(x, PackedSequence):
         return "its input is a PackedSequence built by hand (pack it with pack_padded_sequence)"
     if m.training and m.dropout > 0 and m.num_layers > 1:
         return "dropout between its layers draws each task's masks on its own in training mode"
-    if not isinstance(x, Tensor) or x.dim() not in (2, 3):
+    if packed is None and (not isinstance(x, Tensor) or x.dim() not in (2, 3)):
         return "its input is not a 2-D or 3-D tensor"
     if not all(h is None or isinstance(h, Tensor) for h in hxs):
         return "its hx is not a tensor or a tuple of tensors"
-    levels = {maybe_get_level(v) for v in values if v is not None and is_batched(v)}
-    if len(levels) > 1:
-        return "its tensors are batched at different vmap levels"
-    return None
-
-
-def _why_not_packed(m: nn.Module, hxs: list[Any], values: list[Any], level: int) -> str | None:
-    """Why the layer cannot run a task-batched packed sequence as one pass, or None."""
-    if has_hooks(m):
-        return "it has hooks, which run once per call of the layer"
-    if m.training and m.dropout > 0 and m.num_layers > 1:
-        return "dropout between its layers draws each task's masks on its own in training mode"
-    if not all(h is None or isinstance(h, Tensor) for h in hxs):
-        return "its hx is not a tensor or a tuple of tensors"
-    if any(isinstance(v, Tensor) and is_batched(v) and maybe_get_level(v) != level for v in values):
+    levels = {maybe_get_level(v) for v in values if isinstance(v, Tensor) and is_batched(v)}
+    if len(levels | ({packed.level} if packed is not None else set())) > 1:
         return "its tensors are batched at different vmap levels"
     return None
 
@@ -471,13 +461,13 @@ def _layers(
     x: Tensor,
     starts: list[Tensor | None],
     weights: dict[str, _Weight],
-    lengths: Tensor | None = None,
+    valid: Tensor | None = None,
 ) -> tuple[Tensor | _Steps, list[Tensor]]:
     """The layer's stack over ``x`` ``(T, L, N, I)`` from ``starts`` (``(T, layers * dirs,
     N, H)`` each, None for zeros): the outputs ``(T, L, N, H)`` and the final states. With
-    ``lengths`` ``(T, N)``, each sequence ends at its length, as in a packed sequence: its
-    later steps leave the state as it is, their outputs are undefined, and the outputs come
-    as :class:`_Steps`."""
+    ``valid`` ``(T, L, N)`` (:meth:`TaskPacked.valid`), each sequence ends at its length, as
+    in a packed sequence: its later steps leave the state as it is, their outputs are
+    undefined, and the outputs come as :class:`_Steps`."""
     tasks, _, batch, _ = x.shape
     dirs = 2 if m.bidirectional else 1
     h_size = m.proj_size if getattr(m, "proj_size", 0) > 0 else m.hidden_size
@@ -487,8 +477,8 @@ def _layers(
         for start, size in zip(starts, sizes, strict=True)
     ]
     ends = None
-    if lengths is not None:
-        ends = _Ends(lengths.to(x.device), x.shape[1])
+    if valid is not None:
+        ends = _Ends(valid)
         # What the padding holds reaches the weights' gradients times 0: zeros in place of
         # it where it is not finite (0 * NaN), and only then (a copy of the input)
         if not bool(torch.isfinite(x).all()):
@@ -534,23 +524,18 @@ class _Steps:
 
 
 class _Ends:
-    """Where packed sequences end, from their ``lengths`` ``(T, N)`` (descending in each
-    task) over ``steps`` steps: ``valid`` ``(T, L, N)``; ``rows[s]``, how many rows some task
-    still runs at step ``s`` (a prefix, since each task's are sorted longest first);
-    ``keep[s]``, which of those rows run, ``(T, rows[s], 1)``, or None where all do."""
+    """Where packed sequences end, from ``valid`` ``(T, L, N)`` (whether each step is within
+    its sequence; each task's sequences sorted longest first): ``rows[s]``, how many rows
+    some task still runs at step ``s`` (a prefix); ``keep[s]``, which of those rows run,
+    ``(T, rows[s], 1)``, or None where all do."""
 
-    def __init__(self, lengths: Tensor, steps: int) -> None:
-        t = torch.arange(steps, device=lengths.device)
-        self.valid = t.view(1, -1, 1) < lengths.unsqueeze(1)
-        longest = lengths.max(0).values  # (N,), non-increasing
-        counts = (longest.view(1, -1) > t.view(-1, 1)).sum(1)
-        inside = torch.arange(lengths.shape[1], device=lengths.device).view(1, -1) < counts.view(
-            -1, 1
-        )
-        ragged = ((~self.valid) & inside).any(0).any(-1)  # (L,)
-        self.rows: list[int] = counts.tolist()
+    def __init__(self, valid: Tensor) -> None:
+        self.valid = valid
+        running = valid.any(0)  # (L, N): the rows some task runs at each step
+        ragged = (running & ~valid).any(0).any(-1)  # (L,)
+        self.rows: list[int] = running.sum(1).tolist()
         self.keep: list[Tensor | None] = [
-            self.valid[:, s, :n].unsqueeze(-1) if r else None
+            valid[:, s, :n].unsqueeze(-1) if r else None
             for s, (n, r) in enumerate(zip(self.rows, ragged.tolist(), strict=True))
         ]
 
