@@ -5,7 +5,8 @@ Each task is 5-way with 5 support and 5 query sequences per class (25 + 25 seque
 tokens, vocabulary 1000), padded: every sequence has a random length from 16 to 32 and an
 ``attention_mask``. Models, built from configs (dropout off, so that the implementations
 can be compared): BERT-small, GPT-2-small and Llama-small (2 layers, hidden 128, 4 heads,
-``"sdpa"`` attention), and embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
+``"sdpa"`` attention), an ``nn.TransformerEncoder`` classifier of the same size
+(``encoder``), and embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
 ``gru-packed`` pack the sequences by their lengths, which differ within and across tasks). One inner SGD
 step, first and second order. "batched" runs all tasks in one vmapped computation
 (``task_chunk=None``); "default" as a user gets it, a fresh model with
@@ -24,7 +25,7 @@ from memory the warm-up had left in its heap (a GRU's first-order loop read 19 M
 way, 59 MiB counted by allocations; 4,500 tensors of 12.8 KB, 55 MiB, grew the resident set
 by 34 MiB even with glibc's mmap threshold at 4 KiB).
 
-    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama lstm gru lstm-packed gru-packed]
+    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama encoder lstm gru lstm-packed gru-packed]
         [--orders second first] [--repeats 3] [--threads N] [--no-tune] [--skip-memory]
         [--skip-timing] [--memory-tasks 16] [--keep-freed-memory]
 """
@@ -78,7 +79,26 @@ class RecurrentClassifier(nn.Module):
         return self.head(out[torch.arange(out.shape[0]), last])
 
 
+class EncoderClassifier(nn.Module):
+    """Embedding, ``nn.TransformerEncoder`` (2 layers, hidden 128, 4 heads, padding masked by
+    ``src_key_padding_mask``) and a head on the mean of the real tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        layer = nn.TransformerEncoderLayer(HIDDEN, 4, 4 * HIDDEN, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(HIDDEN, WAYS)
+
+    def forward(self, input_ids, attention_mask):
+        out = self.encoder(self.embed(input_ids), src_key_padding_mask=attention_mask == 0)
+        keep = attention_mask.unsqueeze(-1).to(out.dtype)
+        return self.head((out * keep).sum(1) / keep.sum(1))
+
+
 def build(name: str) -> nn.Module:
+    if name == "encoder":
+        return EncoderClassifier()
     if name in ("lstm", "gru", "lstm-packed", "gru-packed"):
         return RecurrentClassifier(name[:4].rstrip("-"), packed=name.endswith("packed"))
     import transformers as tr
@@ -239,7 +259,7 @@ def main() -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        default=["bert", "gpt2", "llama", "lstm", "gru", "lstm-packed", "gru-packed"],
+        default=["bert", "gpt2", "llama", "encoder", "lstm", "gru", "lstm-packed", "gru-packed"],
     )
     parser.add_argument("--orders", nargs="+", default=["second", "first"])
     parser.add_argument("--repeats", type=int, default=3)

@@ -45,6 +45,7 @@ LAYERS: list[list[str]] = [
         "batching.recurrent",
         "batching.layer_norm",
         "batching.cells",
+        "batching.attention",
         "batching.layers",
         "remat.engine",
         "implicit.*",

@@ -179,14 +179,27 @@ def test_attention_runs_with_the_tasks_in_the_batch(mask, causal, first_order, m
     _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
 
 
+def _count_attention(monkeypatch) -> list[int]:
+    """A list that grows by one at each fused attention call the task mode merges."""
+    calls: list[int] = []
+    real = intercept._attention
+    monkeypatch.setattr(
+        intercept, "_attention", lambda *a: calls.append(1) or real(*a)  # type: ignore
+    )
+    return calls
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
-@pytest.mark.parametrize("mask", ["key-padding", "attn-mask", "both", "causal"])
+@pytest.mark.parametrize(
+    "mask", ["key-padding", "float-padding", "attn-mask", "per-head", "both", "causal", "causal-padding"]
+)
 @pytest.mark.parametrize("first_order", [False, True])
-def test_multihead_attention_layer_without_fallback(
-    batch_first, mask, first_order, strict_warnings
+def test_multihead_attention_layer_on_the_fused_kernel(
+    batch_first, mask, first_order, strict_warnings, monkeypatch
 ):
-    """need_weights=False: one batched computation for all tasks, no per-example fallback,
-    exact against the loop; masks per task and shared, first and second order."""
+    """need_weights=False: the attention kernel once for all tasks (the task axis in its
+    batch), no per-example fallback, exact against the loop; masks per task and shared,
+    bool and float, 2-D and per head, causal; first and second order."""
     torch.manual_seed(1)
     net = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=DTYPE)
     causal = torch.triu(torch.full((5, 5), float("-inf"), dtype=DTYPE), 1)
@@ -202,9 +215,13 @@ def test_multihead_attention_layer_without_fallback(
             kw = {}
             if mask in ("key-padding", "both"):
                 kw["key_padding_mask"] = pad
+            if mask in ("float-padding", "causal-padding"):
+                kw["key_padding_mask"] = torch.where(pad, -1e4, 0.0).to(DTYPE)
             if mask in ("attn-mask", "both"):
                 kw["attn_mask"] = pad[0].unsqueeze(0).expand(5, 5)  # shared by the rows
-            if mask == "causal":
+            if mask == "per-head":  # (N * heads, L, S): each sequence and head its own
+                kw["attn_mask"] = pad.repeat_interleave(2, 0).unsqueeze(1).expand(8, 5, 5)
+            if mask in ("causal", "causal-padding"):
                 kw.update(attn_mask=causal, is_causal=True)
             out = self.mha(x, x, x, need_weights=False, **kw)[0]
             return (out if batch_first else out.transpose(0, 1)).mean(1)
@@ -216,14 +233,83 @@ def test_multihead_attention_layer_without_fallback(
     pad[1, 2, 2] = True  # the tasks differ
     y = torch.randn(T, 4, 8, dtype=DTYPE)
     inputs = {"x": x, "pad": pad}
+    calls = _count_attention(monkeypatch)
     batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
+    assert calls, "the attention did not run on the kernel with the tasks in its batch"
     assert fmodel.task_loop is False
     _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order))
 
 
-def test_transformer_encoder_layer_without_fallback(strict_warnings):
+@pytest.mark.parametrize("inputs", ["cross", "three"])
+def test_multihead_attention_other_query_key_value(inputs, strict_warnings, monkeypatch):
+    """Cross-attention (key is value) and three separate tensors: the layer's two and three
+    input projections, on the fused kernel, exact against the loop."""
+    torch.manual_seed(4)
+    net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
+
+    class Cross(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = net
+
+        def forward(self, x, memory):
+            value = memory if inputs == "cross" else memory.flip(1)
+            return self.mha(x, memory, value, need_weights=False)[0].mean(1)
+
+    fmodel = fm.functional_model(Cross())
+    data = {"x": torch.randn(T, 4, 5, 8, dtype=DTYPE), "memory": torch.randn(T, 4, 6, 8, dtype=DTYPE)}
+    y = torch.randn(T, 4, 8, dtype=DTYPE)
+    calls = _count_attention(monkeypatch)
+    batched = _grads(fmodel, F.mse_loss, data, y, True)
+    assert calls and fmodel.task_loop is False
+    _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False))
+
+
+@pytest.mark.parametrize("kind", ["kdim", "bias_kv", "zero_attn", "mixed-masks"])
+def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
+    """Layers and calls the fused path does not cover take the layer's batched path (no
+    merged kernel call), exact against the loop."""
+    torch.manual_seed(5)
+    net = nn.MultiheadAttention(
+        8,
+        2,
+        batch_first=True,
+        kdim=6 if kind == "kdim" else None,
+        vdim=6 if kind == "kdim" else None,
+        add_bias_kv=kind == "bias_kv",
+        add_zero_attn=kind == "zero_attn",
+        dtype=DTYPE,
+    )
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = net
+
+        def forward(self, x, pad):
+            kv = x[..., :6] if kind == "kdim" else x
+            kw = {}
+            if kind == "mixed-masks":
+                kw = {"key_padding_mask": pad, "attn_mask": torch.zeros(5, 5, dtype=DTYPE)}
+            return self.mha(x, kv, kv, need_weights=False, **kw)[0].mean(1)
+
+    fmodel = fm.functional_model(Wrap())
+    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
+    pad[:, :, -1] = True
+    data = {"x": torch.randn(T, 4, 5, 8, dtype=DTYPE), "pad": pad}
+    y = torch.randn(T, 4, 8, dtype=DTYPE)
+    calls = _count_attention(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's own note on mixed masks
+        batched = _grads(fmodel, F.mse_loss, data, y, True)
+        assert not calls and fmodel.task_loop is False
+        _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False))
+
+
+def test_transformer_encoder_layer_without_fallback(strict_warnings, monkeypatch):
     """nn.TransformerEncoderLayer calls its attention with need_weights=False: the stand-in
-    runs the batched path instead of vmap's per-example fallback, exact to rounding."""
+    runs it on the fused kernel for all tasks instead of vmap's per-example fallback, exact
+    to rounding."""
     torch.manual_seed(2)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=DTYPE)
 
@@ -238,6 +324,7 @@ def test_transformer_encoder_layer_without_fallback(strict_warnings):
 
     fmodel = fm.functional_model(Encoder())
     assert type(fmodel._task_runner.layer.self_attn).__name__ == "TaskAttention"
+    calls = _count_attention(monkeypatch)
     x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
     pad = torch.zeros(T, 4, 5, dtype=torch.bool)
     pad[:, :, -2:] = True
@@ -248,6 +335,22 @@ def test_transformer_encoder_layer_without_fallback(strict_warnings):
         _assert_same(
             batched, _grads(fmodel, F.cross_entropy, inputs, y, False, first_order=first_order)
         )
+    assert calls, "the attention did not run on the kernel with the tasks in its batch"
+
+
+def test_transformer_encoder_layer_evaluation_with_dropout(strict_warnings, monkeypatch):
+    """In evaluation mode a layer's dropout is off: apply_tasks runs the fused kernel for
+    all tasks and equals the layer called on each task."""
+    torch.manual_seed(6)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.3, batch_first=True, dtype=DTYPE)
+    layer.eval()
+    fmodel = fm.functional_model(layer)
+    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
+    calls = _count_attention(monkeypatch)
+    out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    assert calls and fmodel.task_loop is False
+    for t in range(T):
+        torch.testing.assert_close(out[t], layer(x[t]), rtol=1e-10, atol=1e-12)
 
 
 # --- HuggingFace models ------------------------------------------------------------------------

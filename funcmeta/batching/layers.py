@@ -33,14 +33,14 @@ input of the next without a copy:
   stand-in looks the rows up without ``padding_idx`` and passes the padding positions' values
   on as constants, so the padding row gets no gradient, in first and second order, as in a
   per-task loop.
-- :class:`TaskAttention`: ``nn.MultiheadAttention`` called with ``need_weights=False`` runs
-  its batched-matrix-product path (the one of ``need_weights=True``) instead of vmap's
-  per-example fallback for the fused attention kernel.
+- :class:`TaskAttention` (:mod:`funcmeta.batching.attention`): ``nn.MultiheadAttention``
+  called with ``need_weights=False`` on the fused attention kernel with the tasks in its
+  batch, instead of vmap's per-example fallback for it.
 
 Each computes exactly what the layer computes per task (the same kernels on the same numbers
-per channel; :class:`TaskAttention` the same attention by the layer's other path, equal to
-rounding). A layer with hooks, and a call these do not cover (unbatched input, a
-single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``
+per channel; :class:`TaskAttention` the kernels of the layer's own forward, or where it does
+not cover a call, the layer's batched path, equal to rounding). A layer with hooks, and a
+call these do not cover (unbatched input, a single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``
 and tasks with different counts of batches, ``return_indices=True``), runs the layer as it
 is.
 
@@ -68,6 +68,7 @@ from funcmeta._torch_private import (
     has_hooks,
     unwrap_batched,
 )
+from funcmeta.batching.attention import TaskAttention
 from funcmeta.batching.cells import TaskLSTMCell
 from funcmeta.batching.layer_norm import TaskLayerNorm
 from funcmeta.batching.recurrent import recurrent_standins
@@ -373,51 +374,6 @@ class TaskEmbedding(Standin):
             return m(x)
         out = F.embedding(x, m.weight, None, None, 2.0, m.scale_grad_by_freq, m.sparse)
         return torch.where((x == pad).unsqueeze(-1), out.detach(), out)
-
-
-class TaskAttention(Standin):
-    """Stands in for ``nn.MultiheadAttention`` under task batching. Called with
-    ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` calls it), the layer would end in
-    ``F.scaled_dot_product_attention`` inside ``F.multi_head_attention_forward``, where vmap
-    falls back to a loop over every example; it runs the layer's other path instead, the
-    batched matrix products and softmax of ``need_weights=True``, and drops the weights: the
-    same attention, up to rounding, as one batched computation. A layer with hooks (which
-    would see the weights) and other calls run as they are."""
-
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        m = self.original
-        if need_weights or has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
-            return m(
-                query,
-                key,
-                value,
-                key_padding_mask=key_padding_mask,
-                need_weights=need_weights,
-                attn_mask=attn_mask,
-                average_attn_weights=average_attn_weights,
-                is_causal=is_causal,
-            )
-        out, _ = m(
-            query,
-            key,
-            value,
-            key_padding_mask=key_padding_mask,
-            need_weights=True,
-            attn_mask=attn_mask,
-            average_attn_weights=False,
-            is_causal=is_causal,
-        )
-        return out, None
 
 
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:

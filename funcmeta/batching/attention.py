@@ -1,0 +1,185 @@
+"""``nn.MultiheadAttention`` under task batching, on the fused attention kernel.
+
+Called with ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` and
+``nn.TransformerDecoderLayer`` call it), the layer ends in ``F.scaled_dot_product_attention``
+inside ``F.multi_head_attention_forward``. There the task mode
+(:class:`funcmeta.batching.intercept.TaskMode`) does not see the call: torch pops a
+``TorchFunctionMode`` while the function that reached it runs (``docs/design.md``, point 31),
+so vmap would run the fused kernel once per example. :class:`TaskAttention` computes the
+layer itself instead, as ``F.multi_head_attention_forward`` does: the packed input
+projection, the masks made additive and merged, ``F.scaled_dot_product_attention`` (which the
+task mode runs for all tasks at once, the task axis in the batch, on the kernel the context
+allows: fused in first-order steps, query passes and evaluation, math in second-order
+steps), the output projection. A per-task loop of the layer runs the same kernel on the same
+numbers.
+
+Covered: ``batch_first`` either way; ``key_padding_mask`` and ``attn_mask`` (2-D or 3-D),
+bool or of the query's dtype; ``is_causal``; self-attention and separate key and value
+tensors of the layer's width; dropout off or in evaluation mode. Other calls (weights
+requested, hooks, ``kdim``/``vdim``, ``bias_k``/``bias_v``, ``add_zero_attn``, dropout in
+training mode, unbatched input, other mask dtypes) take the layer's own batched path of
+``need_weights=True`` and drop the weights: the same attention up to rounding, on batched
+matrix products.
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> class Encoder(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    ...     def forward(self, x):
+    ...         return self.layer(x).mean(1)
+    >>> fmodel = fm.functional_model(Encoder())
+    >>> x, y = torch.randn(3, 4, 5, 8), torch.randn(3, 4, 8)     # 3 tasks
+    >>> r = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)
+    >>> fmodel.task_loop
+    False
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcmeta._torch_private import has_hooks
+from funcmeta.batching.vmap import any_batched
+from funcmeta.remat.shadow import Standin
+
+__all__ = ["TaskAttention"]
+
+
+class TaskAttention(Standin):
+    """Stands in for ``nn.MultiheadAttention`` under task batching: a call with
+    ``need_weights=False`` on the fused attention kernel with the tasks in its batch, other
+    calls on the layer's batched path (see the module docstring)."""
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        m = self.original
+        call = dict(
+            key_padding_mask=key_padding_mask,
+            need_weights=need_weights,
+            attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )
+        if need_weights or has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
+            return m(query, key, value, **call)
+        if _covered(m, query, key, value, key_padding_mask, attn_mask):
+            return _attention(m, query, key, value, key_padding_mask, attn_mask, is_causal), None
+        call.update(need_weights=True, average_attn_weights=False)
+        return m(query, key, value, **call)[0], None
+
+
+def _covered(
+    m: torch.nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+) -> bool:
+    """Whether :func:`_attention` computes this call as the layer does."""
+    if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+        return False
+    if m.training and m.dropout > 0:
+        return False
+    if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+        return False
+    tgt, bsz = (query.shape[1], query.shape[0]) if m.batch_first else query.shape[:2]
+    src = key.shape[1] if m.batch_first else key.shape[0]
+    if query.shape[-1] != m.embed_dim or key.shape != value.shape or key.shape[-1] != m.embed_dim:
+        return False
+    masks = [mask for mask in (key_padding_mask, attn_mask) if mask is not None]
+    if any(mask.dtype not in (torch.bool, query.dtype) for mask in masks):
+        return False
+    if len({mask.dtype for mask in masks}) > 1:
+        return False  # one bool, one float: the layer's own checks and warning
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (bsz, src):
+        return False
+    if attn_mask is not None and tuple(attn_mask.shape) not in (
+        (tgt, src),
+        (bsz * m.num_heads, tgt, src),
+    ):
+        return False
+    return True
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A mask as the layer uses it: bool (True: not attended) as ``-inf`` and ``0``."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+
+
+def _attention(
+    m: torch.nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+) -> Tensor:
+    """``m(query, key, value, need_weights=False, ...)[0]`` for one task (vmap batches it),
+    computed as ``F.multi_head_attention_forward`` computes it, with
+    ``F.scaled_dot_product_attention`` called here, where the task mode sees it. The
+    projections run on the tokens in the layout they come in (the layer transposes a
+    ``batch_first`` input first: under vmap, a matrix product over the transposed tokens
+    of every task became one small product per task and position, 6x slower)."""
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint (nn.MultiheadAttention's rule)"
+        )
+    axis = 1 if m.batch_first else 0  # the sequence axis of query, key and value
+    tgt, src, width = query.shape[axis], key.shape[axis], query.shape[-1]
+    bsz, heads = query.shape[1 - axis], m.num_heads
+    padding = _additive(key_padding_mask, query.dtype)
+    if is_causal and padding is None:
+        attn_mask = None  # the layer lets the kernel apply the causal mask itself
+    else:
+        attn_mask = _additive(attn_mask, query.dtype)
+        is_causal = False
+    q, k, v = _in_projection(query, key, value, m.in_proj_weight, m.in_proj_bias)
+    mask = None
+    if attn_mask is not None:  # (L, S) -> (1, 1, L, S); (N * heads, L, S) -> (N, heads, L, S)
+        mask = attn_mask.reshape(bsz if attn_mask.dim() == 3 else 1, -1, tgt, src)
+    if padding is not None:  # (N, 1, 1, S), added to the attention mask
+        padding = padding.reshape(bsz, 1, 1, src)
+        mask = padding if mask is None else mask + padding
+
+    def by_heads(x: Tensor) -> Tensor:  # (N, heads, length, width / heads)
+        x = x.unflatten(-1, (heads, width // heads))
+        return x.permute(0, 2, 1, 3) if m.batch_first else x.permute(1, 2, 0, 3)
+
+    out = F.scaled_dot_product_attention(by_heads(q), by_heads(k), by_heads(v), mask, 0.0, is_causal)
+    out = out.permute(0, 2, 1, 3) if m.batch_first else out.permute(2, 0, 1, 3)
+    return F.linear(out.flatten(-2), m.out_proj.weight, m.out_proj.bias)
+
+
+def _in_projection(
+    q: Tensor, k: Tensor, v: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed input projection as ``F.multi_head_attention_forward`` makes it: one matrix
+    product for self-attention, two when key and value are one tensor, else three."""
+    width = q.shape[-1]
+    if k is v:
+        if q is k:
+            return F.linear(q, weight, bias).chunk(3, dim=-1)  # type: ignore[return-value]
+        w_q, w_kv = weight.split([width, 2 * width])
+        b_q, b_kv = (None, None) if bias is None else bias.split([width, 2 * width])
+        k, v = F.linear(k, w_kv, b_kv).chunk(2, dim=-1)
+        return F.linear(q, w_q, b_q), k, v
+    ws = weight.chunk(3)
+    bs = (None, None, None) if bias is None else bias.chunk(3)
+    return (F.linear(q, ws[0], bs[0]), F.linear(k, ws[1], bs[1]), F.linear(v, ws[2], bs[2]))
