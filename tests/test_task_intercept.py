@@ -240,6 +240,57 @@ def test_multihead_attention_layer_on_the_fused_kernel(
     _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("mask", ["none", "key-padding", "causal"])
+@pytest.mark.parametrize("first_order", [False, True])
+def test_multihead_attention_weights_as_the_loop(
+    batch_first, average, mask, first_order, strict_warnings
+):
+    """need_weights=True (the default): the output and the weights, averaged over the heads
+    or per head, exact against the loop; the weights reach the loss."""
+    torch.manual_seed(7)
+    net = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=DTYPE)
+    causal = torch.triu(torch.full((5, 5), float("-inf"), dtype=DTYPE), 1)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = net
+
+        def forward(self, x, pad):
+            if not batch_first:
+                x = x.transpose(0, 1)  # a transposed view, as models pass it
+            kw = {"average_attn_weights": average}
+            if mask == "key-padding":
+                kw["key_padding_mask"] = pad
+            if mask == "causal":
+                kw.update(attn_mask=causal, is_causal=True)
+            out, weights = self.mha(x, x, x, **kw)
+            out = out if batch_first else out.transpose(0, 1)
+            w = weights if average else weights.mean(1)
+            return out.mean(1) + (w * torch.arange(5, dtype=DTYPE)).sum((1, 2)).unsqueeze(-1)
+
+    fmodel = fm.functional_model(Wrap())
+    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
+    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
+    pad[:, :, -1] = True
+    pad[1, 2, 2] = True
+    y = torch.randn(T, 4, 8, dtype=DTYPE)
+    inputs = {"x": x, "pad": pad}
+    batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
+    assert fmodel.task_loop is False
+    # atol: the key bias's exact gradient is 0 (a softmax ignores a shift of its scores), and
+    # both sides round it to a few 1e-12
+    loop = _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order)
+    _assert_same(batched, loop, atol=1e-11)
+    out, _ = fm.apply_tasks(fmodel, fmodel.params, {"x": x, "pad": pad})
+    for t in range(T):
+        torch.testing.assert_close(
+            out[t], fmodel(fmodel.params, x[t], pad[t]), rtol=1e-10, atol=1e-12
+        )
+
+
 @pytest.mark.parametrize("inputs", ["cross", "three"])
 def test_multihead_attention_other_query_key_value(inputs, strict_warnings, monkeypatch):
     """Cross-attention (key is value) and three separate tensors: the layer's two and three

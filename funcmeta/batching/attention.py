@@ -1,4 +1,5 @@
-"""``nn.MultiheadAttention`` under task batching, on the fused attention kernel.
+"""``nn.MultiheadAttention`` under task batching: on the fused attention kernel, the tasks in
+its batch.
 
 Called with ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` and
 ``nn.TransformerDecoderLayer`` call it), the layer ends in ``F.scaled_dot_product_attention``
@@ -11,15 +12,23 @@ projection, the masks made additive and merged, ``F.scaled_dot_product_attention
 task mode runs for all tasks at once, the task axis in the batch, on the kernel the context
 allows: fused in first-order steps, query passes and evaluation, math in second-order
 steps), the output projection. A per-task loop of the layer runs the same kernel on the same
-numbers.
+numbers. Called with ``need_weights=True`` (the layer's default), it computes the layer's
+explicit path the same way: the scaled scores plus the mask, their softmax (the weights,
+returned per head or averaged over the heads), the weighted values.
+
+Both run the projections on the tokens in the layout they come in. The layer itself
+transposes a ``batch_first`` input first, and a model that passes sequence-first input
+usually passes a transposed view: on such tokens vmap's rule for ``F.linear`` with per-task
+weights made one small matrix product per task and position, and its backward one weight
+gradient per position, summed (2x the loop's time for an attention classifier).
 
 Covered: ``batch_first`` either way; ``key_padding_mask`` and ``attn_mask`` (2-D or 3-D),
 bool or of the query's dtype; ``is_causal``; self-attention and separate key and value
-tensors of the layer's width; dropout off or in evaluation mode. Other calls (weights
-requested, hooks, ``kdim``/``vdim``, ``bias_k``/``bias_v``, ``add_zero_attn``, dropout in
-training mode, unbatched input, other mask dtypes) take the layer's own batched path of
-``need_weights=True`` and drop the weights: the same attention up to rounding, on batched
-matrix products.
+tensors of the layer's width; dropout off or in evaluation mode. Other calls (hooks,
+``kdim``/``vdim``, ``bias_k``/``bias_v``, ``add_zero_attn``, dropout in training mode,
+unbatched input, a bool mask beside a float one) run the layer as it is under vmap
+(``need_weights=True`` for them all, the weights dropped where they were not asked for):
+the same attention up to rounding, on batched matrix products.
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -38,6 +47,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -51,8 +62,9 @@ __all__ = ["TaskAttention"]
 
 class TaskAttention(Standin):
     """Stands in for ``nn.MultiheadAttention`` under task batching: a call with
-    ``need_weights=False`` on the fused attention kernel with the tasks in its batch, other
-    calls on the layer's batched path (see the module docstring)."""
+    ``need_weights=False`` on the fused attention kernel with the tasks in its batch, with
+    ``need_weights=True`` on the layer's explicit path, computed on the tokens in their own
+    layout; calls it does not cover, as the layer computes them (see the module docstring)."""
 
     def forward(
         self,
@@ -73,10 +85,22 @@ class TaskAttention(Standin):
             average_attn_weights=average_attn_weights,
             is_causal=is_causal,
         )
-        if need_weights or has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
+        if has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
             return m(query, key, value, **call)
         if _covered(m, query, key, value, key_padding_mask, attn_mask):
-            return _attention(m, query, key, value, key_padding_mask, attn_mask, is_causal), None
+            weights = "mean" if average_attn_weights else "heads"
+            return _attention(
+                m,
+                query,
+                key,
+                value,
+                key_padding_mask,
+                attn_mask,
+                is_causal,
+                weights if need_weights else None,
+            )
+        if need_weights:
+            return m(query, key, value, **call)
         call.update(need_weights=True, average_attn_weights=False)
         return m(query, key, value, **call)[0], None
 
@@ -130,13 +154,16 @@ def _attention(
     key_padding_mask: Tensor | None,
     attn_mask: Tensor | None,
     is_causal: bool,
-) -> Tensor:
-    """``m(query, key, value, need_weights=False, ...)[0]`` for one task (vmap batches it),
-    computed as ``F.multi_head_attention_forward`` computes it, with
-    ``F.scaled_dot_product_attention`` called here, where the task mode sees it. The
-    projections run on the tokens in the layout they come in (the layer transposes a
-    ``batch_first`` input first: under vmap, a matrix product over the transposed tokens
-    of every task became one small product per task and position, 6x slower)."""
+    weights: str | None,
+) -> tuple[Tensor, Tensor | None]:
+    """``m(query, key, value, ...)`` for one task (vmap batches it), computed as
+    ``F.multi_head_attention_forward`` computes it: with ``weights`` None
+    (``need_weights=False``) by ``F.scaled_dot_product_attention``, called here, where the
+    task mode sees it; else by the explicit softmax, returning the weights per head
+    (``"heads"``) or their mean over the heads (``"mean"``). The projections run on the
+    tokens in the layout they come in (the layer transposes a ``batch_first`` input first:
+    under vmap, a matrix product over the transposed tokens of every task became one small
+    product per task and position, 6x slower)."""
     if is_causal and attn_mask is None:
         raise RuntimeError(
             "Need attn_mask if specifying the is_causal hint (nn.MultiheadAttention's rule)"
@@ -145,7 +172,7 @@ def _attention(
     tgt, src, width = query.shape[axis], key.shape[axis], query.shape[-1]
     bsz, heads = query.shape[1 - axis], m.num_heads
     padding = _additive(key_padding_mask, query.dtype)
-    if is_causal and padding is None:
+    if is_causal and padding is None and weights is None:
         attn_mask = None  # the layer lets the kernel apply the causal mask itself
     else:
         attn_mask = _additive(attn_mask, query.dtype)
@@ -162,9 +189,18 @@ def _attention(
         x = x.unflatten(-1, (heads, width // heads))
         return x.permute(0, 2, 1, 3) if m.batch_first else x.permute(1, 2, 0, 3)
 
-    out = F.scaled_dot_product_attention(by_heads(q), by_heads(k), by_heads(v), mask, 0.0, is_causal)
+    q, k, v = by_heads(q), by_heads(k), by_heads(v)
+    attention = None
+    if weights is None:
+        out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal)
+    else:  # the layer's need_weights=True path: scaled query, scores plus mask, softmax
+        scores = torch.matmul(q * math.sqrt(1.0 / q.shape[-1]), k.transpose(-2, -1))
+        attention = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+        out = torch.matmul(attention, v)
+        if weights == "mean":
+            attention = attention.mean(dim=1)
     out = out.permute(0, 2, 1, 3) if m.batch_first else out.permute(2, 0, 1, 3)
-    return F.linear(out.flatten(-2), m.out_proj.weight, m.out_proj.bias)
+    return F.linear(out.flatten(-2), m.out_proj.weight, m.out_proj.bias), attention
 
 
 def _in_projection(
@@ -173,6 +209,12 @@ def _in_projection(
     """The packed input projection as ``F.multi_head_attention_forward`` makes it: one matrix
     product for self-attention, two when key and value are one tensor, else three."""
     width = q.shape[-1]
+    # tokens a model transposed (sequence-first input is often a view) made contiguous: vmap
+    # runs F.linear on them as one matrix product per task, not one per task and position
+    same_q, same_k = q is k, k is v
+    q = q.contiguous()
+    k = q if same_q else k.contiguous()
+    v = k if same_k else v.contiguous()
     if k is v:
         if q is k:
             return F.linear(q, weight, bias).chunk(3, dim=-1)  # type: ignore[return-value]
