@@ -6,7 +6,8 @@ tokens, vocabulary 1000), padded: every sequence has a random length from 16 to 
 ``attention_mask``. Models, built from configs (dropout off, so that the implementations
 can be compared): BERT-small, GPT-2-small and Llama-small (2 layers, hidden 128, 4 heads,
 ``"sdpa"`` attention), an ``nn.TransformerEncoder`` classifier of the same size
-(``encoder``), and embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
+(``encoder``), one ``nn.MultiheadAttention`` layer returning its weights (``mha``), and
+embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
 ``gru-packed`` pack the sequences by their lengths, which differ within and across tasks). One inner SGD
 step, first and second order. "batched" runs all tasks in one vmapped computation
 (``task_chunk=None``); "default" as a user gets it, a fresh model with
@@ -25,7 +26,7 @@ from memory the warm-up had left in its heap (a GRU's first-order loop read 19 M
 way, 59 MiB counted by allocations; 4,500 tensors of 12.8 KB, 55 MiB, grew the resident set
 by 34 MiB even with glibc's mmap threshold at 4 KiB).
 
-    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama encoder lstm gru lstm-packed gru-packed]
+    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama encoder mha lstm gru lstm-packed gru-packed]
         [--orders second first] [--repeats 3] [--threads N] [--no-tune] [--skip-memory]
         [--skip-timing] [--memory-tasks 16] [--keep-freed-memory]
 """
@@ -96,9 +97,30 @@ class EncoderClassifier(nn.Module):
         return self.head((out * keep).sum(1) / keep.sum(1))
 
 
+class AttentionClassifier(nn.Module):
+    """Embedding, one ``nn.MultiheadAttention`` (hidden 128, 4 heads, sequence-first, called
+    as a user often calls it: on a transposed view, with its default ``need_weights=True``,
+    the weights averaged over the heads) and a head on the attention-weighted mean of the
+    outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.attn = nn.MultiheadAttention(HIDDEN, 4)
+        self.head = nn.Linear(HIDDEN, WAYS)
+
+    def forward(self, input_ids, attention_mask):
+        x = self.embed(input_ids).transpose(0, 1)  # (L, N, E)
+        out, weights = self.attn(x, x, x, key_padding_mask=attention_mask == 0)
+        pooled = (weights.mean(1).unsqueeze(-1) * out.transpose(0, 1)).sum(1)
+        return self.head(pooled)
+
+
 def build(name: str) -> nn.Module:
     if name == "encoder":
         return EncoderClassifier()
+    if name == "mha":
+        return AttentionClassifier()
     if name in ("lstm", "gru", "lstm-packed", "gru-packed"):
         return RecurrentClassifier(name[:4].rstrip("-"), packed=name.endswith("packed"))
     import transformers as tr
@@ -259,7 +281,17 @@ def main() -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        default=["bert", "gpt2", "llama", "encoder", "lstm", "gru", "lstm-packed", "gru-packed"],
+        default=[
+            "bert",
+            "gpt2",
+            "llama",
+            "encoder",
+            "mha",
+            "lstm",
+            "gru",
+            "lstm-packed",
+            "gru-packed",
+        ],
     )
     parser.add_argument("--orders", nargs="+", default=["second", "first"])
     parser.add_argument("--repeats", type=int, default=3)

@@ -184,14 +184,17 @@ def _count_attention(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = intercept._attention
     monkeypatch.setattr(
-        intercept, "_attention", lambda *a: calls.append(1) or real(*a)  # type: ignore
+        intercept,
+        "_attention",
+        lambda *a: calls.append(1) or real(*a),  # type: ignore
     )
     return calls
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize(
-    "mask", ["key-padding", "float-padding", "attn-mask", "per-head", "both", "causal", "causal-padding"]
+    "mask",
+    ["key-padding", "float-padding", "attn-mask", "per-head", "both", "causal", "causal-padding"],
 )
 @pytest.mark.parametrize("first_order", [False, True])
 def test_multihead_attention_layer_on_the_fused_kernel(
@@ -308,7 +311,10 @@ def test_multihead_attention_other_query_key_value(inputs, strict_warnings, monk
             return self.mha(x, memory, value, need_weights=False)[0].mean(1)
 
     fmodel = fm.functional_model(Cross())
-    data = {"x": torch.randn(T, 4, 5, 8, dtype=DTYPE), "memory": torch.randn(T, 4, 6, 8, dtype=DTYPE)}
+    data = {
+        "x": torch.randn(T, 4, 5, 8, dtype=DTYPE),
+        "memory": torch.randn(T, 4, 6, 8, dtype=DTYPE),
+    }
     y = torch.randn(T, 4, 8, dtype=DTYPE)
     calls = _count_attention(monkeypatch)
     batched = _grads(fmodel, F.mse_loss, data, y, True)

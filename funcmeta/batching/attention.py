@@ -131,12 +131,8 @@ def _covered(
         return False  # one bool, one float: the layer's own checks and warning
     if key_padding_mask is not None and tuple(key_padding_mask.shape) != (bsz, src):
         return False
-    if attn_mask is not None and tuple(attn_mask.shape) not in (
-        (tgt, src),
-        (bsz * m.num_heads, tgt, src),
-    ):
-        return False
-    return True
+    shapes = ((tgt, src), (bsz * m.num_heads, tgt, src))
+    return attn_mask is None or tuple(attn_mask.shape) in shapes
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
