@@ -24,6 +24,11 @@ and per peer funcmeta's paired difference (its result minus the peer's in the sa
 
     python benchmarks/omniglot_peers.py --summarize run1.json run2.json run3.json
 
+``--time-steps N`` only times the meta-iterations, N of each implementation in turn (no
+budget, curves or evaluation):
+
+    python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --time-steps 60
+
 A peer that does not import is reported and skipped (``pip install -e .[bench]``; learn2learn:
 ``bash benchmarks/build_learn2learn.sh``).
 """
@@ -31,6 +36,7 @@ A peer that does not import is reported and skipped (``pip install -e .[bench]``
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -165,6 +171,28 @@ def train_in_turn(recipes: list[omniglot.Recipe], data: dict, args) -> list[dict
     return [t.finish() for t in trainers]
 
 
+def time_steps(recipes: list[omniglot.Recipe], data: dict, args) -> dict[str, float]:
+    """Each implementation's median seconds per meta-iteration over ``args.time_steps``
+    iterations, taken in turn (one of each, then again) from the same start, the first
+    ``args.time_skip`` of each left out (warm-up, funcmeta's choice of chunk)."""
+    trainers = [
+        omniglot.Trainer(
+            r, omniglot.training_episodes(r, *data["train"]), args, None, progress=False
+        )
+        for r in recipes
+    ]
+    seconds: list[list[float]] = [[] for _ in trainers]
+    for _ in range(args.time_steps):
+        for t, times in zip(trainers, seconds, strict=True):
+            start = time.perf_counter()
+            t.step()
+            times.append(time.perf_counter() - start)
+    return {
+        r.name: statistics.median(times[args.time_skip :])
+        for r, times in zip(recipes, seconds, strict=True)
+    }
+
+
 MEASURES = {
     "iterations": lambda r: float(r["iterations"]),
     "official runs error %": lambda r: 100 * r["official_runs"]["error"],
@@ -274,7 +302,20 @@ def main(argv: list[str] | None = None) -> dict:
         help="no training: the results of runs with other seeds (their --out files), summed up "
         "(written to --out when given)",
     )
+    p.add_argument(
+        "--time-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="no budget, curves or evaluation: N meta-iterations of each implementation in "
+        "turn, and each one's median seconds per iteration",
+    )
+    p.add_argument(
+        "--time-skip", type=int, default=10, help="with --time-steps: the first ones left out"
+    )
     args = p.parse_args(argv)
+    if args.time_steps and args.time_steps <= args.time_skip:
+        p.error("--time-steps must exceed --time-skip")
     if args.summarize:
         summary = summarize(args.summarize)
         print_summary(summary)
@@ -306,6 +347,13 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             recipe = PeerRecipe(args.method, peer, args)
         recipes.append(recipe)
+    if args.time_steps:
+        medians = time_steps(recipes, data, args)
+        ours = medians[recipes[0].name]
+        print("\nimplementation | ms per meta-iteration (median) | funcmeta's time / its time")
+        for name, sec in medians.items():
+            print(f"{name} | {1e3 * sec:.1f} | {ours / sec:.3f}")
+        return {"seconds_per_iteration": medians}
     logs = train_in_turn(recipes, data, args)
     results = {
         r.name: omniglot.evaluate_recipe(r, log, data, args)

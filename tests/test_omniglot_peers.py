@@ -109,6 +109,32 @@ def test_training_in_turn_changes_nothing_but_the_order(float64) -> None:
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_time_steps_times_each_implementation_in_turn(float64) -> None:
+    """--time-steps: every implementation steps as many times, and gets a median of the
+    iterations after the skipped ones; fewer steps than skipped ones is refused."""
+    args = omniglot.parser().parse_args(ARGS)
+    args.time_steps, args.time_skip = 4, 1
+    g = torch.Generator().manual_seed(2)
+    data = {
+        "train": (torch.rand(60, 1, 28, 28, generator=g), torch.arange(10).repeat_interleave(6))
+    }
+    recipes = []
+    for peer in [None, *[n for n in omniglot_peers.PEER_NAMES if n in peers.PEERS][:1]]:
+        torch.manual_seed(0)
+        recipes.append(
+            omniglot.Recipe("maml", args)
+            if peer is None
+            else omniglot_peers.PeerRecipe("maml", peer, args)
+        )
+    medians = omniglot_peers.time_steps(recipes, data, args)
+    assert list(medians) == [r.name for r in recipes]
+    assert all(0 < sec < 60 for sec in medians.values())
+    for r in recipes:  # each took its 4 steps: its weights moved
+        assert r.outer.state and all(v["step"] == 4 for v in r.outer.state.values())
+    with pytest.raises(SystemExit):
+        omniglot_peers.main(["--time-steps", "3", "--time-skip", "5"])
+
+
 def results_file(
     path: Path, seed: int, values: dict, mhd: float = 0.3875, budget: str = "240"
 ) -> Path:
