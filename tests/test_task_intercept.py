@@ -363,6 +363,33 @@ def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
         _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False))
 
 
+@pytest.mark.parametrize("bad", ["causal-without-mask", "mask-shape", "padding-shape"])
+def test_multihead_attention_refuses_as_the_layer_does(bad):
+    """A call the layer refuses raises the layer's own error under task batching too."""
+    net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = net
+
+        def forward(self, x):
+            kw: dict = {"is_causal": True} if bad == "causal-without-mask" else {}
+            if bad == "mask-shape":
+                kw["attn_mask"] = torch.zeros(4, 4, dtype=DTYPE)
+            if bad == "padding-shape":
+                kw["key_padding_mask"] = torch.zeros(4, 3, dtype=torch.bool)
+            return self.mha(x, x, x, need_weights=False, **kw)[0]
+
+    fmodel = fm.functional_model(Wrap())
+    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
+    with pytest.raises((RuntimeError, AssertionError)) as plain:
+        fmodel(fmodel.params, x[0])
+    with pytest.raises(type(plain.value)) as batched:
+        fm.apply_tasks(fmodel, fmodel.params, x)
+    assert str(plain.value).split(".")[0] in str(batched.value)
+
+
 def test_transformer_encoder_layer_without_fallback(strict_warnings, monkeypatch):
     """nn.TransformerEncoderLayer calls its attention with need_weights=False: the stand-in
     runs it on the fused kernel for all tasks instead of vmap's per-example fallback, exact

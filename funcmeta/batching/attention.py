@@ -87,7 +87,7 @@ class TaskAttention(Standin):
         )
         if has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
             return m(query, key, value, **call)
-        if _covered(m, query, key, value, key_padding_mask, attn_mask):
+        if _covered(m, query, key, value, key_padding_mask, attn_mask, is_causal):
             weights = "mean" if average_attn_weights else "heads"
             return _attention(
                 m,
@@ -112,8 +112,12 @@ def _covered(
     value: Tensor,
     key_padding_mask: Tensor | None,
     attn_mask: Tensor | None,
+    is_causal: bool,
 ) -> bool:
-    """Whether :func:`_attention` computes this call as the layer does."""
+    """Whether :func:`_attention` computes this call as the layer does (a call the layer
+    refuses is left to it, for its own error)."""
+    if is_causal and attn_mask is None:
+        return False
     if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
         return False
     if m.training and m.dropout > 0:
@@ -160,10 +164,6 @@ def _attention(
     tokens in the layout they come in (the layer transposes a ``batch_first`` input first:
     under vmap, a matrix product over the transposed tokens of every task became one small
     product per task and position, 6x slower)."""
-    if is_causal and attn_mask is None:
-        raise RuntimeError(
-            "Need attn_mask if specifying the is_causal hint (nn.MultiheadAttention's rule)"
-        )
     axis = 1 if m.batch_first else 0  # the sequence axis of query, key and value
     tgt, src, width = query.shape[axis], key.shape[axis], query.shape[-1]
     bsz, heads = query.shape[1 - axis], m.num_heads
