@@ -191,6 +191,61 @@ def _count_attention(monkeypatch) -> list[int]:
     return calls
 
 
+CAUSAL = torch.triu(torch.full((5, 5), float("-inf"), dtype=DTYPE), 1)
+
+
+def _mha_masks(mask: str, pad: torch.Tensor) -> dict:
+    """The mask keywords of an attention call over 5 positions, by kind (``pad``: True at
+    the keys left out, per sequence)."""
+    kw: dict = {}
+    if mask in ("key-padding", "both"):
+        kw["key_padding_mask"] = pad
+    if mask in ("float-padding", "causal-padding"):
+        kw["key_padding_mask"] = torch.where(pad, -1e4, 0.0).to(DTYPE)
+    if mask in ("attn-mask", "both"):
+        kw["attn_mask"] = pad[0].unsqueeze(0).expand(5, 5)  # shared by the rows
+    if mask == "per-head":  # (N * heads, L, S): each sequence and head its own
+        kw["attn_mask"] = pad.repeat_interleave(2, 0).unsqueeze(1).expand(8, 5, 5)
+    if mask in ("causal", "causal-padding"):
+        kw.update(attn_mask=CAUSAL, is_causal=True)
+    return kw
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention(8, 2)`` over ``x`` (sequence-first input passed as a
+    transposed view, as models pass it), masked by kind; with ``need_weights``, the weights
+    (averaged over the heads or per head) reach the output."""
+
+    def __init__(self, batch_first: bool, mask: str, need_weights: bool, average: bool = True):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=DTYPE)
+        self.batch_first, self.mask = batch_first, mask
+        self.need_weights, self.average = need_weights, average
+
+    def forward(self, x, pad):
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        kw = _mha_masks(self.mask, pad)
+        if self.need_weights:
+            kw["average_attn_weights"] = self.average
+        out, weights = self.mha(x, x, x, need_weights=self.need_weights, **kw)
+        out = (out if self.batch_first else out.transpose(0, 1)).mean(1)
+        if weights is None:
+            return out
+        w = weights if self.average else weights.mean(1)
+        return out + (w * torch.arange(5, dtype=DTYPE)).sum((1, 2)).unsqueeze(-1)
+
+
+def _mha_data() -> tuple[dict, torch.Tensor]:
+    """Inputs for :class:`SelfAttention` (4 sequences of 5 per task, the last key padding,
+    one more in one task) and targets."""
+    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
+    pad[:, :, -1] = True
+    pad[1, 2, 2] = True  # the tasks differ
+    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
+    return {"x": x, "pad": pad}, torch.randn(T, 4, 8, dtype=DTYPE)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize(
     "mask",
@@ -204,38 +259,8 @@ def test_multihead_attention_layer_on_the_fused_kernel(
     batch), no per-example fallback, exact against the loop; masks per task and shared,
     bool and float, 2-D and per head, causal; first and second order."""
     torch.manual_seed(1)
-    net = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=DTYPE)
-    causal = torch.triu(torch.full((5, 5), float("-inf"), dtype=DTYPE), 1)
-
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = net
-
-        def forward(self, x, pad):
-            if not batch_first:
-                x = x.transpose(0, 1)
-            kw = {}
-            if mask in ("key-padding", "both"):
-                kw["key_padding_mask"] = pad
-            if mask in ("float-padding", "causal-padding"):
-                kw["key_padding_mask"] = torch.where(pad, -1e4, 0.0).to(DTYPE)
-            if mask in ("attn-mask", "both"):
-                kw["attn_mask"] = pad[0].unsqueeze(0).expand(5, 5)  # shared by the rows
-            if mask == "per-head":  # (N * heads, L, S): each sequence and head its own
-                kw["attn_mask"] = pad.repeat_interleave(2, 0).unsqueeze(1).expand(8, 5, 5)
-            if mask in ("causal", "causal-padding"):
-                kw.update(attn_mask=causal, is_causal=True)
-            out = self.mha(x, x, x, need_weights=False, **kw)[0]
-            return (out if batch_first else out.transpose(0, 1)).mean(1)
-
-    fmodel = fm.functional_model(Wrap())
-    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
-    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
-    pad[:, :, -1] = True
-    pad[1, 2, 2] = True  # the tasks differ
-    y = torch.randn(T, 4, 8, dtype=DTYPE)
-    inputs = {"x": x, "pad": pad}
+    fmodel = fm.functional_model(SelfAttention(batch_first, mask, need_weights=False))
+    inputs, y = _mha_data()
     calls = _count_attention(monkeypatch)
     batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
     assert calls, "the attention did not run on the kernel with the tasks in its batch"
@@ -253,45 +278,18 @@ def test_multihead_attention_weights_as_the_loop(
     """need_weights=True (the default): the output and the weights, averaged over the heads
     or per head, exact against the loop; the weights reach the loss."""
     torch.manual_seed(7)
-    net = nn.MultiheadAttention(8, 2, batch_first=batch_first, dtype=DTYPE)
-    causal = torch.triu(torch.full((5, 5), float("-inf"), dtype=DTYPE), 1)
-
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = net
-
-        def forward(self, x, pad):
-            if not batch_first:
-                x = x.transpose(0, 1)  # a transposed view, as models pass it
-            kw = {"average_attn_weights": average}
-            if mask == "key-padding":
-                kw["key_padding_mask"] = pad
-            if mask == "causal":
-                kw.update(attn_mask=causal, is_causal=True)
-            out, weights = self.mha(x, x, x, **kw)
-            out = out if batch_first else out.transpose(0, 1)
-            w = weights if average else weights.mean(1)
-            return out.mean(1) + (w * torch.arange(5, dtype=DTYPE)).sum((1, 2)).unsqueeze(-1)
-
-    fmodel = fm.functional_model(Wrap())
-    x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
-    pad = torch.zeros(T, 4, 5, dtype=torch.bool)
-    pad[:, :, -1] = True
-    pad[1, 2, 2] = True
-    y = torch.randn(T, 4, 8, dtype=DTYPE)
-    inputs = {"x": x, "pad": pad}
+    fmodel = fm.functional_model(SelfAttention(batch_first, mask, True, average))
+    inputs, y = _mha_data()
     batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
     assert fmodel.task_loop is False
     # atol: the key bias's exact gradient is 0 (a softmax ignores a shift of its scores), and
     # both sides round it to a few 1e-12
     loop = _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order)
     _assert_same(batched, loop, atol=1e-11)
-    out, _ = fm.apply_tasks(fmodel, fmodel.params, {"x": x, "pad": pad})
+    out, _ = fm.apply_tasks(fmodel, fmodel.params, inputs)
     for t in range(T):
-        torch.testing.assert_close(
-            out[t], fmodel(fmodel.params, x[t], pad[t]), rtol=1e-10, atol=1e-12
-        )
+        one = fmodel(fmodel.params, inputs["x"][t], inputs["pad"][t])
+        torch.testing.assert_close(out[t], one, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("inputs", ["cross", "three"])

@@ -7,6 +7,8 @@ What it owns:
   checkpointed layer or a per-task run, joining per-chunk outputs;
 - :mod:`~funcmeta.batching.layers`: the stand-ins that compute a layer for all tasks at once
   (linear, convolution, BatchNorm, pooling, embeddings with a padding index);
+- :mod:`~funcmeta.batching.attention`: ``nn.MultiheadAttention`` for all tasks, on the fused
+  attention kernel with the tasks in its batch;
 - :mod:`~funcmeta.batching.recurrent`: recurrent layers for all tasks in one pass, or once
   per task (:class:`~funcmeta.batching.recurrent.TaskLoop`) where that cannot be exact;
 - :mod:`~funcmeta.batching.fallback`: which layer refused ``vmap`` and why, when a model runs

@@ -48,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -87,35 +88,31 @@ class TaskAttention(Standin):
         )
         if has_hooks(m) or not any_batched(query, key, value, *self.parameters()):
             return m(query, key, value, **call)
-        if _covered(m, query, key, value, key_padding_mask, attn_mask, is_causal):
+        given = _Call(query, key, value, key_padding_mask, attn_mask, is_causal)
+        if _covered(m, given):
             weights = "mean" if average_attn_weights else "heads"
-            return _attention(
-                m,
-                query,
-                key,
-                value,
-                key_padding_mask,
-                attn_mask,
-                is_causal,
-                weights if need_weights else None,
-            )
+            return _attention(m, given, weights if need_weights else None)
         if need_weights:
             return m(query, key, value, **call)
         call.update(need_weights=True, average_attn_weights=False)
         return m(query, key, value, **call)[0], None
 
 
-def _covered(
-    m: torch.nn.MultiheadAttention,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-) -> bool:
+class _Call(NamedTuple):
+    """The tensors and flags of a call of the layer that :func:`_attention` computes."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    key_padding_mask: Tensor | None
+    attn_mask: Tensor | None
+    is_causal: bool
+
+
+def _covered(m: torch.nn.MultiheadAttention, call: _Call) -> bool:
     """Whether :func:`_attention` computes this call as the layer does (a call the layer
     refuses is left to it, for its own error)."""
+    query, key, value, key_padding_mask, attn_mask, is_causal = call
     if is_causal and attn_mask is None:
         return False
     if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
@@ -147,14 +144,7 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _attention(
-    m: torch.nn.MultiheadAttention,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    key_padding_mask: Tensor | None,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    weights: str | None,
+    m: torch.nn.MultiheadAttention, call: _Call, weights: str | None
 ) -> tuple[Tensor, Tensor | None]:
     """``m(query, key, value, ...)`` for one task (vmap batches it), computed as
     ``F.multi_head_attention_forward`` computes it: with ``weights`` None
@@ -164,6 +154,7 @@ def _attention(
     tokens in the layout they come in (the layer transposes a ``batch_first`` input first:
     under vmap, a matrix product over the transposed tokens of every task became one small
     product per task and position, 6x slower)."""
+    query, key, value, key_padding_mask, attn_mask, is_causal = call
     axis = 1 if m.batch_first else 0  # the sequence axis of query, key and value
     tgt, src, width = query.shape[axis], key.shape[axis], query.shape[-1]
     bsz, heads = query.shape[1 - axis], m.num_heads
