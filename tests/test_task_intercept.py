@@ -292,12 +292,17 @@ def test_multihead_attention_weights_as_the_loop(
         torch.testing.assert_close(out[t], one, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("inputs", ["cross", "three"])
-def test_multihead_attention_other_query_key_value(inputs, strict_warnings, monkeypatch):
-    """Cross-attention (key is value) and three separate tensors: the layer's two and three
-    input projections, on the fused kernel, exact against the loop."""
+@pytest.mark.parametrize("inputs", ["cross", "three", "kdim-vdim"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_other_query_key_value(
+    inputs, need_weights, strict_warnings, monkeypatch
+):
+    """Cross-attention (key is value), three separate tensors, and keys and values of their
+    own widths (kdim, vdim: separate projection weights): the layer's two and three input
+    projections, on the fused kernel (or with the weights), exact against the loop."""
     torch.manual_seed(4)
-    net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
+    widths = (6, 7) if inputs == "kdim-vdim" else (None, None)
+    net = nn.MultiheadAttention(8, 2, batch_first=True, kdim=widths[0], vdim=widths[1], dtype=DTYPE)
 
     class Cross(nn.Module):
         def __init__(self) -> None:
@@ -305,8 +310,10 @@ def test_multihead_attention_other_query_key_value(inputs, strict_warnings, monk
             self.mha = net
 
         def forward(self, x, memory):
-            value = memory if inputs == "cross" else memory.flip(1)
-            return self.mha(x, memory, value, need_weights=False)[0].mean(1)
+            key = memory[..., : widths[0] or 8]
+            value = {"cross": key, "three": memory.flip(1)}.get(inputs, memory[..., 1:8])
+            out, w = self.mha(x, key, value, need_weights=need_weights)
+            return out.mean(1) if w is None else out.mean(1) + w.sum((1, 2)).unsqueeze(-1)
 
     fmodel = fm.functional_model(Cross())
     data = {
@@ -316,11 +323,11 @@ def test_multihead_attention_other_query_key_value(inputs, strict_warnings, monk
     y = torch.randn(T, 4, 8, dtype=DTYPE)
     calls = _count_attention(monkeypatch)
     batched = _grads(fmodel, F.mse_loss, data, y, True)
-    assert calls and fmodel.task_loop is False
-    _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False))
+    assert bool(calls) != need_weights and fmodel.task_loop is False
+    _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False), atol=1e-11)
 
 
-@pytest.mark.parametrize("kind", ["kdim", "bias_kv", "zero_attn", "mixed-masks"])
+@pytest.mark.parametrize("kind", ["bias_kv", "zero_attn", "mixed-masks"])
 def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
     """Layers and calls the fused path does not cover take the layer's batched path (no
     merged kernel call), exact against the loop."""
@@ -329,8 +336,6 @@ def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
         8,
         2,
         batch_first=True,
-        kdim=6 if kind == "kdim" else None,
-        vdim=6 if kind == "kdim" else None,
         add_bias_kv=kind == "bias_kv",
         add_zero_attn=kind == "zero_attn",
         dtype=DTYPE,
@@ -342,7 +347,7 @@ def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
             self.mha = net
 
         def forward(self, x, pad):
-            kv = x[..., :6] if kind == "kdim" else x
+            kv = x
             kw = {}
             if kind == "mixed-masks":
                 kw = {"key_padding_mask": pad, "attn_mask": torch.zeros(5, 5, dtype=DTYPE)}

@@ -24,8 +24,8 @@ gradient per position, summed (2x the loop's time for an attention classifier).
 
 Covered: ``batch_first`` either way; ``key_padding_mask`` and ``attn_mask`` (2-D or 3-D),
 bool or of the query's dtype; ``is_causal``; self-attention and separate key and value
-tensors of the layer's width; dropout off or in evaluation mode. Other calls (hooks,
-``kdim``/``vdim``, ``bias_k``/``bias_v``, ``add_zero_attn``, dropout in training mode,
+tensors, of the layer's width or of its ``kdim``/``vdim``; dropout off or in evaluation
+mode. Other calls (hooks, ``bias_k``/``bias_v``, ``add_zero_attn``, dropout in training mode,
 unbatched input, a bool mask beside a float one) run the layer as it is under vmap
 (``need_weights=True`` for them all, the weights dropped where they were not asked for):
 the same attention up to rounding, on batched matrix products.
@@ -115,7 +115,7 @@ def _covered(m: torch.nn.MultiheadAttention, call: _Call) -> bool:
     query, key, value, key_padding_mask, attn_mask, is_causal = call
     if is_causal and attn_mask is None:
         return False
-    if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+    if m.bias_k is not None or m.add_zero_attn:
         return False
     if m.training and m.dropout > 0:
         return False
@@ -123,7 +123,11 @@ def _covered(m: torch.nn.MultiheadAttention, call: _Call) -> bool:
         return False
     tgt, bsz = (query.shape[1], query.shape[0]) if m.batch_first else query.shape[:2]
     src = key.shape[1] if m.batch_first else key.shape[0]
-    if query.shape[-1] != m.embed_dim or key.shape != value.shape or key.shape[-1] != m.embed_dim:
+    if query.shape[-1] != m.embed_dim or key.shape[:-1] != value.shape[:-1]:
+        return False
+    if key.shape[-1] != m.kdim or value.shape[-1] != m.vdim:
+        return False
+    if m._qkv_same_embed_dim and key.shape != value.shape:
         return False
     masks = [mask for mask in (key_padding_mask, attn_mask) if mask is not None]
     if any(mask.dtype not in (torch.bool, query.dtype) for mask in masks):
@@ -164,7 +168,7 @@ def _attention(
     else:
         attn_mask = _additive(attn_mask, query.dtype)
         is_causal = False
-    q, k, v = _in_projection(query, key, value, m.in_proj_weight, m.in_proj_bias)
+    q, k, v = _in_projection(m, query, key, value)
     mask = None
     if attn_mask is not None:  # (L, S) -> (1, 1, L, S); (N * heads, L, S) -> (N, heads, L, S)
         mask = attn_mask.reshape(bsz if attn_mask.dim() == 3 else 1, -1, tgt, src)
@@ -191,17 +195,26 @@ def _attention(
 
 
 def _in_projection(
-    q: Tensor, k: Tensor, v: Tensor, weight: Tensor, bias: Tensor | None
+    m: torch.nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The packed input projection as ``F.multi_head_attention_forward`` makes it: one matrix
-    product for self-attention, two when key and value are one tensor, else three."""
-    width = q.shape[-1]
+    """The input projection as ``F.multi_head_attention_forward`` makes it: with one packed
+    weight, one matrix product for self-attention, two when key and value are one tensor,
+    else three; with separate weights (``kdim``/``vdim``), three."""
+    width, bias = q.shape[-1], m.in_proj_bias
     # tokens a model transposed (sequence-first input is often a view) made contiguous: vmap
     # runs F.linear on them as one matrix product per task, not one per task and position
     same_q, same_k = q is k, k is v
     q = q.contiguous()
     k = q if same_q else k.contiguous()
     v = k if same_k else v.contiguous()
+    bs = (None, None, None) if bias is None else bias.chunk(3)
+    if not m._qkv_same_embed_dim:
+        return (
+            F.linear(q, m.q_proj_weight, bs[0]),
+            F.linear(k, m.k_proj_weight, bs[1]),
+            F.linear(v, m.v_proj_weight, bs[2]),
+        )
+    weight = m.in_proj_weight
     if k is v:
         if q is k:
             return F.linear(q, weight, bias).chunk(3, dim=-1)  # type: ignore[return-value]
@@ -210,5 +223,4 @@ def _in_projection(
         k, v = F.linear(k, w_kv, b_kv).chunk(2, dim=-1)
         return F.linear(q, w_q, b_q), k, v
     ws = weight.chunk(3)
-    bs = (None, None, None) if bias is None else bias.chunk(3)
     return (F.linear(q, ws[0], bs[0]), F.linear(k, ws[1], bs[1]), F.linear(v, ws[2], bs[2]))
