@@ -440,6 +440,59 @@ def test_transformer_encoder_layer_evaluation_with_dropout(strict_warnings, monk
         torch.testing.assert_close(out[t], layer(x[t]), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_multihead_attention_dropout_per_task_and_recomputed(need_weights, monkeypatch):
+    """Train-mode attention dropout on the stand-in's path: each task draws its own masks
+    (the same input in every task gives different outputs), the weights returned are those
+    after dropout (rows no longer sum to 1), and a checkpoint's recomputation draws the same
+    masks (step checkpointing gives the meta-gradients of the run without it)."""
+    torch.manual_seed(8)
+    net = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True, dtype=DTYPE)
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = net
+
+        def forward(self, x):
+            out, w = self.mha(x, x, x, need_weights=need_weights)
+            return out.mean(1) if w is None else out.mean(1) + w.sum((1, 2)).unsqueeze(-1)
+
+    fmodel = fm.functional_model(Wrap())
+    x = torch.randn(1, 4, 5, 8, dtype=DTYPE).expand(T, -1, -1, -1)  # one input, every task
+    y = torch.randn(T, 4, 8, dtype=DTYPE)
+    calls = _count_attention(monkeypatch)
+    out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    assert not torch.allclose(out[0], out[1])  # each task its own masks
+    assert fmodel.task_loop is False and bool(calls) != need_weights
+    if need_weights:
+
+        class Weights(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.mha = net
+
+            def forward(self, x):
+                return self.mha(x, x, x)[1]
+
+        of_weights = fm.functional_model(Weights())
+        weights, _ = fm.apply_tasks(of_weights, of_weights.params, x)
+        assert not torch.allclose(weights.sum(-1), torch.ones((), dtype=DTYPE))
+
+    def meta(**kw):
+        torch.manual_seed(3)
+        r = fm.adapt_tasks(
+            fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.3), steps=2, **kw
+        )
+        return torch.autograd.grad(r.losses.sum(), list(fmodel.params.values()))
+
+    for a, b in zip(meta(), meta(checkpoint_steps=True), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    net.eval()
+    still, _ = fm.apply_tasks(fmodel, fmodel.params, x)
+    torch.testing.assert_close(still[0], still[1], rtol=1e-12, atol=1e-12)  # no dropout
+
+
 # --- HuggingFace models ------------------------------------------------------------------------
 
 V, N, L = 40, 4, 7

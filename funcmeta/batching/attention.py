@@ -24,9 +24,10 @@ gradient per position, summed (2x the loop's time for an attention classifier).
 
 Covered: ``batch_first`` either way; ``key_padding_mask`` and ``attn_mask`` (2-D or 3-D),
 bool or of the query's dtype; ``is_causal``; self-attention and separate key and value
-tensors, of the layer's width or of its ``kdim``/``vdim``; dropout off or in evaluation
-mode. Other calls (hooks, ``bias_k``/``bias_v``, ``add_zero_attn``, dropout in training mode,
-unbatched input, a bool mask beside a float one) run the layer as it is under vmap
+tensors, of the layer's width or of its ``kdim``/``vdim``; dropout (in training mode each
+task draws its own masks, as vmap's ``"different"`` randomness does; a checkpoint's
+recomputation draws the same ones). Other calls (hooks, ``bias_k``/``bias_v``,
+``add_zero_attn``, unbatched input, a bool mask beside a float one) run the layer as it is under vmap
 (``need_weights=True`` for them all, the weights dropped where they were not asked for):
 the same attention up to rounding, on batched matrix products.
 
@@ -117,8 +118,6 @@ def _covered(m: torch.nn.MultiheadAttention, call: _Call) -> bool:
         return False
     if m.bias_k is not None or m.add_zero_attn:
         return False
-    if m.training and m.dropout > 0:
-        return False
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         return False
     tgt, bsz = (query.shape[1], query.shape[0]) if m.batch_first else query.shape[:2]
@@ -181,12 +180,14 @@ def _attention(
         return x.permute(0, 2, 1, 3) if m.batch_first else x.permute(1, 2, 0, 3)
 
     q, k, v = by_heads(q), by_heads(k), by_heads(v)
-    attention = None
-    if weights is None:
-        out = F.scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal)
+    attention, dropout = None, m.dropout if m.training else 0.0
+    if weights is None:  # dropout: the task mode draws each task's masks (vmap's "different")
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal)
     else:  # the layer's need_weights=True path: scaled query, scores plus mask, softmax
         scores = torch.matmul(q * math.sqrt(1.0 / q.shape[-1]), k.transpose(-2, -1))
         attention = torch.softmax(scores if mask is None else scores + mask, dim=-1)
+        if dropout > 0:  # the weights returned are those after dropout, as the layer's
+            attention = F.dropout(attention, p=dropout)
         out = torch.matmul(attention, v)
         if weights == "mean":
             attention = attention.mean(dim=1)
