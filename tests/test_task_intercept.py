@@ -246,6 +246,25 @@ def _mha_data() -> tuple[dict, torch.Tensor]:
     return {"x": x, "pad": pad}, torch.randn(T, 4, 8, dtype=DTYPE)
 
 
+class Around(nn.Module):
+    """A model around an attention layer ``net`` (its ``mha``): ``forward`` is
+    ``call(self.mha, ...)`` with the inputs, so that the stand-in takes the layer's place."""
+
+    def __init__(self, net: nn.MultiheadAttention, call) -> None:
+        super().__init__()
+        self.mha, self.call = net, call
+
+    def forward(self, *inputs, **named):
+        return self.call(self.mha, *inputs, **named)
+
+
+def _pooled(out: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """An attention layer's output pooled over the positions, plus its weights if any (so
+    that they reach the loss)."""
+    pooled = out.mean(1)
+    return pooled if weights is None else pooled + weights.sum((1, 2)).unsqueeze(-1)
+
+
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize(
     "mask",
@@ -304,18 +323,12 @@ def test_multihead_attention_other_query_key_value(
     widths = (6, 7) if inputs == "kdim-vdim" else (None, None)
     net = nn.MultiheadAttention(8, 2, batch_first=True, kdim=widths[0], vdim=widths[1], dtype=DTYPE)
 
-    class Cross(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = net
+    def cross(mha, x, memory):
+        key = memory[..., : widths[0] or 8]
+        value = {"cross": key, "three": memory.flip(1)}.get(inputs, memory[..., 1:8])
+        return _pooled(*mha(x, key, value, need_weights=need_weights))
 
-        def forward(self, x, memory):
-            key = memory[..., : widths[0] or 8]
-            value = {"cross": key, "three": memory.flip(1)}.get(inputs, memory[..., 1:8])
-            out, w = self.mha(x, key, value, need_weights=need_weights)
-            return out.mean(1) if w is None else out.mean(1) + w.sum((1, 2)).unsqueeze(-1)
-
-    fmodel = fm.functional_model(Cross())
+    fmodel = fm.functional_model(Around(net, cross))
     data = {
         "x": torch.randn(T, 4, 5, 8, dtype=DTYPE),
         "memory": torch.randn(T, 4, 6, 8, dtype=DTYPE),
@@ -341,19 +354,13 @@ def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
         dtype=DTYPE,
     )
 
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = net
+    def attend(mha, x, pad):
+        kw = {}
+        if kind == "mixed-masks":
+            kw = {"key_padding_mask": pad, "attn_mask": torch.zeros(5, 5, dtype=DTYPE)}
+        return mha(x, x, x, need_weights=False, **kw)[0].mean(1)
 
-        def forward(self, x, pad):
-            kv = x
-            kw = {}
-            if kind == "mixed-masks":
-                kw = {"key_padding_mask": pad, "attn_mask": torch.zeros(5, 5, dtype=DTYPE)}
-            return self.mha(x, kv, kv, need_weights=False, **kw)[0].mean(1)
-
-    fmodel = fm.functional_model(Wrap())
+    fmodel = fm.functional_model(Around(net, attend))
     pad = torch.zeros(T, 4, 5, dtype=torch.bool)
     pad[:, :, -1] = True
     data = {"x": torch.randn(T, 4, 5, 8, dtype=DTYPE), "pad": pad}
@@ -371,20 +378,15 @@ def test_multihead_attention_refuses_as_the_layer_does(bad):
     """A call the layer refuses raises the layer's own error under task batching too."""
     net = nn.MultiheadAttention(8, 2, batch_first=True, dtype=DTYPE)
 
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = net
+    def attend(mha, x):
+        kw: dict = {"is_causal": True} if bad == "causal-without-mask" else {}
+        if bad == "mask-shape":
+            kw["attn_mask"] = torch.zeros(4, 4, dtype=DTYPE)
+        if bad == "padding-shape":
+            kw["key_padding_mask"] = torch.zeros(4, 3, dtype=torch.bool)
+        return mha(x, x, x, need_weights=False, **kw)[0]
 
-        def forward(self, x):
-            kw: dict = {"is_causal": True} if bad == "causal-without-mask" else {}
-            if bad == "mask-shape":
-                kw["attn_mask"] = torch.zeros(4, 4, dtype=DTYPE)
-            if bad == "padding-shape":
-                kw["key_padding_mask"] = torch.zeros(4, 3, dtype=torch.bool)
-            return self.mha(x, x, x, need_weights=False, **kw)[0]
-
-    fmodel = fm.functional_model(Wrap())
+    fmodel = fm.functional_model(Around(net, attend))
     x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
     with pytest.raises((RuntimeError, AssertionError)) as plain:
         fmodel(fmodel.params, x[0])
@@ -449,16 +451,9 @@ def test_multihead_attention_dropout_per_task_and_recomputed(need_weights, monke
     torch.manual_seed(8)
     net = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True, dtype=DTYPE)
 
-    class Wrap(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.mha = net
-
-        def forward(self, x):
-            out, w = self.mha(x, x, x, need_weights=need_weights)
-            return out.mean(1) if w is None else out.mean(1) + w.sum((1, 2)).unsqueeze(-1)
-
-    fmodel = fm.functional_model(Wrap())
+    fmodel = fm.functional_model(
+        Around(net, lambda mha, x: _pooled(*mha(x, x, x, need_weights=need_weights)))
+    )
     x = torch.randn(1, 4, 5, 8, dtype=DTYPE).expand(T, -1, -1, -1)  # one input, every task
     y = torch.randn(T, 4, 8, dtype=DTYPE)
     calls = _count_attention(monkeypatch)
@@ -466,16 +461,7 @@ def test_multihead_attention_dropout_per_task_and_recomputed(need_weights, monke
     assert not torch.allclose(out[0], out[1])  # each task its own masks
     assert fmodel.task_loop is False and bool(calls) != need_weights
     if need_weights:
-
-        class Weights(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.mha = net
-
-            def forward(self, x):
-                return self.mha(x, x, x)[1]
-
-        of_weights = fm.functional_model(Weights())
+        of_weights = fm.functional_model(Around(net, lambda mha, x: mha(x, x, x)[1]))
         weights, _ = fm.apply_tasks(of_weights, of_weights.params, x)
         assert not torch.allclose(weights.sum(-1), torch.ones((), dtype=DTYPE))
 

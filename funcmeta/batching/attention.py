@@ -120,8 +120,7 @@ def _covered(m: torch.nn.MultiheadAttention, call: _Call) -> bool:
         return False
     if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
         return False
-    tgt, bsz = (query.shape[1], query.shape[0]) if m.batch_first else query.shape[:2]
-    src = key.shape[1] if m.batch_first else key.shape[0]
+    tgt, src, bsz = _sizes(m, call)
     if query.shape[-1] != m.embed_dim or key.shape[:-1] != value.shape[:-1]:
         return False
     if key.shape[-1] != m.kdim or value.shape[-1] != m.vdim:
@@ -137,6 +136,12 @@ def _covered(m: torch.nn.MultiheadAttention, call: _Call) -> bool:
         return False
     shapes = ((tgt, src), (bsz * m.num_heads, tgt, src))
     return attn_mask is None or tuple(attn_mask.shape) in shapes
+
+
+def _sizes(m: torch.nn.MultiheadAttention, call: _Call) -> tuple[int, int, int]:
+    """The query's and the key's lengths and the batch size of a call (3-D inputs)."""
+    axis = 1 if m.batch_first else 0  # the sequence axis of query, key and value
+    return call.query.shape[axis], call.key.shape[axis], call.query.shape[1 - axis]
 
 
 def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -158,9 +163,7 @@ def _attention(
     under vmap, a matrix product over the transposed tokens of every task became one small
     product per task and position, 6x slower)."""
     query, key, value, key_padding_mask, attn_mask, is_causal = call
-    axis = 1 if m.batch_first else 0  # the sequence axis of query, key and value
-    tgt, src, width = query.shape[axis], key.shape[axis], query.shape[-1]
-    bsz, heads = query.shape[1 - axis], m.num_heads
+    (tgt, src, bsz), width, heads = _sizes(m, call), query.shape[-1], m.num_heads
     padding = _additive(key_padding_mask, query.dtype)
     if is_causal and padding is None and weights is None:
         attn_mask = None  # the layer lets the kernel apply the causal mask itself
