@@ -427,6 +427,51 @@ def test_transformer_encoder_layer_without_fallback(strict_warnings, monkeypatch
     assert calls, "the attention did not run on the kernel with the tasks in its batch"
 
 
+def test_transformer_encoder_decoder_on_the_fused_kernel(strict_warnings, monkeypatch):
+    """nn.Transformer (encoder and decoder): self-attention with the source's padding, causal
+    self-attention of the target, cross-attention to the memory with its padding; every
+    attention on the merged kernel, exact against the loop in first and second order."""
+    torch.manual_seed(9)
+
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.t = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True, dtype=DTYPE)
+            self.head = nn.Linear(8, 3, dtype=DTYPE)
+
+        def forward(self, src, tgt, pad):
+            causal = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1], dtype=DTYPE)
+            out = self.t(
+                src,
+                tgt,
+                tgt_mask=causal,
+                tgt_is_causal=True,
+                src_key_padding_mask=pad,
+                memory_key_padding_mask=pad,
+            )
+            return self.head(out)
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.reshape(-1, 3), y.reshape(-1))
+
+    pad = torch.zeros(T, 4, 6, dtype=torch.bool)
+    pad[:, :, -1] = True
+    pad[1, 0, 3] = True
+    inputs = {
+        "src": torch.randn(T, 4, 6, 8, dtype=DTYPE),
+        "tgt": torch.randn(T, 4, 5, 8, dtype=DTYPE),
+        "pad": pad,
+    }
+    y = torch.randint(0, 3, (T, 4, 5))
+    fmodel = fm.functional_model(Seq2Seq())
+    calls = _count_attention(monkeypatch)
+    for first_order in (False, True):
+        batched = _grads(fmodel, loss_fn, inputs, y, True, first_order=first_order, steps=1)
+        loop = _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order, steps=1)
+        _assert_same(batched, loop)
+    assert len(calls) >= 3 and fmodel.task_loop is False  # three attentions a forward
+
+
 def test_transformer_encoder_layer_evaluation_with_dropout(strict_warnings, monkeypatch):
     """In evaluation mode a layer's dropout is off: apply_tasks runs the fused kernel for
     all tasks and equals the layer called on each task."""
