@@ -27,9 +27,9 @@ bool or of the query's dtype; ``is_causal``; self-attention and separate key and
 tensors, of the layer's width or of its ``kdim``/``vdim``; dropout (in training mode each
 task draws its own masks, as vmap's ``"different"`` randomness does; a checkpoint's
 recomputation draws the same ones). Other calls (hooks, ``bias_k``/``bias_v``,
-``add_zero_attn``, unbatched input, a bool mask beside a float one) run the layer as it is under vmap
-(``need_weights=True`` for them all, the weights dropped where they were not asked for):
-the same attention up to rounding, on batched matrix products.
+``add_zero_attn``, unbatched input, a bool mask beside a float one) run the layer as it is
+under vmap (``need_weights=True`` for them all, the weights dropped where they were not
+asked for): the same attention up to rounding, on batched matrix products.
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm

@@ -40,9 +40,9 @@ input of the next without a copy:
 Each computes exactly what the layer computes per task (the same kernels on the same numbers
 per channel; :class:`TaskAttention` the kernels of the layer's own forward, or where it does
 not cover a call, the layer's batched path, equal to rounding). A layer with hooks, and a
-call these do not cover (unbatched input, a single-sample input, weights batched at another vmap level, BatchNorm with ``momentum=None``
-and tasks with different counts of batches, ``return_indices=True``), runs the layer as it
-is.
+call these do not cover (unbatched input, a single-sample input, weights batched at another
+vmap level, BatchNorm with ``momentum=None`` and tasks with different counts of batches,
+``return_indices=True``), runs the layer as it is.
 
 Example:
     >>> import torch
@@ -378,9 +378,10 @@ class TaskEmbedding(Standin):
 
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
     """The stand-ins of the task-batched runner, by submodule name: the recurrent layers'
-    (:func:`funcmeta.batching.recurrent.recurrent_standins`, outermost), and outside them the fast paths of ``nn.Linear``
-    (:class:`TaskLinear`), convolutions, BatchNorm and pooling, and the
-    exact path of embeddings with a padding index. Exact
+    (:func:`funcmeta.batching.recurrent.recurrent_standins`, outermost), and outside them
+    the fast paths of ``nn.Linear`` (:class:`TaskLinear`), convolutions, BatchNorm and
+    pooling, normalisations, ``nn.LSTMCell``, ``nn.MultiheadAttention``
+    (:class:`TaskAttention`), and the exact path of embeddings with a padding index. Exact
     types only: a subclass (a parametrized layer included) may compute something else."""
     if unwrap_batched is None:  # pragma: no cover - depends on the torch release
         return {}

@@ -550,18 +550,20 @@ def _direction(
 ) -> tuple[list[Tensor], list[Tensor]]:
     """One layer in one direction over ``x`` ``(T, L, N, I)`` from ``state`` (``[h]``, or
     ``[h, c]`` for an LSTM, each ``(T, N, H)``): the outputs, each step's ``(T, rows, H)``
-    in time order (all ``N`` rows but for packed sequences), and the final state. With ``ends`` (packed sequences), a step runs only the rows some
-    task still runs (the forward direction's shrink over time; the reverse direction's grow,
-    each row starting from its initial state at its sequence's last step), and keeps the
-    state of the rows whose sequence has ended; its outputs past a length are undefined."""
+    in time order (all ``N`` rows but for packed sequences), and the final state. With
+    ``ends`` (packed sequences), a step runs only the rows some task still runs (the forward
+    direction's shrink over time; the reverse direction's grow, each row starting from its
+    initial state at its sequence's last step), and keeps the state of the rows whose
+    sequence has ended; its outputs past a length are undefined."""
     tasks, steps, batch, size = x.shape
     w_ih, w_hh, b_hh = w["weight_ih"], w["weight_hh"], w["bias_hh"]
     assert w_ih is not None and w_hh is not None
     # The input's projection, made a block of time steps at a time just before the cell
     # needs it; the hidden bias joins its bias where the cell adds the two projections anyway
-    # (not the GRU's n), so that it takes no pass of its own. Blocks, not all steps at once: the whole projection, for every task,
-    # would stay alive until the last step (19.7 MiB for a GRU at T = 16, which a loop holds
-    # for one task at a time), and so would its gradients in the backward of unbind.
+    # (not the GRU's n), so that it takes no pass of its own. Blocks, not all steps at once:
+    # the whole projection, for every task, would stay alive until the last step (19.7 MiB
+    # for a GRU at T = 16, which a loop holds for one task at a time), and so would its
+    # gradients in the backward of unbind.
     # split and unbind, not indexing: one backward per block and for all blocks, instead of
     # a full-size zero per step.
     in_bias = w["bias_ih"]
