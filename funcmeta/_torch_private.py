@@ -17,6 +17,12 @@ on and fails with the torch version and the missing name. What each is for:
   (shadow module trees share them; :class:`funcmeta.FunctionalModel` swaps tensors in
   them), its hook dictionaries (does a call run hooks?), and a convolution's
   ``_conv_forward`` and ``_reversed_padding_repeated_twice``.
+- **``torch.utils.checkpoint.checkpoint``'s code**: while funcmeta runs a model or
+  rematerialises a layer, calls of ``torch.utils.checkpoint.checkpoint`` (however the caller
+  imported it: HuggingFace binds it in a ``functools.partial``) reach funcmeta's dispatcher
+  instead (:mod:`funcmeta.remat.takeover`); the function's code is swapped for a trampoline
+  and put back when the last such block ends. Calls from other threads, or outside those
+  blocks, run torch's own code.
 - **vmap's refusals**: which ``RuntimeError`` texts mean "vmap cannot batch this" (torch has
   no exception type for it), checked against a real refusal by the test suite.
 
@@ -29,22 +35,30 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 __all__ = [
     "ACCESSES",
     "FUNCTORCH",
     "add_batch_dim",
+    "checkpoint_redirected",
+    "original_checkpoint",
+    "set_checkpoint_dispatch",
     "pack_padded_op",
     "pad_packed_op",
     "buffer_dict",
     "conv_forward",
     "conv_padding",
     "cudnn_disabled",
+    "dispatch_checkpoint",
     "fused_rnn",
     "get_fast_path",
     "has_hooks",
@@ -278,6 +292,97 @@ def conv_padding(module: nn.Module) -> Any:
     return module._reversed_padding_repeated_twice
 
 
+# ------------------------------------------------------------------ torch.utils.checkpoint
+
+# The function whose code runs for torch.utils.checkpoint.checkpoint (under the decorators
+# torch puts on it), and that code.
+_CHECKPOINT: Any = inspect.unwrap(torch.utils.checkpoint.checkpoint)
+_CHECKPOINT_CODE: types.CodeType = _CHECKPOINT.__code__
+
+
+def _copy_function(fn: Any) -> Any:
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = dict(fn.__kwdefaults__ or {})
+    copy.__qualname__ = fn.__qualname__
+    copy.__doc__ = fn.__doc__
+    return copy
+
+
+original_checkpoint: Callable[..., Any] = _copy_function(_CHECKPOINT)
+"""torch's ``checkpoint``, never redirected (a copy of the function with its own code)."""
+
+_DISPATCH: list[Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any] | None] = [
+    None
+]
+_REDIRECT_LOCK = threading.Lock()
+_REDIRECT_DEPTH = [0]
+
+
+def set_checkpoint_dispatch(
+    dispatch: Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any],
+) -> None:
+    """Where redirected ``checkpoint(function, *args, **kwargs)`` calls go:
+    ``dispatch(function, args, kwargs)``."""
+    _DISPATCH[0] = dispatch
+
+
+def dispatch_checkpoint(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A redirected call: to the dispatcher, or torch's own code if none is set."""
+    dispatch = _DISPATCH[0]
+    if dispatch is None:
+        return original_checkpoint(function, *args, **kwargs)
+    return dispatch(function, args, kwargs)
+
+
+def _trampoline(function: Any, *args: Any, **kwargs: Any) -> Any:
+    # runs as torch.utils.checkpoint.checkpoint's code, with that module's globals
+    from funcmeta._torch_private import dispatch_checkpoint
+
+    return dispatch_checkpoint(function, args, kwargs)
+
+
+@contextlib.contextmanager
+def checkpoint_redirected() -> Iterator[None]:
+    """Send every call of ``torch.utils.checkpoint.checkpoint`` to the dispatcher for the
+    block (nested and concurrent blocks share one redirection; torch's code is back when
+    the last ends, also on error)."""
+    with _REDIRECT_LOCK:
+        if _REDIRECT_DEPTH[0] == 0:
+            _CHECKPOINT.__code__ = _trampoline.__code__
+        _REDIRECT_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        with _REDIRECT_LOCK:
+            _REDIRECT_DEPTH[0] -= 1
+            if _REDIRECT_DEPTH[0] == 0:
+                _CHECKPOINT.__code__ = _CHECKPOINT_CODE
+
+
+def _redirects_checkpoint() -> bool:
+    """Whether a redirection reaches every way of calling ``checkpoint``: the public name,
+    the function bound elsewhere before (``from torch.utils.checkpoint import checkpoint``),
+    and ``checkpoint_sequential``."""
+    if _CHECKPOINT.__closure__ or "function" not in inspect.signature(_CHECKPOINT).parameters:
+        return False
+    seen: list[Any] = []
+    saved = _DISPATCH[0]
+    set_checkpoint_dispatch(lambda f, a, k: seen.append(f) or f(*a))
+    bound = torch.utils.checkpoint.checkpoint
+    try:
+        with checkpoint_redirected():
+            x = torch.ones(2)
+            bound(torch.neg, x, use_reentrant=False)
+            torch.utils.checkpoint.checkpoint_sequential(
+                [nn.Identity(), nn.Identity()], 2, x, use_reentrant=False
+            )
+    finally:
+        _DISPATCH[0] = saved
+    return len(seen) == 2 and _CHECKPOINT.__code__ is _CHECKPOINT_CODE
+
+
 # ------------------------------------------------------------------ vmap's refusals
 
 _VMAP_REFUSALS = ("vmap:", "vmap support", "batching rule", "data-dependent control flow")
@@ -323,6 +428,9 @@ ACCESSES: dict[str, Callable[[], bool]] = {
     ),
     "torch._C._VariableFunctions._pack_padded_sequence / _pad_packed_sequence": lambda: (
         callable(pack_padded_op) and callable(pad_packed_op)
+    ),
+    "torch.utils.checkpoint.checkpoint's code (redirected while funcmeta runs a model)": (
+        _redirects_checkpoint
     ),
     "nn.Module _parameters/_buffers/_modules, hook dicts, Conv _conv_forward": (
         _has_module_internals

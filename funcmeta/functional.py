@@ -35,12 +35,14 @@ from funcmeta.batching.intercept import TaskMode, task_mode
 from funcmeta.batching.layers import task_standins
 from funcmeta.batching.recurrent import recurrent_layers, reporting
 from funcmeta.batching.vmap import any_batched, call_outside_vmap
-from funcmeta.remat import kernels
+from funcmeta.remat import kernels, scope, takeover
 from funcmeta.remat.layers import CheckpointSpec, checkpointed_runner, select
 from funcmeta.remat.replay import recomputation
 from funcmeta.remat.shadow import synced
 
 __all__ = ["FunctionalModel", "functional_model"]
+
+assert takeover.dispatch  # checkpoints a model takes itself go to funcmeta (see the module)
 
 
 class FunctionalModel:
@@ -227,7 +229,11 @@ class FunctionalModel:
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
         new_buffers = {k: b.clone() for k, b in buffers.items()}
-        with synced(copies) if copies else contextlib.nullcontext(), swap(params, new_buffers):
+        with (
+            synced(copies) if copies else contextlib.nullcontext(),
+            swap(params, new_buffers),
+            scope.model_run(runner),
+        ):
             out = runner(*args, **kwargs)
         return out, new_buffers
 

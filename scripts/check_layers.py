@@ -34,7 +34,7 @@ LAYERS: list[list[str]] = [
         "data.*",
     ],
     # 1: kernels, optimizers, hyperparameters, the module shadow
-    ["remat.kernels", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
+    ["remat.kernels", "remat.scope", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
     # 2: the vmap glue and what runs on it
     [
         "batching.vmap",
@@ -53,7 +53,7 @@ LAYERS: list[list[str]] = [
         "heads",
     ],
     # 3: per-layer checkpointing (a checkpointed layer under vmap leaves the vmap level)
-    ["remat.layers", "remat", "checkpoint", "kernels", "replay"],
+    ["remat.layers", "remat.takeover", "remat", "checkpoint", "kernels", "replay"],
     # 4: the public core
     ["functional", "options", "inputs", "forward"],
     ["_loop"],

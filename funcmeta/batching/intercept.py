@@ -16,6 +16,12 @@ call finds out). It changes three things, each exactly what a loop over the task
   the task axis joins the batch axis: one call on ``(T * B, H, L, E)``, on whichever kernel the
   context allows (fused in first-order steps, query passes and evaluation; the math kernel
   inside :func:`funcmeta.remat.kernels.twice_differentiable`).
+- **Marking a batched tensor as requiring grad.** ``t.requires_grad_()`` on a task-batched
+  tensor is refused under ``vmap``. HuggingFace calls it on the input embeddings' output
+  when gradient checkpointing is enabled (``enable_input_require_grads``), so that torch's
+  reentrant checkpoint passes gradients on. funcmeta's rematerialisation of those
+  checkpoints needs no such mark, and marking changes no parameter's gradient: the call
+  returns the tensor as it is.
 - **Packed sequences.** ``pack_padded_sequence`` on task-batched tensors, whose tasks' packed
   data differ in size, keeps them padded with each task's lengths
   (:mod:`funcmeta.batching.packed`), for the recurrent layers and ``pad_packed_sequence``;
@@ -79,12 +85,18 @@ _VALUE_METHODS = {
 class TaskMode(TorchFunctionMode):
     """Answers uniform Python questions about task-batched tensors and runs fused attention
     with the task axis in the batch, and packs task-batched sequences (see the module
-    docstring). ``used`` counts what it did: ``"values"``, ``"attention"``, ``"packed"`` and
-    ``"index"``; :meth:`needed` says whether it did anything."""
+    docstring). ``used`` counts what it did: ``"values"``, ``"attention"``, ``"packed"``,
+    ``"index"`` and ``"requires_grad"``; :meth:`needed` says whether it did anything."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.used: dict[str, int] = {"values": 0, "attention": 0, "packed": 0, "index": 0}
+        self.used: dict[str, int] = {
+            "values": 0,
+            "attention": 0,
+            "packed": 0,
+            "index": 0,
+            "requires_grad": 0,
+        }
 
     def __torch_function__(
         self,
@@ -114,6 +126,10 @@ class TaskMode(TorchFunctionMode):
         elif func is Tensor.scatter_ and not kwargs and len(args) == 4:
             if _scatter_(*args):
                 self.used["packed"] += 1
+                return args[0]
+        elif func is Tensor.requires_grad_ and args and _batched_here(args[0]):
+            if bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True)):
+                self.used["requires_grad"] += 1
                 return args[0]
         elif func is F.scaled_dot_product_attention:
             out = _attention(args, kwargs)

@@ -42,10 +42,10 @@ import torch
 from torch import Tensor
 
 from funcmeta import tree
-from funcmeta.remat import kernels
+from funcmeta.remat import kernels, scope
 from funcmeta.remat.replay import recomputation
 
-__all__ = ["graph_input", "remat"]
+__all__ = ["OpenFunctionError", "graph_input", "remat", "remat_closed"]
 
 _TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
 
@@ -135,6 +135,7 @@ class _Run:
 
     __slots__ = (
         "args_spec",
+        "closed",
         "constant",
         "fn",
         "leaves",
@@ -144,8 +145,15 @@ class _Run:
         "slots",
     )
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        closed: Callable[[], str] | None = None,
+    ):
         self.fn = fn
+        self.closed = closed
         leaves, self.args_spec = tree.flatten_registered((args, kwargs))
         # non-tensor leaves stay here; tensor leaves travel as the Function's inputs
         self.slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
@@ -164,7 +172,8 @@ class _Run:
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
         args, kwargs = tree.unflatten_registered(leaves, self.args_spec)
-        return self.fn(*args, **kwargs)
+        with scope.remat_body():
+            return self.fn(*args, **kwargs)
 
     def first(self, tensors: tuple[Tensor, ...]) -> list[Tensor]:
         """The first run, as the model would run it (grad mode on, inputs requiring grad as
@@ -173,8 +182,11 @@ class _Run:
         inputs = _leaves(tensors)
         discard = torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
         with torch.enable_grad(), discard:
+            mark = _next_sequence_nr() if self.closed is not None else 0
             out = self.call(inputs)
         leaves, self.out_spec = tree.flatten_registered(out)
+        if self.closed is not None:
+            _check_closed(leaves, inputs, mark, self.closed)
         self.out_leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
         outs = [x for x in leaves if isinstance(x, Tensor)]
         # an output with no gradient history (a constant such as T5's zero position bias)
@@ -218,6 +230,52 @@ class _Run:
                 create_graph=create_graph,
                 allow_unused=True,
             )
+
+
+class OpenFunctionError(RuntimeError):
+    """A rematerialised function's outputs depend, through autograd, on a tensor that is not
+    among its arguments: recomputed apart from that tensor, it would give that dependency
+    no gradient."""
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread will have at least."""
+    node = torch.empty(0, requires_grad=True).view(0).grad_fn
+    assert node is not None
+    return node._sequence_nr() + 1
+
+
+def _check_closed(
+    outputs: list[Any], inputs: list[Tensor], mark: int, what: Callable[[], str]
+) -> None:
+    """Raise :class:`OpenFunctionError` if the graph of ``outputs`` (a function's first run)
+    reaches a tensor that requires grad other than ``inputs``: a leaf, or a node made before
+    the run began (sequence number below ``mark``)."""
+    stops = {x.grad_fn for x in inputs if x.grad_fn is not None}
+    todo = [o.grad_fn for o in outputs if isinstance(o, Tensor) and o.grad_fn is not None]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None or node._sequence_nr() < mark:
+            shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else None
+            found = (
+                f"a leaf tensor of shape {shape}"
+                if shape is not None
+                else f"a tensor computed before the call (by {node.name()})"
+            )
+            raise OpenFunctionError(
+                f"{what()} depends on {found} that requires grad and is not among its "
+                "arguments or the parameters and buffers of the modules it was given (a "
+                "tensor held in a closure or a global): a recomputation would give it no "
+                "gradient. Pass that tensor to checkpoint as an argument "
+                "(checkpoint(fn, x, t, ...)), or register it as a parameter or buffer of the "
+                "checkpointed module"
+            )
+        todo.extend(n for n, _ in node.next_functions)
 
 
 def _leaves(tensors: Any) -> list[Tensor]:
@@ -311,6 +369,25 @@ class _RematVJP(torch.autograd.Function):
         for i, g in zip(need, grads, strict=True):
             result[4 + i] = g
         return tuple(result)
+
+
+def remat_closed(what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """:func:`remat` for a function that is not known to be pure in its arguments (one a
+    model checkpoints itself): its first run is checked to depend, through autograd, on
+    nothing that requires grad but its arguments; else :class:`OpenFunctionError`, whose
+    message begins with ``what()``."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    run = _Run(fn, args, kwargs, closed=what)
+    tensors = run.tensors(args, kwargs)
+    if not any(t.requires_grad for t in tensors):
+        # nothing given requires grad: an output that does depends on something outside
+        mark = _next_sequence_nr()
+        out = fn(*args, **kwargs)
+        _check_closed(tree.leaves_registered(out), [], mark, what)
+        return out
+    outs = _Remat.apply(run, *tensors)
+    return run.output(outs)
 
 
 def remat(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

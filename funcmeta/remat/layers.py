@@ -49,7 +49,7 @@ from funcmeta.remat.engine import remat
 from funcmeta.remat.shadow import LayerTensors, Standin, ancestors, relative, shadow, within
 from funcmeta.tree import Predicate
 
-__all__ = ["PRESETS", "CheckpointSpec", "checkpointed_runner", "select"]
+__all__ = ["PRESETS", "CheckpointSpec", "checkpointed_runner", "is_checkpointed_layer", "select"]
 
 CheckpointSpec = None | str | Sequence[str] | Predicate
 """``None``; a preset name (see :data:`PRESETS`); submodule names; or a predicate
@@ -175,6 +175,12 @@ class _Checkpointed(Standin):
                 extra=(list(btensors),),
             )
         return remat(lambda inp, kw: layer_fn(inp, kw, btensors), inputs, kwargs)
+
+
+def is_checkpointed_layer(function: Any) -> bool:
+    """Whether ``function`` is a layer that ``checkpoint_layers`` chose (it checkpoints
+    itself when called)."""
+    return isinstance(function, _Checkpointed)
 
 
 def _is_kv_cache(value: Any) -> bool:
