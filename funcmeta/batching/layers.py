@@ -365,15 +365,27 @@ class TaskPool(Standin):
 class TaskEmbedding(Standin):
     """Stands in for ``nn.Embedding`` with a ``padding_idx`` under task batching: the lookup
     without ``padding_idx``, the padding positions' values detached, so that no gradient
-    reaches the padding row (vmap's embedding backward rule would send it there)."""
+    reaches the padding row (vmap's embedding backward rule would send it there). This is
+    the exact path, not a faster one: with hooks (HuggingFace's ``enable_input_require_grads``
+    puts one on the input embeddings), the original is called, its hooks run as they do, and
+    its forward is this lookup for the call."""
 
     def forward(self, x: Tensor) -> Tensor:
         m = self.original
-        pad = m.padding_idx
-        if has_hooks(m) or pad is None or not (is_batched(x) or is_batched(m.weight)):
+        if m.padding_idx is None or not (is_batched(x) or is_batched(m.weight)):
             return m(x)
+        if not has_hooks(m):
+            return self._lookup(x)
+        m.__dict__["forward"] = self._lookup
+        try:
+            return m(x)
+        finally:
+            del m.__dict__["forward"]
+
+    def _lookup(self, x: Tensor) -> Tensor:
+        m = self.original
         out = F.embedding(x, m.weight, None, None, 2.0, m.scale_grad_by_freq, m.sparse)
-        return torch.where((x == pad).unsqueeze(-1), out.detach(), out)
+        return torch.where((x == m.padding_idx).unsqueeze(-1), out.detach(), out)
 
 
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
