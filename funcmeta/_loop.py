@@ -17,6 +17,7 @@ runs is given (:mod:`funcmeta.forward`).
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -118,7 +119,7 @@ class InnerLoop:
                     "(a loss of the targets alone, or one computed under torch.no_grad() or "
                     "from .detach()ed outputs, cannot be adapted on)"
                 )
-            scale = self.options.loss_scale
+            scale = self.options.scale
             if scale is not None:
                 objective = objective * scale
             grads = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
@@ -182,6 +183,7 @@ def _take_steps(
     offload = inner.options.offload_activations
     losses: list[Tensor] = []
     skipped: list[int] = []
+    overflowed = False
     start = leaves
     kernel_choice = contextlib.ExitStack()
     with kernel_choice:
@@ -203,12 +205,34 @@ def _take_steps(
             losses.append(loss)
             if was_skipped:
                 skipped.append(k)
+                if inner.options.nonfinite == "scaler":
+                    # an overflow under a GradScaler: the rest of the loop is not taken
+                    overflowed = True
+                    skipped += range(k + 1, steps)
+                    losses += [torch.full_like(loss, math.nan)] * (steps - k - 1)
+                    break
     if truncate > 0 and truncate == steps:
         leaves = _reenter(leaves, start)
+    if overflowed:
+        leaves = [_NonFiniteGradient.apply(p) for p in leaves]
     adapted = tree.unflatten(inner.spec, leaves)
     final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
     stacked = torch.stack(losses) if losses else torch.empty(0)
-    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped))
+    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped), overflowed)
+
+
+class _NonFiniteGradient(torch.autograd.Function):
+    """The identity, whose backward gives NaN: the adapted parameters of an inner loop that
+    overflowed under a GradScaler, so that every meta-gradient through them is non-finite
+    and the scaler skips the outer step, as for an overflow in the outer backward."""
+
+    @staticmethod
+    def forward(ctx: Any, p: Tensor) -> Tensor:  # type: ignore[override]
+        return p.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return torch.full_like(grad, math.nan)
 
 
 def _out_of_memory(error: RuntimeError) -> bool:

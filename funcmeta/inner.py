@@ -69,7 +69,7 @@ def adapt(
             ``offload_activations``).
 
     Returns:
-        :class:`AdaptResult` ``(params, buffers, losses, state, skipped)``.
+        :class:`AdaptResult` ``(params, buffers, losses, state, skipped, overflowed)``.
 
     Second-order steps run on kernels that can be differentiated twice (math attention,
     RNNs without cuDNN: :mod:`funcmeta.remat.kernels`); other steps keep the kernels in force.

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from torch import Tensor
+from torch.amp import GradScaler
 
 from funcmeta._check import check_int
 from funcmeta.optim.values import check_max_norm
@@ -55,7 +56,13 @@ class AdaptOptions:
             initial parameters get the first-order path through those steps and the
             hyperparameters and optimizer state get gradients from the later steps only.
         loss_scale: multiply each inner loss by this before differentiating and divide the
-            gradients by it (fp16). Implies ``on_nonfinite="raise"`` unless given.
+            gradients by it (fp16). A number implies ``on_nonfinite="raise"`` unless given.
+            A ``torch.amp.GradScaler`` gives its current scale (a disabled one: no scaling)
+            and, unless ``on_nonfinite`` is given, makes an inner overflow what an overflow
+            in the outer backward is to it: the inner loop stops at the overflowing step,
+            ``result.overflowed`` is ``True``, and every meta-gradient through the adapted
+            parameters comes out non-finite, so that ``scaler.step`` skips the outer
+            optimizer and ``scaler.update`` lowers the scale (docs/memory.md).
         on_nonfinite: check every inner loss and gradient (one host sync per step):
             ``"raise"`` raises :class:`funcmeta.NonFiniteError` naming the step, the
             parameters and (task-batched) the tasks; ``"skip"`` leaves parameters, optimizer
@@ -77,7 +84,7 @@ class AdaptOptions:
     trainable: Filter | None = None
     clip_grad_norm: float | Tensor | None = None
     truncate: int = 0
-    loss_scale: float | None = None
+    loss_scale: float | GradScaler | None = None
     on_nonfinite: Literal["raise", "skip"] | None = None
     allow_unused: bool = False
     checkpoint_steps: bool = False
@@ -90,13 +97,20 @@ class AdaptOptions:
         truncate = self.truncate
         check_int(truncate, "truncate", what="a non-negative int")
         scale = self.loss_scale
-        if scale is not None and (
-            isinstance(scale, bool)
-            or not isinstance(scale, int | float)
-            or not math.isfinite(scale)
-            or scale <= 0
+        if (
+            scale is not None
+            and not isinstance(scale, GradScaler)
+            and (
+                isinstance(scale, bool)
+                or not isinstance(scale, int | float)
+                or not math.isfinite(scale)
+                or scale <= 0
+            )
         ):
-            raise ValueError(f"loss_scale must be a finite positive number, got {scale!r}")
+            raise ValueError(
+                "loss_scale must be a finite positive number or a torch.amp.GradScaler, got "
+                f"{scale!r}"
+            )
         if self.on_nonfinite not in (None, "raise", "skip"):
             raise ValueError(
                 f"on_nonfinite must be None, 'raise' or 'skip', got {self.on_nonfinite!r}"
@@ -120,9 +134,21 @@ class AdaptOptions:
         return cls(**options)
 
     @property
+    def scale(self) -> float | None:
+        """The loss scale in force: ``loss_scale``, a GradScaler's current scale, or ``None``
+        (a disabled GradScaler included)."""
+        scale = self.loss_scale
+        if isinstance(scale, GradScaler):
+            return scale.get_scale() if scale.is_enabled() else None
+        return scale
+
+    @property
     def nonfinite(self) -> str | None:
-        """The check in force: ``on_nonfinite``, or ``"raise"`` when only ``loss_scale`` is set."""
+        """The check in force: ``on_nonfinite``; else ``"scaler"`` with an enabled GradScaler
+        (an overflow makes the meta-iteration a skipped step), ``"raise"`` with a number."""
         if self.on_nonfinite is None and self.loss_scale is not None:
+            if isinstance(self.loss_scale, GradScaler):
+                return "scaler" if self.loss_scale.is_enabled() else None
             return "raise"
         return self.on_nonfinite
 

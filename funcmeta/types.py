@@ -35,7 +35,11 @@ class AdaptResult(NamedTuple):
         losses: the inner loss before each step, shape ``(steps,)``; attached to the graph
             for second-order steps (``.detach()`` it to log it).
         state: the optimizer state after the last step (pass it back to continue).
-        skipped: indices of steps skipped for non-finite values (``on_nonfinite="skip"``).
+        skipped: indices of steps skipped for non-finite values (``on_nonfinite="skip"``),
+            or not taken after an overflow under a GradScaler.
+        overflowed: an inner step overflowed under a ``torch.amp.GradScaler``
+            (``loss_scale=scaler``): the loop stopped there, and every gradient through the
+            adapted parameters is non-finite, so ``scaler.step`` skips this meta-iteration.
     """
 
     params: dict[str, Tensor]
@@ -43,6 +47,7 @@ class AdaptResult(NamedTuple):
     losses: Tensor
     state: Any
     skipped: tuple[int, ...] = ()
+    overflowed: bool = False
 
 
 class NonFiniteError(FloatingPointError):
