@@ -44,6 +44,7 @@ from funcmeta.inner import adapt
 from funcmeta.inputs import Args
 from funcmeta.optim.base import apply_updates
 from funcmeta.options import AdaptOptions
+from funcmeta.precision import exact_float32
 from funcmeta.remat.replay import recomputing
 from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
 from funcmeta.types import AdaptResult, LossFn, NonFiniteError
@@ -67,6 +68,7 @@ __all__ = [
     "data",
     "distributed",
     "evaluate",
+    "exact_float32",
     "functional_model",
     "heads",
     "hyper",

@@ -26,6 +26,7 @@ LAYERS: list[list[str]] = [
         "_tempfiles",
         "_rng_state",
         "cpu_memory",
+        "precision",
         "_torch_private",
         "tree",
         "remat.replay",

@@ -1,9 +1,14 @@
-"""Test configuration: tests marked ``cuda`` skip cleanly where no CUDA device exists."""
+"""Test configuration: tests marked ``cuda`` skip cleanly where no CUDA device exists, and
+run without TF32 where one does: they compare float32 results against references, and
+cuDNN's default TF32 convolutions and RNNs round far beyond float32 (second order amplifies
+it; docs/memory.md, "TF32 and second order")."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+import funcmeta as fm
 
 
 def pytest_collection_modifyitems(config, items):
@@ -13,3 +18,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_on_cuda(request):
+    if request.node.get_closest_marker("cuda") is None or not torch.cuda.is_available():
+        yield
+        return
+    with fm.exact_float32():
+        yield

@@ -56,3 +56,155 @@ def test_nonfinite_check_on_cuda():
             steps=2,
             loss_scale=128.0,
         )
+
+
+# --- the motivating scenario on CUDA: self-checkpointing, GradScaler, the example ----------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batched", [False, True], ids=["adapt", "adapt_tasks"])
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
+def test_cuda_self_checkpointed_model_gives_the_unchecked_meta_gradients(how, batched):
+    """float64 on CUDA: the model's own checkpoints, rematerialised by funcmeta, give the
+    unchecked model's meta-gradients (the CUDA backward runs recomputations on autograd's
+    device threads)."""
+    import test_self_checkpoint as sc
+
+    def on_cuda(net):
+        return net.cuda()
+
+    cpu_data = sc.task_data
+
+    def cuda_data(seed=1):
+        return tuple(t.cuda() for t in cpu_data(seed))
+
+    sc.task_data = cuda_data
+    try:
+        reference = sc.meta_gradients(on_cuda(sc.build("none")), batched, first_order=False)
+        ours = sc.meta_gradients(on_cuda(sc.build(how)), batched, first_order=False)
+    finally:
+        sc.task_data = cpu_data
+    assert sc.relative(ours, reference) < 1e-10
+
+
+@pytest.mark.cuda
+def test_cuda_inner_overflow_is_a_skipped_step_for_the_cuda_scaler():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).cuda()
+    fmodel = fm.functional_model(net)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40)
+    outer = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in net.parameters()]
+    x, y = torch.randn(16, 3, device="cuda"), torch.randn(16, 2, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        r = fm.adapt(
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            (x, y),
+            fm.optim.sgd(lr=0.1),
+            steps=3,
+            loss_scale=scaler,
+        )
+        query = F.mse_loss(fmodel(r.params, x).float(), y)
+    assert r.overflowed
+    scaler.scale(query).backward()
+    scaler.step(outer)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+    assert scaler.get_scale() == 2.0**39
+
+
+@pytest.mark.cuda
+def test_cuda_checkpointed_maml_example(capsys):
+    """The example on CUDA (fp16 + GradScaler) at a small width: it trains, and the model's own
+    checkpoints keep less peak GPU memory than the unchecked model, with the same fp32
+    meta-gradients."""
+    from test_example import load
+
+    example = load("checkpointed_maml")
+    args = example.parser().parse_args(
+        [
+            "--device",
+            "cuda",
+            "--width",
+            "256",
+            "--rows",
+            "1024",
+            "--modules",
+            "8",
+            "--iterations",
+            "6",
+        ]
+    )
+    history = example.train(args)
+    assert len(history["loss"]) == 6
+    args.precision = "fp32"
+    results = example.measure(args)
+    example.report(results)
+    plain, ours = results["unchecked"], results["checkpointed"]
+    assert ours["peak"] < 0.6 * plain["peak"]
+    a, b = torch.tensor(plain["grad"]), torch.tensor(ours["grad"])
+    assert float((a - b).norm() / a.norm()) < 1e-5
+
+
+# --- TF32 ---------------------------------------------------------------------------------
+
+
+def test_exact_float32_turns_tf32_off_and_restores_the_settings():
+    """On every machine: the flags inside and after the block (the new per-operator ones on
+    torch >= 2.9, the legacy allow_tf32 ones before), also after an error."""
+    from funcmeta import precision
+
+    flags = precision._NEW or precision._LEGACY
+    before = [getattr(owner, name) for owner, name in flags]
+    off = "ieee" if precision._NEW else False
+    with pytest.raises(KeyError), fm.exact_float32():
+        assert [getattr(owner, name) for owner, name in flags] == [off] * len(flags)
+        raise KeyError("inside")
+    assert [getattr(owner, name) for owner, name in flags] == before
+
+
+@pytest.mark.cuda
+def test_cuda_exact_float32_makes_second_order_conv_repeatable():
+    """conv4-like second-order MAML in float32 on cuDNN: inside exact_float32, two runs agree
+    with the float64 meta-gradients to float32 round-off amplified by second order (1e-4),
+    the task-batched (grouped-convolution) path included."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(8, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 8 * 8, 5),
+    ).cuda()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 5, 1, 8, 8, generator=g).cuda()
+    y = torch.arange(5).repeat(4, 1).cuda()
+
+    def grads(model, batched):
+        fmodel = fm.functional_model(model, task_chunk=None)
+        opt = fm.optim.sgd(lr=0.4)
+        xs = x.to(next(model.parameters()).dtype)
+        if batched:
+            r = fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (xs, y), opt, steps=3)
+            loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (xs, y))[0].mean()
+        else:
+            loss = 0
+            for t in range(4):
+                r = fm.adapt(fmodel, fmodel.params, F.cross_entropy, (xs[t], y[t]), opt, steps=3)
+                loss = loss + F.cross_entropy(fmodel(r.params, xs[t]), y[t]) / 4
+        return torch.cat(
+            [g.double().flatten() for g in torch.autograd.grad(loss, list(fmodel.params.values()))]
+        )
+
+    import copy
+
+    exact = grads(copy.deepcopy(net).double(), batched=False)
+    with fm.exact_float32():
+        for batched in (False, True):
+            ours = grads(net, batched)
+            assert float((ours - exact).norm() / exact.norm()) < 1e-4

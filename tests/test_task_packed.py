@@ -39,7 +39,8 @@ class Reader(nn.Module):
         h = state[0] if isinstance(state, tuple) else state
         total = x.shape[1 if bf else 0] if self.total else None
         padded, lens = pad_packed_sequence(out, batch_first=bf, total_length=total)
-        pooled = padded.sum(1 if bf else 0) / lens.unsqueeze(-1).to(padded.dtype)
+        # pad_packed_sequence gives the lengths on the CPU, whatever the device
+        pooled = padded.sum(1 if bf else 0) / lens.unsqueeze(-1).to(padded.device, padded.dtype)
         return self.out(torch.cat([pooled, h[-1]], -1))
 
 
