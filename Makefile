@@ -6,7 +6,7 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_FLOOR ?= 2.5.0
 TORCH_NEWEST ?= 2.15.0
 
-.PHONY: setup setup-dev demo test test-matrix lint docs bench omniglot clean
+.PHONY: setup setup-dev demo test test-matrix lint docs bench omniglot gpu-check clean
 
 setup:
 	@$(PYTHON) scripts/has_torch.py || $(PIP) install "$(TORCH_PIN)"
@@ -50,6 +50,11 @@ bench: setup-dev
 	$(PYTHON) benchmarks/ddp_check.py
 	$(PYTHON) benchmarks/peers.py
 	$(PYTHON) benchmarks/learned_optimizer.py
+
+# Every CUDA test and the CUDA benchmarks on one GPU, and the tables for benchmarks/RESULTS.md
+# (benchmarks/out/gpu_check.md); installs nothing from the network. Without a GPU it says so.
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh
 
 # Every recipe on Omniglot's official one-shot benchmark (about 72 minutes on 2 CPU cores); the
 # official files are downloaded into data/omniglot and verified, or read there if present.

@@ -1,7 +1,8 @@
 """Peak memory and time of one MAML meta-iteration, by checkpointing setting and workload.
 
 Settings: ``none``; ``per-layer`` (``functional_model(checkpoint_layers="sequential")``);
-``step`` (``adapt(checkpoint_steps=True)``); ``both``; and ``fomaml``: a first-order
+``self`` (the same layers checkpointed by the model's own ``forward`` with
+``torch.utils.checkpoint.checkpoint``, which funcmeta rematerialises itself); ``step`` (``adapt(checkpoint_steps=True)``); ``both``; and ``fomaml``: a first-order
 iteration with per-layer checkpointing, the floor that second order is compared with.
 
 Workloads (SGD inner loop with learnable per-layer softplus rates, fp32):
@@ -39,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-MODES = ("none", "per-layer", "step", "both", "fomaml")
+MODES = ("none", "per-layer", "self", "step", "both", "fomaml")
 WORKLOADS = {
     "residual": {"width": 256, "depth": 8, "batch": 2048, "steps": [1, 3, 8]},
     "encoder": {"width": 256, "depth": 4, "batch": 8, "seq": 128, "steps": [1, 3]},
@@ -156,6 +157,26 @@ def build(workload: str, cfg: dict[str, int]) -> tuple[Any, Any, Any]:
     return net, support, query
 
 
+def SelfCheckpointing(net: Any) -> Any:
+    """``net`` (an ``nn.Sequential``) with a forward that checkpoints each child holding
+    parameters itself, as a model written for ``torch.utils.checkpoint`` does."""
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    class _SelfCheckpointing(nn.Module):
+        def __init__(self, seq: nn.Sequential) -> None:
+            super().__init__()
+            self.seq = seq
+
+        def forward(self, x: Any) -> Any:
+            for layer in self.seq:
+                has_params = any(True for _ in layer.parameters())
+                x = checkpoint(layer, x, use_reentrant=False) if has_params else layer(x)
+            return x
+
+    return _SelfCheckpointing(net)
+
+
 def worker(args: argparse.Namespace) -> dict:
     import torch
     import torch.nn.functional as F
@@ -168,6 +189,8 @@ def worker(args: argparse.Namespace) -> dict:
     net = net.to(device)
     (xs, ys), (xq, yq) = ((a.to(device), b.to(device)) for a, b in (support, query))
     per_layer = args.mode in ("per-layer", "both", "fomaml")
+    if args.mode == "self":
+        net = SelfCheckpointing(net)
     fmodel = fm.functional_model(net, checkpoint_layers="sequential" if per_layer else None)
     lrs = fm.hyper.per_layer(fmodel.params, 1e-3, parameterization="softplus").to(device)
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
@@ -233,15 +256,19 @@ def report(workload: str, results: dict[str, dict[int, dict]], steps: list[int])
     param = results["none"][steps[0]]["param_bytes"]
     print(f"\n## {workload} ({shape}; parameters {mib(param)} MiB)")
     print("MiB above the start of the meta-iteration (second order unless fomaml)")
-    print("| inner steps | " + " | ".join(MODES) + " | per-layer / none | both / none |")
-    print("| --- " * (len(MODES) + 3) + "|")
+    print(
+        "| inner steps | "
+        + " | ".join(MODES)
+        + " | per-layer / none | self / per-layer | both / none |"
+    )
+    print("| --- " * (len(MODES) + 4) + "|")
     for k in steps:
-        row = [results[m][k]["peak"] for m in MODES]
-        none = row[0]
+        peak = {m: results[m][k]["peak"] for m in MODES}
         print(
             f"| {k} | "
-            + " | ".join(mib(v) for v in row)
-            + f" | {row[1] / none:.2f} | {row[3] / none:.2f} |"
+            + " | ".join(mib(peak[m]) for m in MODES)
+            + f" | {peak['per-layer'] / peak['none']:.2f} | {peak['self'] / peak['per-layer']:.2f}"
+            + f" | {peak['both'] / peak['none']:.2f} |"
         )
     print("seconds per meta-iteration (median)")
     print("| inner steps | " + " | ".join(MODES) + " | per-layer / none |")

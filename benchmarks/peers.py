@@ -26,7 +26,7 @@ interleaved in one process, each round in a rotated order (median ms), and gives
 to the reference. Finally it measures peak memory per implementation for conv4 at 5 steps,
 a fresh process each.
 
-    python benchmarks/peers.py [--repeats 5] [--skip-memory] [--keep-freed-memory]
+    python benchmarks/peers.py [--repeats 5] [--device cpu] [--skip-memory] [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -247,24 +247,35 @@ WORKLOADS = [
 ]
 
 
+DEVICE = [torch.device("cpu")]  # --device
+
+
 def setup(name: str, tasks: int):
+    device = DEVICE[0]
     torch.manual_seed(0)
-    net = conv4() if name.startswith("conv4") else sinusoid_mlp()
+    net = (conv4() if name.startswith("conv4") else sinusoid_mlp()).to(device)
     rates = None
     if name == "metasgd-sinusoid":
         gen = torch.Generator().manual_seed(1)
         rates = {
-            k: nn.Parameter(torch.rand(p.shape, generator=gen) * 0.095 + 0.005)
+            k: nn.Parameter((torch.rand(p.shape, generator=gen) * 0.095 + 0.005).to(device))
             for k, p in net.named_parameters()
         }
-    return net, rates, *workload_data(name, tasks)
+    support, query, loss_fn = workload_data(name, tasks)
+    support, query = (tuple(t.to(device) for t in pair) for pair in (support, query))
+    return net, rates, support, query, loss_fn
 
 
 def run(impl, net, rates, support, query, loss_fn, steps):
     tensors = [*net.parameters(), *(rates.values() if rates else [])]
+    cuda = DEVICE[0].type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     loss = impl(net, rates, support, query, loss_fn, steps)
     grads = torch.autograd.grad(loss, tensors)
+    if cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3, grads
 
 
@@ -304,6 +315,7 @@ def memory_worker(impl_name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cuda: time on the GPU (no memory)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--workloads", nargs="+", default=None, help="e.g. conv4 sinusoid")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
@@ -312,15 +324,18 @@ def main() -> None:
     if args.memory_worker:
         memory_worker(args.memory_worker)
         return
+    DEVICE[0] = torch.device(args.device)
     allocator = use_allocator(args)
     impls = available()
     versions = {"torch": torch.__version__, "funcmeta": fm.__version__}
     versions.update({k: getattr(m, "__version__", "?") for k, m in PEERS.items()})
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    print(
-        f"CPU threads {torch.get_num_threads()}; median ms of {args.repeats} interleaved "
-        f"repeats; {allocator}"
+    where = (
+        f"device {torch.cuda.get_device_name()}"
+        if DEVICE[0].type == "cuda"
+        else f"CPU threads {torch.get_num_threads()}"
     )
+    print(f"{where}; median ms of {args.repeats} interleaved repeats; {allocator}")
     header = f"{'workload':<22} " + " ".join(f"{k:>17}" for k in impls)
     print(header)
     for name, tasks, steps in WORKLOADS:
@@ -361,7 +376,7 @@ def main() -> None:
             ms = statistics.median(times["funcmeta batched"])
             choice = default_choice(functional_model_of(nets["funcmeta batched"]), tuning, ms)
             print(f"{'':<22} funcmeta batched (the default) chose {choice}")
-    if args.skip_memory:
+    if args.skip_memory or DEVICE[0].type == "cuda":
         return
     print("peak memory, conv4 5-way 1-shot, 4 tasks, 5 steps (MiB above the start, fresh process):")
     for k in impls:

@@ -204,9 +204,23 @@ def batched_meta(fmodel, support, query, first_order: bool):
     return fm.task_losses(fmodel, r.params, loss_fn, query)[0].sum()
 
 
+DEVICE = [torch.device("cpu")]  # --device
+
+
+def on_device(batch: tuple) -> tuple:
+    inputs, labels = batch
+    device = DEVICE[0]
+    return {k: v.to(device) for k, v in inputs.items()}, labels.to(device)
+
+
 def timed(fn, params) -> tuple[float, list[torch.Tensor]]:
+    cuda = DEVICE[0].type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     grads = torch.autograd.grad(fn(), params, allow_unused=True)
+    if cuda:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3, [
         g if g is not None else torch.zeros(()) for g in grads
     ]
@@ -278,6 +292,7 @@ def peak_memory(name: str, impl: str, tasks: int, first_order: bool, threads: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, nargs="+", default=[4, 16, 32])
+    parser.add_argument("--device", default="cpu", help="cuda: time on the GPU (no memory)")
     parser.add_argument(
         "--models",
         nargs="+",
@@ -314,11 +329,14 @@ def main() -> None:
         name, impl, tasks, first = args.memory_worker
         memory_worker(name, impl, int(tasks), bool(int(first)))
         return
+    DEVICE[0] = torch.device(args.device)
     allocator = use_allocator(args)
-    print(
-        f"CPU: {platform.processor() or platform.machine()}, {args.threads} threads, torch "
-        f"{torch.__version__}, Python {platform.python_version()}; {allocator}"
+    where = (
+        f"GPU: {torch.cuda.get_device_name()}"
+        if DEVICE[0].type == "cuda"
+        else f"CPU: {platform.processor() or platform.machine()}, {args.threads} threads"
     )
+    print(f"{where}, torch {torch.__version__}, Python {platform.python_version()}; {allocator}")
     print(
         "model  order   T  agree  loop ms  batched ms  default ms          default chose  tuned ms  chunk"
         "  loop/batched  loop/default  loop/tuned  batched"
@@ -328,8 +346,8 @@ def main() -> None:
             first = order == "first"
             for tasks in args.tasks:
                 torch.manual_seed(0)
-                net = build(name)
-                support, query = episodes(tasks)
+                net = build(name).to(DEVICE[0])
+                support, query = (on_device(b) for b in episodes(tasks))
                 plain = fm.functional_model(net)
                 impls = {
                     "loop": plain,
@@ -388,7 +406,7 @@ def main() -> None:
                     + (f"  (tuning took {tune_s:.1f} s)" if tune_s else ""),
                     flush=True,
                 )
-    if args.skip_memory:
+    if args.skip_memory or DEVICE[0].type == "cuda":
         return
     print(f"\npeak memory, T = {args.memory_tasks}, MiB above the start of the meta-iteration")
     print("model  order   loop  batched  batched/loop")
