@@ -41,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import ctypes
 import hashlib
 import os
 import pickle
@@ -48,6 +49,7 @@ import random
 import sys
 import zipfile
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -128,7 +130,12 @@ def _check_extra(value: Any, where: str, path: frozenset[int] = frozenset()) -> 
     subclass) would be refused at load, so they are refused here, with the conversion that
     makes them plain."""
     kind = type(value)
-    if kind in _PLAIN or kind is Tensor or kind is nn.Parameter:
+    if kind is Tensor or kind is nn.Parameter:
+        why = unsupported(value)
+        if why is not None:
+            raise TypeError(f"{where} is {why}")
+        return
+    if kind in _PLAIN:
         return
     if kind in (list, tuple, dict):
         if id(value) in path:
@@ -160,21 +167,49 @@ def _type_name(kind: type) -> str:
     return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
 
 
-def _digest_tensor(t: Tensor) -> str:
-    data = t.detach().cpu().contiguous().clone()
+def unsupported(t: Tensor) -> str | None:
+    """Why a snapshot cannot hold ``t`` (and how to make it a plain tensor), or ``None``."""
+    if t.is_nested:
+        return "a nested tensor; save its parts (x.unbind()) instead"
+    if t.layout != torch.strided:
+        return f"a {t.layout} tensor; convert it with x.to_dense() before saving"
+    if t.is_quantized:
+        return "a quantized tensor; save x.dequantize() (or its int_repr() and scales) instead"
+    if t.device.type == "meta":
+        return "a tensor on the meta device, which holds no data; materialise it first"
+    return None
+
+
+def _raw_bytes(t: Tensor) -> memoryview:
+    """The bytes of the contiguous CPU tensor ``t``, without copying (keep ``t`` alive
+    while the view is used)."""
+    size = t.numel() * t.element_size()
+    if size == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B")
+
+
+def _digest_tensor(t: Tensor, where: str = "") -> str:
+    """SHA-256 of the tensor's dtype, shape and bytes, hashed straight from its memory
+    (hashlib releases the GIL, so tensors hash in parallel)."""
+    why = unsupported(t)
+    if why is not None:
+        raise TypeError(f"{where or 'a tensor'} is {why}")
+    data = t.detach().resolve_conj().resolve_neg()
+    data = data.cpu().contiguous()
     h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-    h.update(bytes(data.untyped_storage()))
+    h.update(_raw_bytes(data))
     return h.hexdigest()
 
 
 def _checksums(payload: Mapping[str, Any]) -> dict[str, str]:
     """SHA-256 of each tensor's bytes (dtype and shape included), by its path in the
     payload, and under ``""`` of everything else (the structure, numbers and strings)."""
-    sums: dict[str, str] = {}
+    tensors: dict[str, Tensor] = {}
 
     def walk(value: Any, where: str) -> Any:
         if isinstance(value, Tensor):
-            sums[where] = _digest_tensor(value)
+            tensors[where] = value
             return "<tensor>"
         if isinstance(value, Mapping):
             return [(repr(k), walk(v, f"{where}[{k!r}]")) for k, v in value.items()]
@@ -183,6 +218,11 @@ def _checksums(payload: Mapping[str, Any]) -> dict[str, str]:
         return repr(value)
 
     rest = walk({k: v for k, v in payload.items() if k != "checksums"}, "")
+    # the largest first, so that the threads finish together
+    order = sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].element_size())
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = pool.map(lambda k: _digest_tensor(tensors[k], k), order)
+        sums = dict(zip(order, digests, strict=True))
     sums[""] = hashlib.sha256(repr(rest).encode()).hexdigest()
     return sums
 
@@ -253,7 +293,9 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
     if not zipfile.is_zipfile(path):  # torch.save writes zip archives; a cut one has no index
         raise SnapshotError(f"{path} is truncated, corrupt or not a file that torch.save writes")
     try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
+        # mapped, not read: the checksums read each tensor's bytes once, straight from the
+        # file; what is kept is copied out of the mapping afterwards (_materialised)
+        payload = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         # torch's message is long; its line naming the refused object is the one that matters
         lines = [ln.strip() for ln in str(e).splitlines()]
@@ -295,7 +337,24 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
                 f"{path} is corrupt: its data does not match the checksums written with it "
                 f"({names}{', ...' if len(bad) > 5 else ''}); nothing was restored"
             )
-    return payload
+    return _materialised(payload)
+
+
+def _materialised(payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with every tensor in memory of its own, not in the file's mapping (a file
+    replaced in place later would pull the pages from under it). Module states are left
+    mapped: ``load_state_dict`` copies them into the module's own tensors."""
+
+    def copy_out(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value.clone() if value.device.type == "cpu" else value
+        if isinstance(value, dict):
+            return {k: copy_out(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return type(value)(copy_out(v) for v in value)
+        return value
+
+    return {k: v if k == "modules" else copy_out(v) for k, v in payload.items()}
 
 
 def load(
@@ -409,6 +468,11 @@ class _Restorer:
             set_state(obj, self.state, self.name)
         elif isinstance(obj, nn.Module):
             self.before = {k: v.clone() for k, v in obj.state_dict().items()}
+            obj.load_state_dict(self.state)
+        elif isinstance(obj, torch.optim.Optimizer):
+            # its load_state_dict puts new tensors in place and leaves the old ones as they
+            # were: references to them are a backup, no copy needed
+            self.before = obj.state_dict()
             obj.load_state_dict(self.state)
         else:
             self.before = copy.deepcopy(obj.state_dict())

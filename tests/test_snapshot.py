@@ -222,3 +222,57 @@ def test_generator_kinds_are_checked(tmp_path):
     other = numpy.random.Generator(numpy.random.MT19937(0))
     with pytest.raises(fm.snapshot.SnapshotError, match="draws from MT19937, but the saved state"):
         fm.snapshot.load(tmp_path / "s.pt", generators={"g": other})
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: torch.eye(3).to_sparse(), r"extra\['t'\] is a torch.sparse_coo tensor.*to_dense"),
+        (lambda: torch.eye(3).to_sparse_csr(), r"extra\['t'\] is a torch.sparse_csr tensor"),
+        (lambda: torch.empty(3, device="meta"), r"extra\['t'\] is a tensor on the meta device"),
+        (
+            lambda: torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8),
+            r"extra\['t'\] is a quantized tensor.*dequantize",
+        ),
+        (
+            lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            r"extra\['t'\] is a nested tensor.*unbind",
+        ),
+    ],
+    ids=["sparse", "sparse-csr", "meta", "quantized", "nested"],
+)
+def test_tensors_a_snapshot_cannot_hold_are_named(tmp_path, make, match):
+    with pytest.raises(TypeError, match=match):
+        fm.snapshot.save(tmp_path / "s.pt", step=0, extra={"t": make()})
+    assert not (tmp_path / "s.pt").exists()
+
+
+def test_checksums_are_those_of_the_bytes_as_before(tmp_path):
+    """The digest hashed straight from memory equals the one the earlier releases wrote
+    (the storage's bytes, copied): their files load, and a view, a transposed or conjugated
+    tensor and an empty one hash as their contiguous copies."""
+    import hashlib
+
+    from funcmeta.snapshot import _digest_tensor
+
+    def before(t):
+        data = t.detach().cpu().contiguous().clone()
+        h = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+        h.update(bytes(data.untyped_storage()))
+        return h.hexdigest()
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, generator=g)
+    cases = [
+        base,
+        base.t(),
+        base[1:4, ::2],
+        torch.empty(0, 3),
+        base.to(torch.bfloat16),
+        torch.arange(7),
+        torch.tensor(2.5),
+    ]
+    for t in cases:
+        assert _digest_tensor(t) == before(t)
+    z = torch.randn(4, dtype=torch.complex64, generator=g)
+    assert _digest_tensor(z.conj()) == before(z.conj().resolve_conj())
