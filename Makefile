@@ -50,6 +50,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/ddp_check.py
 	$(PYTHON) benchmarks/peers.py
 	$(PYTHON) benchmarks/learned_optimizer.py
+	$(PYTHON) benchmarks/snapshot.py
 
 # Every CUDA test and the CUDA benchmarks on one GPU, and the tables for benchmarks/RESULTS.md
 # (benchmarks/out/gpu_check.md); installs nothing from the network. Without a GPU it says so.
