@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=500)
     parser.add_argument("--meta-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--inner-lr", type=float, default=0.01)
     add_threads_option(
         parser,
         1,
@@ -59,7 +60,13 @@ def main() -> None:
         outer.zero_grad()
         if count:
             loss = fm.recipes.maml(
-                fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=args.steps
+                fmodel,
+                fmodel.params,
+                F.mse_loss,
+                (xs, ys),
+                (xq, yq),
+                steps=args.steps,
+                lr=args.inner_lr,
             ).loss
             loss.backward()
         fm.distributed.average_gradients(net.parameters(), count)

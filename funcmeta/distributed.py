@@ -21,7 +21,7 @@ Example (one process; under ``torchrun`` every rank runs the same code):
     >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10, generator=torch.Generator().manual_seed(0))
     >>> (xs, ys, xq, yq), count = fm.distributed.shard((b.x_support, b.y_support, b.x_query, b.y_query))
-    >>> fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=1).loss.backward()
+    >>> fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=1, lr=0.01).loss.backward()
     >>> fm.distributed.average_gradients(net.parameters(), count)   # a no-op without a process group
 """
 

@@ -81,7 +81,7 @@ def test_unknown_or_bad_option_raises_before_any_forward(call):
                 fmodel, fmodel.params, F.mse_loss, support, opt, steps=1, **options
             )
         recipe = getattr(fm.recipes, call)
-        return recipe(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, **options)
+        return recipe(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lr=0.1, **options)
 
     with pytest.raises(
         TypeError, match=r"unknown option 'frist_order'; the options are first_order"
@@ -102,6 +102,13 @@ def test_recipe_inner_optimizer_is_lr_or_opt_never_both():
     opt = fm.optim.sgd(lr=0.1)
     with pytest.raises(TypeError, match="as opt= or its learning rate as lr=, not both"):
         fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lr=0.1, opt=opt)
+    for recipe in (fm.recipes.maml, fm.recipes.fomaml, fm.recipes.reptile):
+        with pytest.raises(TypeError, match="no inner learning rate: pass lr=.*or opt="):
+            recipe(fmodel, fmodel.params, F.mse_loss, support, query, steps=1)
+    with pytest.raises(TypeError, match="no inner learning rate"):
+        fm.recipes.anil(
+            fmodel, fmodel.params, F.mse_loss, support, query, steps=1, trainable="bias"
+        )
     a = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lr=0.1)
     b = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, opt=opt)
     torch.testing.assert_close(a.loss, b.loss, rtol=0, atol=0)
@@ -113,7 +120,10 @@ def test_recipe_inner_optimizer_is_lr_or_opt_never_both():
         fm.recipes.imaml(
             fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lam=1.0, trainable="lin"
         )
-    with pytest.raises(TypeError, match="Meta-SGD rates lr= must be tensors"):
+    with pytest.raises(
+        TypeError,
+        match=r"Meta-SGD rates lr= must be tensors.*fm\.hyper\.per_element\(params, 0\.1\)",
+    ):
         fm.recipes.metasgd(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lr=0.1)
     with pytest.raises(TypeError, match="MAML\\+\\+ needs per-step rates"):
         fm.recipes.mamlpp(
@@ -133,16 +143,16 @@ def test_every_recipe_returns_a_recipe_result():
     fmodel = fm.functional_model(net)
     support, query = tasks()
     own = {
-        "maml": {},
-        "fomaml": {},
+        "maml": {"lr": 0.01},
+        "fomaml": {"lr": 0.01},
         "metasgd": {"lr": fm.recipes.metasgd_rates(fmodel.params)},
-        "anil": {"trainable": "2"},
-        "reptile": {},
+        "anil": {"trainable": "2", "lr": 0.01},
+        "reptile": {"lr": 0.01},
         "mamlpp": {
             "lr": fm.hyper.per_layer(fmodel.params, 0.01, steps=2),
             "step_weights": fm.recipes.mamlpp_step_weights(2, 0, 1),
         },
-        "imaml": {"lam": 1.0},
+        "imaml": {"lam": 1.0, "lr": 0.01},
     }
     for name in RECIPES:
         recipe = getattr(fm.recipes, name)
@@ -152,7 +162,7 @@ def test_every_recipe_returns_a_recipe_result():
         assert out.query_loss.dim() == 0 and not out.query_loss.requires_grad, name
         assert isinstance(out.adapted, fm.AdaptResult), name
         assert out.adapted.params["2.weight"].shape == (3, 1, 8), name  # the task axis
-    none = fm.recipes.reptile(fmodel, fmodel.params, F.mse_loss, support, steps=1)
+    none = fm.recipes.reptile(fmodel, fmodel.params, F.mse_loss, support, steps=1, lr=0.01)
     assert none.query_loss is None
 
 

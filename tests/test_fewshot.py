@@ -96,7 +96,7 @@ def test_backbone_names_drive_filters_exactly():
     net = small_conv4(5)
     fmodel = fm.functional_model(net)
     out = fm.recipes.anil(
-        fmodel, fmodel.params, F.cross_entropy, support, query, steps=1, trainable="head"
+        fmodel, fmodel.params, F.cross_entropy, support, query, steps=1, trainable="head", lr=0.01
     )
     adapted = {k: tuple(v.shape) for k, v in out.adapted.params.items()}
     for name, p in fmodel.params.items():  # the head per task, the rest shared and unchanged

@@ -144,7 +144,7 @@ def test_imaml_on_attention():
     fmodel = fm.functional_model(layer)
     support, query = _seq(2, 4), _seq(2, 4)
     result = fm.recipes.imaml(
-        fmodel, fmodel.params, F.mse_loss, support, query, lam=5.0, steps=2, cg_steps=2
+        fmodel, fmodel.params, F.mse_loss, support, query, lam=5.0, steps=2, cg_steps=2, lr=0.01
     )
     result.loss.backward()
     assert layer.linear1.weight.grad is not None
@@ -427,6 +427,7 @@ def test_keyword_only_forward_everywhere():
         ({"x": x, "scale": scale}, y),
         ({"x": x, "scale": scale}, y),
         steps=1,
+        lr=0.01,
     ).loss
     loss.backward()
     assert fmodel.module.lin.weight.grad is not None

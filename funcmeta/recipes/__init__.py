@@ -26,7 +26,7 @@ Example:
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
     >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
-    >>> out = fm.recipes.fomaml(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=3)
+    >>> out = fm.recipes.fomaml(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=3, lr=0.01)
     >>> out.loss.backward()
     >>> out.query_loss.shape, out.adapted.losses.shape   # logged: query loss, inner losses
     (torch.Size([]), torch.Size([3, 8]))

@@ -15,10 +15,7 @@ from funcmeta.optim.sgd import sgd
 from funcmeta.tasks import task_losses
 from funcmeta.types import AdaptResult, LossFn
 
-__all__ = ["DEFAULT_LR", "RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
-
-DEFAULT_LR = 0.01
-"""The inner learning rate of plain SGD when a recipe is given neither ``lr`` nor ``opt``."""
+__all__ = ["RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
 
 
 class RecipeResult(NamedTuple):
@@ -73,13 +70,19 @@ def check_recipe(fmodel: Any, support: Any, query: Any) -> None:
 
 
 def resolve_opt(opt: GradientTransformation | None, lr: Any) -> GradientTransformation:
-    """``opt`` if given, else SGD with learning rate ``lr`` (default :data:`DEFAULT_LR`);
-    both at once is an error, not a silent choice."""
+    """``opt`` if given, else SGD with learning rate ``lr``. Neither, or both at once, is an
+    error, not a silent choice: no learning rate is guessed, as no number of steps is."""
     if opt is not None and lr is not None:
         raise TypeError("pass the inner optimizer as opt= or its learning rate as lr=, not both")
     if opt is not None:
         return opt
-    return sgd(lr=DEFAULT_LR if lr is None else lr)
+    if lr is None:
+        raise TypeError(
+            "no inner learning rate: pass lr= (plain SGD's rate: a number, a tensor, or a "
+            "learnable tree from fm.hyper) or opt= (any inner optimizer, e.g. "
+            "fm.optim.adam(lr=1e-3)); a recipe guesses no learning rate"
+        )
+    return sgd(lr=lr)
 
 
 def query_loss(

@@ -5,7 +5,7 @@ Example:
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
     >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
-    >>> out = fm.recipes.anil(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1, trainable="2")
+    >>> out = fm.recipes.anil(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1, trainable="2", lr=0.01)
     >>> out.loss.backward()      # the body still learns, through the query loss
     >>> net[0].weight.grad is not None
     True

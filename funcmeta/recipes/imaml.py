@@ -74,7 +74,7 @@ def imaml(
 ) -> RecipeResult:
     """The iMAML meta-gradient for a batch of tasks, as a surrogate for ``.backward()``.
 
-    The inner loop is ``steps`` steps of ``opt`` (default SGD with ``lr``) on the proximal
+    The inner loop is ``steps`` steps of ``opt`` (or SGD with ``lr``; one of them is required) on the proximal
     objective with strength ``lam``. Then ``cg_steps`` conjugate-gradient iterations solve
     ``((1 + damping) I + H / (lam + lam_damping)) x = grad L_query(phi*)`` per task, stopping
     early once the residual is below ``cg_tol`` relative to the right-hand side. The defaults

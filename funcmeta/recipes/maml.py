@@ -5,7 +5,7 @@ Example:
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
     >>> fmodel = fm.functional_model(net)
     >>> b = fm.data.Sinusoid().sample(8, 10, 10)
-    >>> out = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1)
+    >>> out = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, b.support, b.query, steps=1, lr=0.01)
     >>> out.loss.backward()      # second-order meta-gradients in net's .grad
 """
 

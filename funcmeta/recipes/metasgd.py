@@ -69,5 +69,15 @@ def metasgd(
     with the outer optimizer along with the model's."""
     leaves = tree.leaves(lr() if isinstance(lr, HyperTree) else lr)
     if not leaves or not all(isinstance(r, Tensor) for r in leaves):
-        raise TypeError("Meta-SGD rates lr= must be tensors (a HyperTree or a tree of tensors)")
+        hint = (
+            f" learnable ones starting at {lr}: lr=fm.hyper.per_element(params, {lr}) (put "
+            "their .parameters() in the outer optimizer), or fm.recipes.metasgd_rates(params) "
+            "for the paper's U[0.005, 0.1] initialisation"
+            if isinstance(lr, int | float) and not isinstance(lr, bool)
+            else " fm.hyper.per_element(params, lr) or fm.recipes.metasgd_rates(params)"
+        )
+        raise TypeError(
+            "Meta-SGD rates lr= must be tensors (a HyperTree or a tree of tensors), one per "
+            f"element, learned by the outer optimizer; got {type(lr).__name__}. Use{hint}"
+        )
     return maml(fmodel, params, loss_fn, support, query, steps=steps, lr=lr, **options)

@@ -52,7 +52,7 @@ def reptile(
     """Reptile: ``loss`` is a surrogate with gradient ``theta - mean_t(phi_t)`` for every
     initial parameter ``theta`` in ``params``.
 
-    ``phi_t`` is the result of ``steps`` steps of ``opt`` (default: SGD with ``lr``) on task
+    ``phi_t`` is the result of ``steps`` steps of ``opt`` (or SGD with ``lr``; one of them is required) on task
     ``t``'s ``support`` batch, taken without a graph. Reptile trains on the support set
     alone; a ``query`` set, if given, is only evaluated (``result.query_loss``). ``options``
     are the inner-loop options of :class:`funcmeta.AdaptOptions`.
