@@ -103,7 +103,7 @@ def test_recipe_inner_optimizer_is_lr_or_opt_never_both():
     with pytest.raises(TypeError, match="as opt= or its learning rate as lr=, not both"):
         fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lr=0.1, opt=opt)
     for recipe in (fm.recipes.maml, fm.recipes.fomaml, fm.recipes.reptile):
-        with pytest.raises(TypeError, match="no inner learning rate: pass lr=.*or opt="):
+        with pytest.raises(TypeError, match=r"no inner learning rate: pass lr=.*or opt="):
             recipe(fmodel, fmodel.params, F.mse_loss, support, query, steps=1)
     with pytest.raises(TypeError, match="no inner learning rate"):
         fm.recipes.anil(

@@ -44,7 +44,7 @@ def maml(
 
     ``support`` and ``query`` are ``(inputs, targets)`` with a leading task axis. The inner
     optimizer is ``opt``, or SGD with learning rate ``lr`` (a number, a tensor or a learnable
-    tree; default 0.01). ``options`` are the inner-loop options of
+    tree; one of the two is required). ``options`` are the inner-loop options of
     :class:`funcmeta.AdaptOptions` (``first_order``, ``trainable``, ``checkpoint_steps``, ...).
     Call ``.backward()`` on ``result.loss``: the meta-gradients land in the module's ``.grad``.
     """
