@@ -28,7 +28,7 @@ from funcmeta import tree
 from funcmeta._check import retold
 from funcmeta.batching.vmap import vmap_flat
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import CallInputs
+from funcmeta.inputs import CallInputs, TaskAxisError
 from funcmeta.types import LossFn
 
 __all__ = [
@@ -67,6 +67,8 @@ def forward_loss_outputs(
     out, new_buffers = fmodel.run_checked(params, buffers, args, kwargs)
     try:
         loss = loss_fn(out, targets)
+    except TaskAxisError:
+        raise
     except (IndexError, RuntimeError, ValueError, TypeError) as error:
         raise _loss_error(error, out, targets) from error
     if not isinstance(loss, Tensor) or loss.dim() != 0:

@@ -21,10 +21,11 @@ from typing import Any
 
 from torch import Tensor
 
+from funcmeta._check import retold
 from funcmeta._loop import run_inner_loop
 from funcmeta.forward import forward_loss
 from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_adapt_call
+from funcmeta.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
 from funcmeta.optim.base import GradientTransformation
 from funcmeta.options import AdaptOptions, takes_options
 from funcmeta.types import AdaptResult, LossFn, NonFiniteError
@@ -79,14 +80,42 @@ def adapt(
     """
     opts = AdaptOptions.of(options)
     checked = check_adapt_call(fmodel, params, opt, batch, steps, opts, buffers=buffers)
+    (args, kwargs), targets = checked.batch
+    axis = leftover_task_axis(args, kwargs, targets)
+    if axis is not None:
+        loss_fn = _first_call_checked(loss_fn, axis)
     forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
-    return run_inner_loop(
-        params,
-        opt,
-        steps,
-        checked.buffers,
-        opts,
-        frozen=fmodel.frozen,
-        forward_for=lambda adapted: forward,
-        state=state,
-    )
+    try:
+        return run_inner_loop(
+            params,
+            opt,
+            steps,
+            checked.buffers,
+            opts,
+            frozen=fmodel.frozen,
+            forward_for=lambda adapted: forward,
+            state=state,
+        )
+    except (RuntimeError, ValueError) as error:
+        if axis is None or not _about_shapes(error) or axis.hint() in str(error):
+            raise
+        raise retold(error, f"{error}\n{axis.hint()}") from error
+
+
+def _about_shapes(error: Exception) -> bool:
+    text = str(error).lower()
+    return any(w in text for w in ("shape", "size", "dimension", "mat1", "expected input"))
+
+
+def _first_call_checked(loss_fn: LossFn, axis: TaskAxisSuspect) -> LossFn:
+    """``loss_fn``, whose first call raises if its output and targets show the leftover task
+    axis that the batch's shapes suggest (see :func:`funcmeta.inputs.leftover_task_axis`)."""
+    called = [False]
+
+    def checked(out: Any, targets: Any) -> Tensor:
+        if not called[0]:
+            called[0] = True
+            axis.check_output(out, targets, loss_fn)
+        return loss_fn(out, targets)
+
+    return checked

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcmeta import tree
@@ -49,6 +50,8 @@ __all__ = [
     "Args",
     "CallInputs",
     "CheckedCall",
+    "TaskAxisError",
+    "TaskAxisSuspect",
     "check_adapt_call",
     "check_batch",
     "check_batch_call",
@@ -56,6 +59,7 @@ __all__ = [
     "check_model",
     "split_batch",
     "split_inputs",
+    "leftover_task_axis",
     "task_count",
 ]
 
@@ -356,3 +360,55 @@ def _tensors(value: Any, prefix: str) -> list[tuple[str, Tensor]]:
         if isinstance(leaf, Tensor):
             out.append((f"{prefix}.{where}" if where else prefix, leaf))
     return out
+
+
+class TaskAxisError(ValueError):
+    """A single task's batch that still has its task axis, as the model's output shows."""
+
+
+class TaskAxisSuspect(NamedTuple):
+    """A single task's batch whose floating inputs ``(A, B, ...)`` and class-index targets
+    ``(A, B)`` share their two leading axes: perhaps ``A`` tasks of ``B`` examples, given to
+    :func:`funcmeta.adapt` with the task axis left in."""
+
+    inputs: tuple[int, ...]
+    targets: tuple[int, ...]
+
+    def hint(self) -> str:
+        tasks, examples = self.targets
+        return (
+            f"fm.adapt takes one task's batch; these inputs {self.inputs} and class-index "
+            f"targets {self.targets} share their leading axes, as a batch of {tasks} tasks of "
+            f"{examples} examples would. If the first axis is the task axis, use "
+            "fm.adapt_tasks (all tasks at once) or pass one task, (x[t], y[t])"
+        )
+
+    def check_output(self, out: Any, targets: Any, loss_fn: Any) -> None:
+        """Raise where cross-entropy would silently read the examples as classes: the
+        output ``(A, B, B)`` (as many columns as examples per task) with targets ``(A, B)``."""
+        if loss_fn not in (F.cross_entropy, F.nll_loss) or not isinstance(out, Tensor):
+            return
+        shape = tuple(out.shape)
+        if len(shape) == 3 and shape[:2] == self.targets and shape[1] == shape[2]:
+            raise TaskAxisError(
+                f"{self.hint()}. The model's output {shape} has as many columns as examples "
+                f"per task, so {loss_fn.__name__} would read axis 1 (the examples) as the "
+                "classes and run. (Per-token targets of a sequence model: flatten both, "
+                "out.flatten(0, 1) and y.flatten(), which cross-entropy needs anyway.)"
+            )
+
+
+def leftover_task_axis(
+    args: tuple[Any, ...], kwargs: dict[str, Any], targets: Any
+) -> TaskAxisSuspect | None:
+    """A :class:`TaskAxisSuspect` when the first floating input tensor and integer targets of
+    two axes share those axes, else ``None`` (nothing to suspect)."""
+    if not isinstance(targets, Tensor) or targets.is_floating_point() or targets.dim() != 2:
+        return None
+    first = next(
+        (v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.is_floating_point()),
+        None,
+    )
+    if first is None or first.dim() < 3 or tuple(first.shape[:2]) != tuple(targets.shape):
+        return None
+    return TaskAxisSuspect(tuple(first.shape), tuple(targets.shape))

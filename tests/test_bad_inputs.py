@@ -599,3 +599,40 @@ def test_one_tasks_batch_without_a_task_axis_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fm.adapt_tasks(FMODEL, P, F.cross_entropy, SUPPORT, SGD, steps=1)
+
+
+# --- a batch with its task axis left in, given to fm.adapt ------------------------------------
+
+
+def test_a_leftover_task_axis_that_cross_entropy_would_read_as_classes_is_refused():
+    """(4, 5, 8) inputs and (4, 5) labels to fm.adapt: 4 tasks of 5 examples. A 5-way head
+    gives (4, 5, 5), which cross-entropy reads as 4 examples with the 5 examples as classes,
+    and runs: refused, with the fix."""
+    torch.manual_seed(0)
+    fmodel = fm.functional_model(nn.Linear(8, 5))
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 5, (4, 5))
+    with pytest.raises(fm.inputs.TaskAxisError, match=r"4 tasks of 5 examples.*fm\.adapt_tasks"):
+        fm.adapt(fmodel, fmodel.params, F.cross_entropy, (x, y), fm.optim.sgd(lr=0.1), steps=1)
+    # the fix: one task, or all of them as tasks
+    fm.adapt(fmodel, fmodel.params, F.cross_entropy, (x[0], y[0]), fm.optim.sgd(lr=0.1), steps=1)
+    fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (x, y), fm.optim.sgd(lr=0.1), steps=1)
+
+
+def test_a_leftover_task_axis_that_breaks_the_model_gets_the_hint():
+    fmodel = fm.functional_model(nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.Linear(16, 5)))
+    x, y = torch.randn(4, 5, 1, 28, 28), torch.randint(0, 5, (4, 5))
+    with pytest.raises(RuntimeError, match=r"(?s)mat1 and mat2.*4 tasks of 5 examples"):
+        fm.adapt(fmodel, fmodel.params, F.cross_entropy, (x, y), fm.optim.sgd(lr=0.1), steps=1)
+
+
+def test_per_token_targets_of_a_sequence_model_are_not_suspected():
+    """(N, L, D) sequences with (N, L) labels and a loss that flattens them: legitimate, also
+    with as many classes as tokens."""
+    fmodel = fm.functional_model(nn.Linear(8, 5))
+    x, y = torch.randn(4, 5, 8), torch.randint(0, 5, (4, 5))
+
+    def token_loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    r = fm.adapt(fmodel, fmodel.params, token_loss, (x, y), fm.optim.sgd(lr=0.1), steps=2)
+    assert r.losses.shape == (2,)
