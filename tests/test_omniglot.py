@@ -303,3 +303,27 @@ def test_hostile_run_files_are_named(tmp_path, monkeypatch):
         ValueError, match=r"size \(the side of the images, in pixels\) must be an int >= 1, got 0"
     ):
         fm.data.load_omniglot_runs(write_zip(tmp_path / "ok.zip", members), size=0)
+
+
+def test_rotated_characters_never_straddle_a_class_split():
+    """Omniglot with rotations (four classes per character), split by character: no held-out
+    class is a rotation of a character trained on. Split by class, most would be."""
+    images, labels, names = fm.data.load_omniglot(
+        shared("images_background_small1.zip"), size=8, rotations=True
+    )
+    characters = fm.data.omniglot_characters(names)
+    n = len(set(characters))
+    held = 20
+    g = torch.Generator().manual_seed(0)
+    train, test = fm.data.split_classes(
+        labels, [4 * (n - held), 4 * held], generator=g, groups=characters
+    )
+    assert {characters[c] for c in train}.isdisjoint(characters[c] for c in test)
+    assert len(test) == 4 * held and len({characters[c] for c in test}) == held
+    plain_train, plain_test = fm.data.split_classes(
+        labels, [4 * (n - held), 4 * held], generator=torch.Generator().manual_seed(0)
+    )
+    straddling = {characters[c] for c in plain_test} & {characters[c] for c in plain_train}
+    assert len(straddling) > held // 2  # what the plain split does
+    with pytest.raises(ValueError, match=r"groups of classes \(of \[4\] classes each\)"):
+        fm.data.split_classes(labels, [10, 6], groups=characters)

@@ -9,7 +9,7 @@ Example:
 """
 
 from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
-from funcmeta.data.episodes import EpisodeBatch, Episodes, split_classes
+from funcmeta.data.episodes import EpisodeBatch, Episodes, omniglot_characters, split_classes
 from funcmeta.data.omniglot import load_omniglot, load_omniglot_runs
 from funcmeta.data.sinusoid import Sinusoid, SinusoidBatch
 
@@ -23,5 +23,6 @@ __all__ = [
     "download_omniglot",
     "load_omniglot",
     "load_omniglot_runs",
+    "omniglot_characters",
     "split_classes",
 ]

@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -21,7 +21,7 @@ from torch import Tensor
 from funcmeta._check import check_int
 from funcmeta.data._batch import query_pair, support_pair
 
-__all__ = ["EpisodeBatch", "Episodes", "split_classes"]
+__all__ = ["EpisodeBatch", "Episodes", "omniglot_characters", "split_classes"]
 
 
 class EpisodeBatch(NamedTuple):
@@ -43,20 +43,80 @@ class EpisodeBatch(NamedTuple):
 
 
 def split_classes(
-    labels: Tensor, sizes: Sequence[int], *, generator: torch.Generator | None = None
+    labels: Tensor,
+    sizes: Sequence[int],
+    *,
+    generator: torch.Generator | None = None,
+    groups: Sequence[Hashable] | Mapping[int, Hashable] | None = None,
 ) -> list[list[int]]:
     """Split the distinct labels of ``labels`` into disjoint random groups of ``sizes``
     (meta-train / meta-validation / meta-test classes). The sizes may sum to less than the
-    number of classes; more raises ``ValueError``."""
+    number of classes; more raises ``ValueError``.
+
+    ``groups`` keeps related classes together: a key per class (indexed by the class label,
+    a sequence or a mapping), and classes with the same key always land in the same split.
+    Omniglot loaded with ``rotations=True`` has four classes per character; split it with
+    ``groups=fm.data.omniglot_characters(class_names)``, or every held-out class may be a
+    rotation of a character that is trained on. Each size must then be met by whole groups
+    (``ValueError`` otherwise, naming the group sizes).
+
+    Example:
+        >>> import torch, funcmeta as fm
+        >>> names = [f"a/character0{i}{r}" for i in range(1, 6) for r in ("", "/rot90")]
+        >>> labels = torch.arange(10).repeat_interleave(2)
+        >>> train, test = fm.data.split_classes(
+        ...     labels, [6, 4], groups=fm.data.omniglot_characters(names),
+        ...     generator=torch.Generator().manual_seed(0))
+        >>> sorted({names[c].split("/")[1] for c in train} & {names[c].split("/")[1] for c in test})
+        []
+    """
     classes = torch.unique(labels)
     if any(s < 0 for s in sizes) or sum(sizes) > len(classes):
         raise ValueError(f"cannot split {len(classes)} classes into groups of {list(sizes)}")
     order = classes[torch.randperm(len(classes), generator=generator)].tolist()
+    if groups is not None:
+        return _split_groups(order, sizes, groups)
     out, start = [], 0
     for size in sizes:
         out.append(sorted(order[start : start + size]))
         start += size
     return out
+
+
+def _split_groups(
+    order: list[int], sizes: Sequence[int], groups: Sequence[Hashable] | Mapping[int, Hashable]
+) -> list[list[int]]:
+    """Whole groups of classes, in the random order of their first class, into splits of
+    ``sizes`` classes each."""
+    try:
+        keys = {c: groups[c] for c in order}
+    except (IndexError, KeyError) as e:
+        raise ValueError(
+            f"groups has no key for class {e.args[0]}: one key per class label"
+        ) from None
+    members: dict[Hashable, list[int]] = {}
+    for c in order:
+        members.setdefault(keys[c], []).append(c)
+    out: list[list[int]] = []
+    queue = list(members.values())
+    for size in sizes:
+        split: list[int] = []
+        while len(split) < size and queue:
+            split += queue.pop(0)
+        if len(split) != size:
+            counts = sorted({len(m) for m in members.values()})
+            raise ValueError(
+                f"cannot split {len(members)} groups of classes (of {counts} classes each) into "
+                f"splits of {list(sizes)} classes: each split must hold whole groups"
+            )
+        out.append(sorted(split))
+    return out
+
+
+def omniglot_characters(class_names: Sequence[str]) -> list[str]:
+    """The character of each Omniglot class (``"alphabet/characterNN"``, its rotations'
+    ``"/rot90"`` ... suffix dropped): the ``groups`` for :func:`split_classes`."""
+    return ["/".join(name.split("/")[:2]) for name in class_names]
 
 
 class Episodes:

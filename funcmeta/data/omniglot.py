@@ -164,7 +164,9 @@ def load_omniglot(
     of :data:`RESAMPLE`; ``"bicubic"`` is Pillow's own default, which other loaders use). ``labels``: ``(N,)`` class index per image. ``class_names``:
     ``"alphabet/characterNN"`` per class, sorted. With ``rotations``, each character also
     appears rotated by 90, 180 and 270 degrees as three further classes (``.../rot90`` and
-    so on), the usual augmentation. Raises ``FileNotFoundError`` naming the expected folder,
+    so on), the usual augmentation: split such classes by character,
+    ``fm.data.split_classes(labels, sizes, groups=fm.data.omniglot_characters(class_names))``,
+    or the held-out classes are rotations of characters trained on. Raises ``FileNotFoundError`` naming the expected folder,
     and ``ValueError`` for an unknown split or a source without images.
     """
     try:
