@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from funcmeta import tree
@@ -65,6 +67,7 @@ def forward_loss_outputs(
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
     out, new_buffers = fmodel.run_checked(params, buffers, args, kwargs)
+    _check_elementwise(loss_fn, out, targets)
     try:
         loss = loss_fn(out, targets)
     except TaskAxisError:
@@ -75,6 +78,29 @@ def forward_loss_outputs(
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
     return (loss, out), new_buffers
+
+
+_ELEMENTWISE = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+
+
+def _check_elementwise(loss_fn: Any, out: Any, targets: Any) -> None:
+    """Refuse an elementwise loss of an output and targets of different shapes: torch
+    broadcasts them (every output against every target) and only warns."""
+    if loss_fn not in _ELEMENTWISE or not (isinstance(out, Tensor) and isinstance(targets, Tensor)):
+        return
+    if out.shape == targets.shape:
+        return
+    try:
+        both = tuple(torch.broadcast_shapes(out.shape, targets.shape))
+    except RuntimeError:
+        return  # torch's own error names the shapes
+    raise ValueError(
+        f"{loss_fn.__name__} of the model's output {tuple(out.shape)} and targets "
+        f"{tuple(targets.shape)} (per task under task batching): they would broadcast to "
+        f"{both}, comparing every output with every target (torch only warns). Give both one "
+        "shape, e.g. targets of shape (N, 1) for an output (N, 1): y.view_as(out) or "
+        "y.unsqueeze(-1)"
+    )
 
 
 def _describe(value: Any) -> str:

@@ -636,3 +636,23 @@ def test_per_token_targets_of_a_sequence_model_are_not_suspected():
 
     r = fm.adapt(fmodel, fmodel.params, token_loss, (x, y), fm.optim.sgd(lr=0.1), steps=2)
     assert r.losses.shape == (2,)
+
+
+def test_an_elementwise_loss_of_shapes_that_would_broadcast_is_refused():
+    """MSE of an output (10, 1) and targets (10,) compares every output with every target
+    (torch only warns): refused, in fm.adapt and under task batching, with the fix."""
+    fmodel = fm.functional_model(nn.Linear(3, 1))
+    x, y = torch.randn(10, 3), torch.randn(10)
+    opt = fm.optim.sgd(lr=0.1)
+    with pytest.raises(ValueError, match=r"output \(10, 1\) and targets \(10,\).*\(10, 10\)"):
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=1)
+    with pytest.raises(ValueError, match=r"y\.unsqueeze\(-1\)"):
+        fm.adapt_tasks(fmodel, fmodel.params, F.l1_loss, (x[None], y[None]), opt, steps=1)
+    fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y.unsqueeze(-1)), opt, steps=1)
+
+
+def test_adam_with_eps_zero_is_refused():
+    with pytest.raises(ValueError, match=r"invalid eps: 0 \(must be > 0\).*0 / 0"):
+        fm.optim.adam(lr=0.1, eps=0)
+    with pytest.raises(ValueError, match="invalid eps: 0"):
+        fm.optim.adamw(lr=0.1, eps=0.0)

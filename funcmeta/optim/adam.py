@@ -59,6 +59,12 @@ def scale_by_adam(
     check_number(b1, "beta1", high=1.0)
     check_number(b2, "beta2", high=1.0)
     check_number(eps, "eps")
+    if eps == 0 and isinstance(eps, int | float):
+        raise ValueError(
+            "invalid eps: 0 (must be > 0): Adam divides m_hat by sqrt(v_hat) + eps, which is "
+            "0 / 0 wherever a gradient is exactly zero, and the parameters turn NaN "
+            "(torch.optim.Adam does the same, silently); use a small positive eps, e.g. 1e-8"
+        )
 
     def init(params: Tree) -> ScaleByAdamState:
         for value, name in ((b1, "beta1"), (b2, "beta2"), (eps, "eps")):
