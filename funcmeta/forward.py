@@ -66,7 +66,7 @@ def forward_loss_outputs(
     new_buffers)``."""
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
-    out, new_buffers = fmodel.run_checked(params, buffers, args, kwargs)
+    out, new_buffers = run_model(fmodel, params, buffers, args, kwargs)
     _check_elementwise(loss_fn, out, targets)
     try:
         loss = loss_fn(out, targets)
@@ -78,6 +78,45 @@ def forward_loss_outputs(
         shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
         raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
     return (loss, out), new_buffers
+
+
+def run_model(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Tensor]]:
+    """``fmodel.run_checked``; a dtype mismatch inside the model (torch's "must have the
+    same dtype") is said again with the dtypes of the inputs and parameters and the fix."""
+    try:
+        return fmodel.run_checked(params, buffers, args, kwargs)
+    except RuntimeError as error:
+        text = str(error)
+        if "dtype" not in text and "scalar type" not in text:
+            raise
+        raise retold(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
+
+
+def _dtypes_hint(
+    params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    kinds: dict[torch.dtype, list[str]] = {}
+    for name, p in params.items():
+        kinds.setdefault(p.dtype, []).append(name)
+    common = max(kinds, key=lambda d: len(kinds[d]))
+    odd = {n: str(d).replace("torch.", "") for d, ns in kinds.items() if d != common for n in ns}
+    given = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
+    inputs = {w: str(v.dtype).replace("torch.", "") for w, v in given if isinstance(v, Tensor)}
+    want = str(common).replace("torch.", "")
+    parts = [f"The parameters are {want}" + (f", except {odd}" if odd else "")]
+    parts.append(f"the inputs are {inputs}")
+    fix = (
+        f"cast the odd parameters with the module (module.to(torch.{want}))"
+        if odd
+        else f"give the model {want} inputs (x.to(torch.{want})); integer inputs are for embeddings"
+    )
+    return "; ".join(parts) + f": {fix}."
 
 
 _ELEMENTWISE = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
@@ -175,7 +214,7 @@ def task_outputs_of(
     ``dims`` as in :func:`task_losses_of`."""
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
-        return fmodel.run_checked(p, bufs, c[0], c[1])
+        return run_model(fmodel, p, bufs, c[0], c[1])
 
     trees = (dict(params), buffers, call)
     in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))

@@ -166,6 +166,11 @@ def scalar(
     device: torch.device | str | None = None,
 ) -> HyperTree:
     """One learnable value for all parameters (one per step with ``steps``)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(
+            f"dtype must be a floating-point torch.dtype (a learnable value needs gradients), "
+            f"got {dtype!r}; e.g. dtype=torch.float32, or None for torch's default"
+        )
     raw = torch.full(_lead(steps), _inverse(init, parameterization), dtype=dtype, device=device)
     return HyperTree(
         "scalar",

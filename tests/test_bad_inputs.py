@@ -656,3 +656,27 @@ def test_adam_with_eps_zero_is_refused():
         fm.optim.adam(lr=0.1, eps=0)
     with pytest.raises(ValueError, match="invalid eps: 0"):
         fm.optim.adamw(lr=0.1, eps=0.0)
+
+
+def test_dtype_mismatches_inside_the_model_name_the_dtypes_and_the_fix():
+    fmodel = fm.functional_model(nn.Linear(3, 1))
+    ints = torch.randint(0, 3, (10, 3))
+    opt = fm.optim.sgd(lr=0.1)
+    with pytest.raises(RuntimeError, match=r"(?s)inputs are \{'argument 0': 'int64'\}.*x\.to"):
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (ints, torch.randn(10, 1)), opt, steps=1)
+    with pytest.raises(RuntimeError, match=r"(?s)parameters are float32.*int64"):
+        fm.apply_tasks(fmodel, fmodel.params, ints[None])
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    net[1].double()
+    mixed = fm.functional_model(net)
+    with pytest.raises(RuntimeError, match=r"(?s)except \{'1\.weight': 'float64'.*module\.to"):
+        fm.adapt(
+            mixed, mixed.params, F.mse_loss, (torch.randn(10, 3), torch.randn(10, 1)), opt, steps=1
+        )
+
+
+def test_a_hyperparameter_of_an_integer_dtype_is_named():
+    with pytest.raises(
+        TypeError, match=r"dtype must be a floating-point torch\.dtype.*torch\.int64"
+    ):
+        fm.hyper.scalar(0.1, dtype=torch.long)

@@ -308,7 +308,7 @@ def test_hostile_run_files_are_named(tmp_path, monkeypatch):
 def test_rotated_characters_never_straddle_a_class_split():
     """Omniglot with rotations (four classes per character), split by character: no held-out
     class is a rotation of a character trained on. Split by class, most would be."""
-    images, labels, names = fm.data.load_omniglot(
+    _images, labels, names = fm.data.load_omniglot(
         shared("images_background_small1.zip"), size=8, rotations=True
     )
     characters = fm.data.omniglot_characters(names)
