@@ -680,3 +680,35 @@ def test_a_hyperparameter_of_an_integer_dtype_is_named():
         TypeError, match=r"dtype must be a floating-point torch\.dtype.*torch\.int64"
     ):
         fm.hyper.scalar(0.1, dtype=torch.long)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda ys, yq: (ys, yq + 4), r"query labels must lie in \[0, 5\).*from 4 to 8"),
+        (lambda ys, yq: (ys - 1, yq), r"support labels must lie in \[0, 4\).*from -1"),
+        (lambda ys, yq: (ys[:, :3], yq), r"support labels have shape \(2, 3\) but its inputs"),
+        (lambda ys, yq: (ys, yq[:, :2]), r"query labels have shape \(2, 2\)"),
+    ],
+    ids=["query-beyond", "negative", "support-shape", "query-shape"],
+)
+@pytest.mark.parametrize("recipe", ["protonet", "r2d2"])
+def test_closed_form_recipes_name_label_errors(change, match, recipe):
+    fmodel = fm.functional_model(nn.Linear(4, 3))
+    ys = torch.arange(5).repeat(2, 1)
+    x = torch.randn(2, 5, 4)
+    y_s, y_q = change(ys, ys.clone())
+    own = {"head": fm.heads.RidgeHead(lam=1.0)} if recipe == "r2d2" else {}
+    with pytest.raises(ValueError, match=match):
+        getattr(fm.recipes, recipe)(
+            fmodel, fmodel.params, F.cross_entropy, (x, y_s), (x, y_q), **own
+        )
+
+
+def test_protonet_ways_smaller_than_the_labels_is_named():
+    fmodel = fm.functional_model(nn.Linear(4, 3))
+    ys, x = torch.arange(5).repeat(2, 1), torch.randn(2, 5, 4)
+    with pytest.raises(ValueError, match=r"lie in \[0, 3\) \(ways=3\)"):
+        fm.recipes.protonet(fmodel, fmodel.params, F.cross_entropy, (x, ys), (x, ys), ways=3)
+    with pytest.raises(ValueError, match="ways must be"):
+        fm.recipes.protonet(fmodel, fmodel.params, F.cross_entropy, (x, ys), (x, ys), ways=0)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta._check import check_int
 from funcmeta.functional import FunctionalModel
 from funcmeta.inputs import check_model
 from funcmeta.recipes._common import RecipeResult
@@ -115,9 +116,25 @@ def classify_embeddings(
     the tasks."""
     check_model(fmodel)
     y_s, y_q = _labels(support[1], "support"), _labels(query[1], "query")
+    for (x, y), what in ((support, "support"), (query, "query")):
+        if isinstance(x, Tensor) and tuple(x.shape[:2]) != tuple(y.shape):
+            raise ValueError(
+                f"{what} labels have shape {tuple(y.shape)} but its inputs {tuple(x.shape)}: "
+                "one label per example, (tasks, examples), with the inputs' two first axes"
+            )
+    if ways is not None:
+        check_int(ways, "ways", low=1)
+    high = int(y_s.max()) + 1 if y_s.numel() else 0
+    ways = high if ways is None else ways
+    for y, what in ((y_s, "support"), (y_q, "query")):
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= ways):
+            raise ValueError(
+                f"{what} labels must lie in [0, {ways}) (ways={ways}), got labels from "
+                f"{int(y.min())} to "
+                f"{int(y.max())}: relabel each task's classes 0 .. ways-1 (fm.data.Episodes "
+                "does), or pass ways="
+            )
     z_s, z_q = embed_episodes(fmodel, params, support[0], query[0], buffers)
-    if ways is None:
-        ways = int(y_s.max()) + 1
     logits = head(z_s, y_s, z_q, ways)
     loss = torch.stack([loss_fn(lg, y) for lg, y in zip(logits, y_q, strict=True)]).mean()
     return RecipeResult(loss, loss.detach(), None, logits=logits)
