@@ -72,7 +72,11 @@ class HyperTree(nn.Module):
         kind: ``"scalar"``, ``"per_layer"``, ``"per_tensor"`` or ``"per_element"``.
         steps: number of per-step value sets, or ``None`` when shared by all steps.
         parameterization: ``"raw"``, ``"softplus"`` or ``"exp"``.
-        groups: names of the learnable groups (layer paths, tensor paths, ...).
+        groups: names of the learnable groups (layer paths, tensor paths, ...), in the order
+            of the parameter tree's paths, which sorts names (``"0.bias"`` before
+            ``"0.weight"``), not module order: address a group by name, with
+            :meth:`raw_for` and :meth:`value_for`, or list them in module order with
+            :meth:`in_module_order`.
     """
 
     def __init__(
@@ -132,6 +136,45 @@ class HyperTree(nn.Module):
             return value
         by_group = value.unbind(0)
         return tree.unflatten(self._spec, [by_group[i] for i in self._group_of])
+
+    def _index(self, name: str) -> int:
+        try:
+            return self.groups.index(name)
+        except ValueError:
+            raise KeyError(
+                f"no group {name!r} in this {self.kind} hyperparameter; its groups are "
+                f"{self.groups}"
+            ) from None
+
+    def raw_for(self, name: str) -> Tensor:
+        """The learnable (unparameterised) values of group ``name`` (a parameter path for
+        ``per_element`` and ``per_tensor``, a layer path for ``per_layer``, ``""`` for a
+        scalar): the group's own ``nn.Parameter`` for ``per_element``, a view of the shared
+        one otherwise (write through it with ``torch.no_grad()`` to set an initial value)."""
+        i = self._index(name)
+        if self.kind == "per_element":
+            return self.raw[i]
+        return self.raw[..., i] if self.kind != "scalar" else self.raw
+
+    def value_for(self, name: str, step: int | None = None) -> Tensor:
+        """The value of group ``name`` at ``step``, after the parameterisation."""
+        self._check_step(step)
+        raw = self.raw_for(name)
+        if self.steps is not None:
+            raw = raw[step]
+        return self._transform(raw)
+
+    def in_module_order(self, module: nn.Module) -> list[str]:
+        """The group names in the order of ``module.named_parameters()`` (learn2learn's
+        ``MetaSGD.lrs`` order), for code that addresses rates by position."""
+        order: list[str] = []
+        for name, _ in module.named_parameters():
+            group = name if self.kind in ("per_element", "per_tensor") else name.rpartition(".")[0]
+            if self.kind == "scalar":
+                group = ""
+            if group in self.groups and group not in order:
+                order.append(group)
+        return order
 
     def extra_repr(self) -> str:
         steps = "" if self.steps is None else f", steps={self.steps}"

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import DTYPE, mlp
+from torch import nn
 
 import funcmeta as fm
 
@@ -101,3 +102,21 @@ def test_inverse_softplus_is_exact_for_large_values():
     lr = fm.hyper.scalar(40.0, parameterization="softplus", dtype=DTYPE)
     assert math.isfinite(lr.raw.item())
     torch.testing.assert_close(lr(), torch.tensor(40.0, dtype=DTYPE))
+
+
+def test_groups_are_addressable_by_name_and_in_module_order():
+    """Rates are kept in the tree's (sorted) path order; ports that index learn2learn's
+    MetaSGD.lrs by position get the module order by name."""
+    net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    fmodel = fm.functional_model(net)
+    rates = fm.hyper.per_element(fmodel.params, 0.5)
+    assert rates.groups == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert rates.in_module_order(net) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    with torch.no_grad():
+        rates.raw_for("2.weight").fill_(0.25)
+    assert torch.equal(rates()["2.weight"], torch.full((1, 3), 0.25))
+    layers = fm.hyper.per_layer(fmodel.params, 0.1, steps=2, parameterization="softplus")
+    assert layers.in_module_order(net) == ["0", "2"]
+    torch.testing.assert_close(layers.value_for("2", step=1), torch.tensor(0.1))
+    with pytest.raises(KeyError, match=r"no group '1'.*\['0', '2'\]"):
+        layers.raw_for("1")
