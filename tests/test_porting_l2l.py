@@ -107,3 +107,45 @@ def test_the_port_runs_on_the_real_files():
         ]
     )
     assert len(history["loss"]) == 3 and len(history["test_accuracy"]) == 3
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["loop", "batched"])
+def test_metasgd_port_gives_learn2learns_meta_gradients(tasks, batched):
+    """learn2learn's MetaSGD: one learnable rate per element, all starting at lr, trained with
+    the model: fm.hyper.per_element(params, lr) gives the same meta-gradients for the model
+    and the rates (float64, real tasks), in the loop and batched."""
+    _, model, (support, query) = tasks
+    fmodel = fm.functional_model(model)
+    rates = fm.hyper.per_element(fmodel.params, 0.5)
+    names = [n for n, _ in model.named_parameters()]
+    # by hand: p - lr_p * grad, every lr_p a leaf starting at 0.5 (MetaSGD's lrs)
+    lrs = {n: torch.full_like(p, 0.5, requires_grad=True) for n, p in model.named_parameters()}
+    total = 0
+    for t in range(support[0].shape[0]):
+        params = {n: p.clone() for n, p in model.named_parameters()}
+        loss = F.cross_entropy(functional_call(model, params, (support[0][t],)), support[1][t])
+        grads = torch.autograd.grad(loss, list(params.values()), create_graph=True)
+        params = {n: params[n] - lrs[n] * g for n, g in zip(names, grads, strict=True)}
+        total = total + F.cross_entropy(functional_call(model, params, (query[0][t],)), query[1][t])
+    total = total / support[0].shape[0]
+    reference = torch.autograd.grad(total, [*model.parameters(), *(lrs[n] for n in names)])
+    if batched:
+        loss = fm.recipes.metasgd(
+            fmodel, fmodel.params, F.cross_entropy, support, query, steps=1, lr=rates
+        ).loss
+    else:
+        loss = 0
+        for t in range(support[0].shape[0]):
+            r = fm.adapt(
+                fmodel,
+                fmodel.params,
+                F.cross_entropy,
+                (support[0][t], support[1][t]),
+                fm.optim.sgd(lr=rates),
+                steps=1,
+            )
+            loss = loss + F.cross_entropy(fmodel(r.params, query[0][t]), query[1][t])
+        loss = loss / support[0].shape[0]
+    by_name = dict(zip(rates.groups, rates.raw, strict=True))
+    ours = torch.autograd.grad(loss, [*model.parameters(), *(by_name[n] for n in names)])
+    assert relative(ours, reference) < 1e-12
