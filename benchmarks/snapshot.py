@@ -87,10 +87,16 @@ def torch_save(payload: dict, path: Path, sync: bool) -> None:
 
 
 def torch_save_atomic(payload: dict, path: Path) -> None:
-    """What any save that survives a crash does: a new file, flushed, renamed into place."""
+    """What any save that survives a crash does: a new file, flushed, renamed into place,
+    and the rename itself flushed (the folder's fsync)."""
     tmp = path.with_suffix(".tmp")
     torch_save(payload, tmp, True)
     os.replace(tmp, path)
+    folder = os.open(path.parent, os.O_DIRECTORY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def measure(name: str, folder: Path, repeats: int) -> dict[str, float]:
