@@ -86,31 +86,12 @@ def anil(
             "anil takes trainable= (the head's parameters, within one model) or body= (a "
             "functional model of the feature network, with fmodel the head), exactly one"
         )
-    if body is None:
-        return maml(
-            fmodel,
-            params,
-            loss_fn,
-            support,
-            query,
-            steps=steps,
-            lr=lr,
-            opt=opt,
-            trainable=trainable,
-            **options,
+    if body is not None:
+        check_model(body)
+        z_s, z_q = embed_episodes(
+            body, body.params if body_params is None else body_params, support[0], query[0], None
         )
-    check_model(body)
-    if body_params is None:
-        body_params = body.params
-    z_s, z_q = embed_episodes(body, body_params, support[0], query[0], None)
-    return maml(
-        fmodel,
-        params,
-        loss_fn,
-        (z_s, support[1]),
-        (z_q, query[1]),
-        steps=steps,
-        lr=lr,
-        opt=opt,
-        **options,
-    )
+        support, query = (z_s, support[1]), (z_q, query[1])
+    else:
+        options["trainable"] = trainable
+    return maml(fmodel, params, loss_fn, support, query, steps=steps, lr=lr, opt=opt, **options)
