@@ -22,7 +22,9 @@ of the ``torch.save`` file. Files go to ``--dir`` (default: a temporary folder b
 script, on the disk of the working tree); right after a save the file is in the page cache,
 for both loads alike. Before each timed call the page cache's dirty pages are written out
 (``os.sync``, untimed): a journaling file system's ``fsync`` may otherwise flush an earlier,
-unsynced write as well. Median of ``--repeats`` runs, in turn.
+unsynced write as well. Each round runs the saves in a rotated order (on a virtual machine a
+write into memory freed just before is much faster than one into fresh memory). Median of
+``--repeats`` rounds.
 
     python benchmarks/snapshot.py [--states 64MiB 1GiB bert-base] [--repeats 3]
 """
@@ -106,25 +108,26 @@ def measure(name: str, folder: Path, repeats: int) -> dict[str, float]:
     kinds = ("fm save", "torch atomic", "torch save+fsync", "torch save", "fm load", "torch load")
     runs: dict[str, list[float]] = {k: [] for k in kinds}
     payload = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    for _ in range(repeats):
-        runs["fm save"].append(
-            timed(
-                lambda: fm.snapshot.save(
-                    ours, step=1, modules={"model": model}, optimizers={"optimizer": opt}
-                )
-            )
-        )
-        runs["torch atomic"].append(timed(lambda: torch_save_atomic(payload, atomic)))
-        runs["torch save+fsync"].append(timed(lambda: torch_save(payload, theirs, True)))
-        runs["torch save"].append(timed(lambda: torch_save(payload, theirs, False)))
-        runs["fm load"].append(
-            timed(
-                lambda: fm.snapshot.load(
-                    ours, modules={"model": model}, optimizers={"optimizer": opt}
-                )
-            )
-        )
-        runs["torch load"].append(timed(lambda: torch.load(theirs, weights_only=True)))
+    calls = {
+        "fm save": lambda: fm.snapshot.save(
+            ours, step=1, modules={"model": model}, optimizers={"optimizer": opt}
+        ),
+        "torch atomic": lambda: torch_save_atomic(payload, atomic),
+        "torch save+fsync": lambda: torch_save(payload, theirs, True),
+        "torch save": lambda: torch_save(payload, theirs, False),
+        "fm load": lambda: fm.snapshot.load(
+            ours, modules={"model": model}, optimizers={"optimizer": opt}
+        ),
+        "torch load": lambda: torch.load(theirs, weights_only=True),
+    }
+    saves, loads = kinds[:4], kinds[4:]
+    for r in range(repeats):
+        # each round in a rotated order: a write that follows the freeing of another file's
+        # pages reuses them, where a fresh page costs this virtual machine much more
+        for k in saves[r % 4 :] + saves[: r % 4]:
+            runs[k].append(timed(calls[k]))
+        for k in loads if r % 2 == 0 else loads[::-1]:
+            runs[k].append(timed(calls[k]))
     out = {k: statistics.median(v) for k, v in runs.items()}
     out["bytes"] = nbytes
     for path in (ours, theirs, atomic):
