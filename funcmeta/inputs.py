@@ -230,7 +230,7 @@ def check_batch_call(
     split = split_batch(batch) if targets else (split_inputs(batch), None)
     count = task_count(split) if task_batched else None
     check_batch(split, params)
-    check_dtypes(params, fmodel.buffers if buffers is None else buffers)
+    check_dtypes(params, fmodel.buffers if buffers is None else buffers, fmodel)
     if count is None:
         return CheckedCall(split, None, None, fmodel.buffers if buffers is None else dict(buffers))
     return CheckedCall(split, count, *_task_trees(fmodel, params, buffers, count))
@@ -295,22 +295,39 @@ def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
         )
 
 
-def check_dtypes(params: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> None:
-    """Raise ``TypeError`` when every floating-point parameter has one dtype and every
-    floating-point buffer another (parameters cast without the module, as in
-    ``{k: v.double() for k, v in fmodel.params.items()}``): the forward would mix them."""
+def check_dtypes(
+    params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], fmodel: FunctionalModel
+) -> None:
+    """Raise ``TypeError`` when the parameters were cast without the module's buffers: the
+    given floating-point parameters have one dtype that differs from the module's own, and
+    buffers that had the parameters' dtype in the module kept it (BatchNorm statistics in
+    float32 beside float64 parameters, as after ``{k: v.double() for k, v in
+    fmodel.params.items()}``). A buffer the module keeps in a dtype of its own on purpose
+    (a bf16 decoder's float32 rotary frequencies) is never named."""
     if not isinstance(params, Mapping) or not isinstance(buffers, Mapping):
         return  # named by the checks of the dicts themselves
     pdt = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
-    bdt = {v.dtype for v in buffers.values() if isinstance(v, Tensor) and v.is_floating_point()}
-    if len(pdt) == 1 and len(bdt) == 1 and pdt != bdt:
-        (p,), (b,) = pdt, bdt
-        names = [k for k, v in buffers.items() if isinstance(v, Tensor) and v.dtype == b]
+    own = {v.dtype for v in fmodel.params.values() if v.is_floating_point()}
+    if len(pdt) != 1 or len(own) != 1 or pdt == own:
+        return  # not one dtype, or the module's own: the module's buffers are as it keeps them
+    (p,), (o,) = pdt, own
+    own_buffers = fmodel.buffers
+    names = [
+        k
+        for k, v in buffers.items()
+        if isinstance(v, Tensor)
+        and v.is_floating_point()
+        and v.dtype != p
+        and k in own_buffers
+        and own_buffers[k].dtype == o  # kept in the parameters' dtype by the module
+    ]
+    if names:
+        b = buffers[names[0]].dtype
         raise TypeError(
             f"the parameters are {p} but the buffers {names[:4]}{' ...' if len(names) > 4 else ''} "
-            f"are {b}: cast the module itself (module.to({p})) before fm.functional_model, or "
-            f"pass buffers= of the same dtype ({{k: v.to({p}) for k, v in "
-            "fmodel.buffers.items()})"
+            f"are {b}, as the module keeps them beside its {o} parameters: cast the module "
+            f"itself (module.to({p})) before fm.functional_model, or pass buffers= of the same "
+            f"dtype ({{k: v.to({p}) for k, v in fmodel.buffers.items()}})"
         )
 
 

@@ -1,0 +1,118 @@
+"""bf16 HuggingFace decoders built the standard way (``from_config(..., dtype=torch.bfloat16)``,
+as ``from_pretrained`` does) keep their rotary frequencies in float32 on purpose: funcmeta
+runs them in every mode, with finite meta-gradients, and refuses only parameters cast without
+the buffers the module keeps in their dtype."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+
+transformers = pytest.importorskip("transformers")
+T, N, L, V = 2, 3, 6, 32
+
+
+def decoder(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    common = {"vocab_size": V, "use_cache": False}
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, n_positions=32, **common)
+    else:
+        cls = {
+            "llama": transformers.LlamaConfig,
+            "qwen2": transformers.Qwen2Config,
+            "mistral": transformers.MistralConfig,
+        }[kind]
+        config = cls(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            **common,
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def next_token_loss(out, ids):
+    return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2).float(), ids[..., 1:].flatten())
+
+
+MODES = {
+    "adapt": {},
+    "first-order": {"first_order": True},
+    "adapt_tasks": {},
+    "checkpoint_layers": {},
+    "step-checkpoint": {"checkpoint_steps": True},
+    "maml": {},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gpt2"])
+def test_standard_bf16_decoders_run_in_every_mode(kind, mode):
+    model = decoder(kind)
+    mixed = {k: v.dtype for k, v in model.named_buffers() if v.dtype != torch.bfloat16}
+    if kind != "gpt2":
+        assert mixed and set(mixed.values()) == {torch.float32}  # the rotary frequencies
+    layers = "sequential" if mode == "checkpoint_layers" else None
+    fmodel = fm.functional_model(model, checkpoint_layers=layers, task_chunk=None)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, V, (T, N, L), generator=g)
+    opt = fm.optim.sgd(lr=0.1)
+    params = fmodel.params
+    if mode == "maml":
+        loss = fm.recipes.maml(
+            fmodel,
+            params,
+            next_token_loss,
+            ({"input_ids": ids}, ids),
+            ({"input_ids": ids}, ids),
+            steps=2,
+            lr=0.1,
+        ).loss
+    elif mode == "adapt_tasks" or mode == "checkpoint_layers":
+        r = fm.adapt_tasks(fmodel, params, next_token_loss, ({"input_ids": ids}, ids), opt, steps=2)
+        loss = fm.task_losses(fmodel, r.params, next_token_loss, ({"input_ids": ids}, ids))[0]
+        loss = loss.mean()
+    else:
+        r = fm.adapt(
+            fmodel,
+            params,
+            next_token_loss,
+            ({"input_ids": ids[0]}, ids[0]),
+            opt,
+            steps=2,
+            **MODES[mode],
+        )
+        loss = next_token_loss(fmodel(r.params, input_ids=ids[0]), ids[0])
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    present = [gr for gr in grads if gr is not None]
+    assert present and all(bool(torch.isfinite(gr).all()) for gr in present)
+
+
+def test_parameters_cast_without_the_buffers_the_module_keeps_with_them_are_refused():
+    """The confusion the dtype check is for: float64 parameters passed to a float32 module
+    whose BatchNorm statistics stay float32. Llama's float32 rotary frequencies beside bf16
+    parameters are the module's own choice and pass."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    fmodel = fm.functional_model(net)
+    double = {k: v.double() for k, v in fmodel.params.items()}
+    x, y = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"buffers \['1\.running_mean'.*as the module keeps them"):
+        fm.adapt(fmodel, double, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)
+    llama = fm.functional_model(decoder("llama"))
+    as_float = {k: v.float() for k, v in llama.params.items()}  # bf16 -> float32 parameters
+    ids = torch.randint(0, V, (N, L))
+    fm.adapt(
+        llama, as_float, next_token_loss, ({"input_ids": ids}, ids), fm.optim.sgd(lr=0.1), steps=1
+    )
