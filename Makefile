@@ -43,6 +43,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/memory.py --repeats 2 --plot docs/img/memory_cpu.png
 	$(PYTHON) benchmarks/bert_meta.py
+	$(PYTHON) benchmarks/decoder_meta.py
 	$(PYTHON) benchmarks/tasks.py --repeats 5
 	$(PYTHON) benchmarks/sequence_tasks.py --repeats 3
 	$(PYTHON) benchmarks/recurrent_evaluation.py
