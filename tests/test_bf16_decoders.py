@@ -116,3 +116,43 @@ def test_parameters_cast_without_the_buffers_the_module_keeps_with_them_are_refu
     fm.adapt(
         llama, as_float, next_token_loss, ({"input_ids": ids}, ids), fm.optim.sgd(lr=0.1), steps=1
     )
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_float64_copies_give_the_hand_unrolled_meta_gradients(kind):
+    """The standard-loaded decoder cast to float64: fm.adapt equals a hand-written unroll of
+    functional_call and autograd.grad (second order) to 1e-10, and task batching the loop to
+    the float32 round-off of the RMS norms (1e-7)."""
+    from torch.func import functional_call
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model = decoder(kind).double()
+    fmodel = fm.functional_model(model, task_chunk=None)
+    params = fmodel.params
+    g = torch.Generator().manual_seed(2)
+    ids, query = (torch.randint(0, V, (T, N, L), generator=g) for _ in range(2))
+    opt = fm.optim.sgd(lr=0.1)
+    loss = 0
+    for t in range(T):
+        r = fm.adapt(fmodel, params, next_token_loss, ({"input_ids": ids[t]}, ids[t]), opt, steps=2)
+        loss = loss + next_token_loss(fmodel(r.params, input_ids=query[t]), query[t]) / T
+    ours = torch.autograd.grad(loss, list(params.values()))
+    reference = 0
+    with sdpa_kernel(SDPBackend.MATH):  # the kernel with a double backward
+        for t in range(T):
+            p = dict(params)
+            for _ in range(2):
+                out = functional_call(model, p, (), {"input_ids": ids[t]}, tie_weights=False)
+                grads = torch.autograd.grad(
+                    next_token_loss(out, ids[t]), list(p.values()), create_graph=True
+                )
+                p = {k: v - 0.1 * gr for (k, v), gr in zip(p.items(), grads, strict=True)}
+            out = functional_call(model, p, (), {"input_ids": query[t]}, tie_weights=False)
+            reference = reference + next_token_loss(out, query[t]) / T
+        want = torch.autograd.grad(reference, list(params.values()))
+    flat = [torch.cat([x.flatten() for x in gs]) for gs in (ours, want)]
+    assert float((flat[0] - flat[1]).norm() / flat[1].norm()) < 1e-10
+    r = fm.adapt_tasks(fmodel, params, next_token_loss, ({"input_ids": ids}, ids), opt, steps=2)
+    batched = fm.task_losses(fmodel, r.params, next_token_loss, ({"input_ids": query}, query))[0]
+    b = torch.cat([x.flatten() for x in torch.autograd.grad(batched.mean(), list(params.values()))])
+    assert float((b - flat[0]).norm() / flat[0].norm()) < 1e-7
