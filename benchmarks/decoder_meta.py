@@ -70,7 +70,10 @@ def build(small: bool, device: Any, gradient_checkpointing: bool = False) -> Any
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        try:
+            base = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            base = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
         if gradient_checkpointing:
             base.gradient_checkpointing_enable()
         lora = peft.LoraConfig(

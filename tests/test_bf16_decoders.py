@@ -40,7 +40,10 @@ def decoder(kind: str) -> nn.Module:
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
 
 
 def next_token_loss(out, ids):
