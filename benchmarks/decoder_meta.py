@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import warnings
 from typing import Any
 
@@ -94,14 +93,13 @@ def loss_fn(out: Any, ids: Any) -> Any:
 
 
 def worker(args: argparse.Namespace) -> dict:
-    import statistics
 
     import torch
 
     import funcmeta as fm
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from memory import Meter
+    from memory import measure
 
     device = torch.device(args.device)
     model = build(args.small, device, gradient_checkpointing=args.mode == "model's own")
@@ -123,7 +121,6 @@ def worker(args: argparse.Namespace) -> dict:
         "first_order": args.mode == "first order",
         "checkpoint_steps": args.mode == "step",
     }
-    cuda = device.type == "cuda"
     dtype = torch.bfloat16
 
     def meta_iteration(steps: int) -> None:
@@ -160,23 +157,11 @@ def worker(args: argparse.Namespace) -> dict:
         loss.backward()
 
     meta_iteration(1)  # warm-up
-    meter = Meter(device)
-    seconds = []
-    peak = 0
-    for r in range(args.repeats):
-        if r == 0:
-            meter.start()
-        start = time.perf_counter()
-        meta_iteration(args.steps)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        if r == 0:
-            peak = meter.peak()
+    peak, seconds = measure(lambda: meta_iteration(args.steps), device, args.repeats)
     grad = torch.cat([p.grad.double().flatten() for p in adapters.values()])
     return {
         "peak": peak,
-        "seconds": statistics.median(seconds),
+        "seconds": seconds,
         "grad_norm": float(grad.norm()),
         "params": sum(p.numel() for p in model.parameters()),
         "adapters": sum(p.numel() for p in adapters.values()),

@@ -34,6 +34,7 @@ largest difference of their meta-gradients.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -115,16 +116,10 @@ def build(args: argparse.Namespace, checkpointed: bool = True) -> Setup:
     precision = args.precision or ("fp16" if device.type == "cuda" else "bf16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[precision]
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else _no_autocast()
+    autocast = (
+        torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    )
     return Setup(model, fmodel, rates, trainable, outer, scaler, autocast, device)
-
-
-class _no_autocast:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
 
 
 def sample_tasks(

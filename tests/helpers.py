@@ -110,3 +110,10 @@ def write_zip(path: Path, members: list[tuple[str, bytes]]) -> Path:
         for arcname, data in members:
             z.writestr(arcname, data)
     return path
+
+
+def next_token_loss(out, ids: Tensor) -> Tensor:
+    """A causal language model's next-token cross-entropy (its logits in float32)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2).float(), ids[..., 1:].flatten())

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import next_token_loss
 from torch import nn
 
 import funcmeta as fm
@@ -44,10 +45,6 @@ def decoder(kind: str) -> nn.Module:
             return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         except TypeError:  # transformers < 4.56 names it torch_dtype
             return transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
-
-
-def next_token_loss(out, ids):
-    return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2).float(), ids[..., 1:].flatten())
 
 
 MODES = {

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from helpers import next_token_loss
 from torch.func import functional_call
 
 import funcmeta as fm
@@ -43,10 +43,6 @@ def lora_decoder(dtype=torch.float64):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return peft.get_peft_model(base, lora)
-
-
-def next_token_loss(out, ids):
-    return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2).float(), ids[..., 1:].flatten())
 
 
 def data():

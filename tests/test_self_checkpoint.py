@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
+import zoo
 from helpers import DTYPE
 from test_remat import Residual
 from torch import nn
@@ -234,33 +235,13 @@ def test_second_order_memory_as_funcmeta_checkpoint_layers(monkeypatch):
 
 
 def _hf(kind: str) -> nn.Module:
+    """The zoo's BERT and GPT-2 (width 8, two layers, no dropout), or a Llama like them."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    common = {"vocab_size": 13, "max_position_embeddings": 16}
     if kind == "bert":
-        config = transformers.BertConfig(
-            hidden_size=8,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=16,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            **common,
-        )
-        model = transformers.BertModel(config, add_pooling_layer=False)
+        model = zoo._bert()
     elif kind == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=8,
-            n_layer=2,
-            n_head=2,
-            n_positions=16,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-            vocab_size=13,
-        )
-        model = transformers.GPT2Model(config)
+        model = zoo._gpt2()
     else:
         config = transformers.LlamaConfig(
             hidden_size=8,
@@ -269,7 +250,8 @@ def _hf(kind: str) -> nn.Module:
             num_attention_heads=2,
             num_key_value_heads=1,
             use_cache=False,
-            **common,
+            vocab_size=13,
+            max_position_embeddings=16,
         )
         model = transformers.LlamaModel(config)
     return model.to(DTYPE).train()

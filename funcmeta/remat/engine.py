@@ -371,23 +371,35 @@ class _RematVJP(torch.autograd.Function):
         return tuple(result)
 
 
+def _rematerialised(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    closed: Callable[[], str] | None,
+) -> Any:
+    """:func:`remat` and :func:`remat_closed`: the first run checked when ``closed``."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    run = _Run(fn, args, kwargs, closed=closed)
+    tensors = run.tensors(args, kwargs)
+    if not any(t.requires_grad for t in tensors):
+        if closed is None:
+            return fn(*args, **kwargs)
+        # nothing given requires grad: an output that does depends on something outside
+        mark = _next_sequence_nr()
+        out = fn(*args, **kwargs)
+        _check_closed(tree.leaves_registered(out), [], mark, closed)
+        return out
+    outs = _Remat.apply(run, *tensors)
+    return run.output(outs)
+
+
 def remat_closed(what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """:func:`remat` for a function that is not known to be pure in its arguments (one a
     model checkpoints itself): its first run is checked to depend, through autograd, on
     nothing that requires grad but its arguments; else :class:`OpenFunctionError`, whose
     message begins with ``what()``."""
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    run = _Run(fn, args, kwargs, closed=what)
-    tensors = run.tensors(args, kwargs)
-    if not any(t.requires_grad for t in tensors):
-        # nothing given requires grad: an output that does depends on something outside
-        mark = _next_sequence_nr()
-        out = fn(*args, **kwargs)
-        _check_closed(tree.leaves_registered(out), [], mark, what)
-        return out
-    outs = _Remat.apply(run, *tensors)
-    return run.output(outs)
+    return _rematerialised(fn, args, kwargs, what)
 
 
 def remat(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -400,11 +412,4 @@ def remat(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     goes through the graph of a recorded one). Without grad mode, or without an input that
     requires grad, it is just ``fn(*args, **kwargs)``.
     """
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    run = _Run(fn, args, kwargs)
-    tensors = run.tensors(args, kwargs)
-    if not any(t.requires_grad for t in tensors):
-        return fn(*args, **kwargs)
-    outs = _Remat.apply(run, *tensors)
-    return run.output(outs)
+    return _rematerialised(fn, args, kwargs, None)
