@@ -22,8 +22,10 @@ of the ``torch.save`` file. Files go to ``--dir`` (default: a temporary folder b
 script, on the disk of the working tree); right after a save the file is in the page cache,
 for both loads alike. Before each timed call the page cache's dirty pages are written out
 (``os.sync``, untimed): a journaling file system's ``fsync`` may otherwise flush an earlier,
-unsynced write as well. Each round runs the saves in a rotated order (on a virtual machine a
-write into memory freed just before is much faster than one into fresh memory). Median of
+unsynced write as well. ``fm save`` and ``torch atomic`` alternate, so that each follows the
+other: each frees the file it replaces at its end, and on a virtual machine a write into
+memory freed just before is several times faster than one into fresh memory (a fixed order
+of four saves had ``fm save`` always follow a save that freed nothing). Median of
 ``--repeats`` rounds.
 
     python benchmarks/snapshot.py [--states 64MiB 1GiB bert-base] [--repeats 3]
@@ -120,12 +122,17 @@ def measure(name: str, folder: Path, repeats: int) -> dict[str, float]:
         ),
         "torch load": lambda: torch.load(theirs, weights_only=True),
     }
-    saves, loads = kinds[:4], kinds[4:]
+    # fm save and torch atomic alternate, so that each follows the other: each frees the
+    # file it replaces at its end, and a write into memory freed just before is much faster
+    # on a virtual machine than one into fresh memory; the rounds swap which goes first.
+    # The two non-atomic saves overwrite one file in place and run after, in their own pairs.
+    pairs = (("fm save", "torch atomic"), ("torch save+fsync", "torch save"))
+    for pair in pairs:
+        for r in range(repeats):
+            for k in pair if r % 2 == 0 else pair[::-1]:
+                runs[k].append(timed(calls[k]))
+    loads = kinds[4:]
     for r in range(repeats):
-        # each round in a rotated order: a write that follows the freeing of another file's
-        # pages reuses them, where a fresh page costs this virtual machine much more
-        for k in saves[r % 4 :] + saves[: r % 4]:
-            runs[k].append(timed(calls[k]))
         for k in loads if r % 2 == 0 else loads[::-1]:
             runs[k].append(timed(calls[k]))
     out = {k: statistics.median(v) for k, v in runs.items()}

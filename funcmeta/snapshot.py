@@ -23,7 +23,8 @@ lists, tuples and dicts of them, and :func:`load` reads it with ``torch.load(...
 weights_only=True)``, which refuses anything else. ``extra`` is limited to those types and
 checked by :func:`save`. A file that is not a funcmeta snapshot, a truncated one, one from a
 newer format and one that would build other objects each raise :class:`SnapshotError`
-naming the file and the cause, before anything is restored. A run resumed from the last
+naming the file and the cause, before anything is restored; so does a file whose records do
+not match the CRC-32 stored with each (a flipped bit anywhere in the data). A run resumed from the last
 state continues bit for bit as if it had not stopped (tested by killing a training
 subprocess).
 
@@ -40,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import hashlib
@@ -48,7 +50,7 @@ import pickle
 import random
 import sys
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -57,16 +59,19 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._check import check_int
+from funcmeta._records import RecordCheck, check_records, compute_crc32, identity
 from funcmeta._rng_state import check_state, get_state, set_state
 from funcmeta._tempfiles import make_temp, remove_stale
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
 
-FORMAT = 3
-"""The snapshot format this version writes: format 2 with a SHA-256 checksum of every tensor's
-bytes and of everything else in the file, verified on load. It reads formats 2 (no checksums)
-and 1 (NumPy's random state as an array, which a safe load refuses: such a file loads only if
-NumPy was not in use)."""
+FORMAT = 4
+"""The snapshot format this version writes: format 2 with the CRC-32 of every record of the
+file (the structure and numbers, and each tensor's bytes) stored in the archive's index and
+checked on load before anything is unpickled. It reads format 3 (format 2 with a SHA-256
+checksum of every tensor and of everything else, inside the payload), format 2 (no
+checksums) and format 1 (NumPy's random state as an array, which a safe load refuses: such a
+file loads only if NumPy was not in use)."""
 
 
 class SnapshotError(ValueError):
@@ -259,7 +264,6 @@ def save(
         "random": _random_states(),
         "extra": extra,
     }
-    payload["checksums"] = _checksums(payload)
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"{target} is a directory; pass the path of the snapshot file")
@@ -267,7 +271,7 @@ def save(
     remove_stale(target, ".tmp")  # of saves of this path that were interrupted
     fd, tmp = make_temp(target, ".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, _crc32_on():
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
@@ -284,6 +288,35 @@ def save(
         raise
 
 
+@contextlib.contextmanager
+def _crc32_on() -> Iterator[None]:
+    """``torch.save`` stores each record's CRC-32 within (a user may have turned it off)."""
+    if compute_crc32():
+        yield
+        return
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(False)
+
+
+def _check_records(path: Path) -> RecordCheck:
+    """The CRC-32 of every record, checked before anything in the file is unpickled."""
+    try:
+        return check_records(path)
+    except (zipfile.BadZipFile, ValueError, OSError) as e:
+        raise SnapshotError(f"{path} is truncated, corrupt or not a torch file ({e})") from None
+
+
+def _corrupt(path: Path, what: list[str]) -> SnapshotError:
+    names = ", ".join(what[:5]) + (", ..." if len(what) > 5 else "")
+    return SnapshotError(
+        f"{path} is corrupt: its data does not match the checksums written with it "
+        f"({names}); nothing was restored"
+    )
+
+
 def _read(path: Path, map_location: Any) -> dict[str, Any]:
     """The payload of a snapshot file, read without running code, its format checked."""
     if path.is_dir():
@@ -292,8 +325,12 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
         raise FileNotFoundError(f"no snapshot at {path}")
     if not zipfile.is_zipfile(path):  # torch.save writes zip archives; a cut one has no index
         raise SnapshotError(f"{path} is truncated, corrupt or not a file that torch.save writes")
+    records = _check_records(path)
+    if records.bad and records.has_crcs:
+        # data.pkl is the structure, numbers and strings; data/<n> is a tensor's bytes
+        raise _corrupt(path, [_record_name(r) for r in records.bad])
     try:
-        # mapped, not read: the checksums read each tensor's bytes once, straight from the
+        # mapped, not read: format 3's checksums read each tensor's bytes once, straight from the
         # file; what is kept is copied out of the mapping afterwards (_materialised)
         payload = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
@@ -320,24 +357,41 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
     if found < 1:
         raise SnapshotError(f"{path} has no valid snapshot format number ({found})")
     missing = {"step", "modules", "optimizers", "generators", "random", "extra"} - payload.keys()
-    if found >= 3:
+    if found == 3:
         missing |= {"checksums"} - payload.keys()
     if missing:
         raise SnapshotError(f"{path} is not a complete funcmeta snapshot: no {sorted(missing)}")
-    if found >= 3:
-        saved = payload["checksums"]
-        now = _checksums(payload)
-        if not isinstance(saved, dict) or saved != now:
-            keys = saved.keys() | now.keys() if isinstance(saved, dict) else now.keys()
-            bad = sorted(
-                k for k in keys if not isinstance(saved, dict) or saved.get(k) != now.get(k)
-            )
-            names = ", ".join("the numbers and structure" if k == "" else k for k in bad[:5])
+    if found >= 4:
+        if not records.has_crcs:
             raise SnapshotError(
-                f"{path} is corrupt: its data does not match the checksums written with it "
-                f"({names}{', ...' if len(bad) > 5 else ''}); nothing was restored"
+                f"{path} stores no CRC-32 of its records, which every snapshot of format "
+                f"{found} does: it was not written by fm.snapshot.save"
             )
+        if identity(path) != records.identity:
+            raise SnapshotError(f"{path} was replaced or changed while it was read; load it again")
+    if found == 3:
+        _check_sha256(path, payload)
     return _materialised(payload)
+
+
+def _check_sha256(path: Path, payload: Mapping[str, Any]) -> None:
+    """Format 3's checksums: SHA-256 of every tensor and of everything else, in the payload."""
+    saved = payload["checksums"]
+    now = _checksums(payload)
+    if not isinstance(saved, dict) or saved != now:
+        keys = saved.keys() | now.keys() if isinstance(saved, dict) else now.keys()
+        bad = sorted(k for k in keys if not isinstance(saved, dict) or saved.get(k) != now.get(k))
+        raise _corrupt(path, ["the numbers and structure" if k == "" else k for k in bad])
+
+
+def _record_name(record: str) -> str:
+    """What a record of the archive holds, for an error message."""
+    inner = record.partition("/")[2]
+    if inner == "data.pkl":
+        return "the numbers and structure"
+    if inner.startswith("data/"):
+        return f"the bytes of tensor record {inner}"
+    return f"record {inner or record}"
 
 
 def _materialised(payload: dict[str, Any]) -> dict[str, Any]:
@@ -393,35 +447,48 @@ def load(
             check_state(g, payload["generators"][name], f"generators[{name!r}]")
         except TypeError as e:
             raise SnapshotError(f"{path}: {e}; nothing was restored") from None
+    # modules last: the restores that can fail (an optimizer's parameter groups, a
+    # generator's state) come first, and the last module needs no copy of its state to put
+    # back when its load_state_dict is torch's own (see _plain_load)
+    names = list(given["modules"])
     restore = [
         *(
-            _Restorer(f"modules[{n!r}]", m, payload["modules"][n])
-            for n, m in given["modules"].items()
+            _Restorer(f"generators[{n!r}]", g, payload["generators"][n], generator=True)
+            for n, g in given["generators"].items()
         ),
         *(
             _Restorer(f"optimizers[{n!r}]", o, payload["optimizers"][n])
             for n, o in given["optimizers"].items()
         ),
+        _Restorer("the random states", None, payload["random"], random_states=True),
         *(
-            _Restorer(f"generators[{n!r}]", g, payload["generators"][n], generator=True)
-            for n, g in given["generators"].items()
+            _Restorer(
+                f"modules[{n!r}]",
+                m,
+                payload["modules"][n],
+                backup=n != names[-1] or not _plain_load(m),
+            )
+            for n, m in given["modules"].items()
         ),
     ]
-    before_random = _random_states()
     done: list[_Restorer] = []
     try:
         for r in restore:
             r.apply()
             done.append(r)
-        _restore_random(payload["random"])
     except Exception as e:
+        failed = restore[len(done)]
+        if failed.before is not None:  # it may have failed part way
+            failed.undo()
         for r in reversed(done):
             r.undo()
-        _restore_random(before_random)
-        failed = restore[len(done)].name if len(done) < len(restore) else "the random states"
+        partly = (
+            f"; {failed.name} may be partly restored, the rest was put back"
+            if failed.before is None and isinstance(failed.obj, nn.Module)
+            else "; nothing was restored (what had been was put back)"
+        )
         raise SnapshotError(
-            f"{path}: restoring {failed} failed ({type(e).__name__}: {e}); nothing was "
-            "restored (what had been was put back)"
+            f"{path}: restoring {failed.name} failed ({type(e).__name__}: {e}){partly}"
         ) from e
     return Snapshot(payload["step"], payload["extra"])
 
@@ -454,20 +521,34 @@ def _check_shapes(path: Path, modules: Mapping[str, nn.Module], saved: Mapping[s
 
 
 class _Restorer:
-    """Restores one object from its saved state, keeping a copy of its state before, to put
-    back if a later restore fails."""
+    """Restores one object from its saved state, keeping what it held before, to put back if
+    a later restore fails (a module without ``backup`` is restored last: it keeps nothing)."""
 
-    def __init__(self, name: str, obj: Any, state: Any, *, generator: bool = False) -> None:
-        self.name, self.obj, self.state, self.generator = name, obj, state, generator
+    def __init__(
+        self,
+        name: str,
+        obj: Any,
+        state: Any,
+        *,
+        generator: bool = False,
+        random_states: bool = False,
+        backup: bool = True,
+    ) -> None:
+        self.name, self.obj, self.state = name, obj, state
+        self.generator, self.random_states, self.backup = generator, random_states, backup
         self.before: Any = None
 
     def apply(self) -> None:
         obj = self.obj
-        if self.generator:
+        if self.random_states:
+            self.before = _random_states()
+            _restore_random(self.state)
+        elif self.generator:
             self.before = get_state(obj, self.name)
             set_state(obj, self.state, self.name)
         elif isinstance(obj, nn.Module):
-            self.before = {k: v.clone() for k, v in obj.state_dict().items()}
+            if self.backup:
+                self.before = {k: v.clone() for k, v in obj.state_dict().items()}
             obj.load_state_dict(self.state)
         elif isinstance(obj, torch.optim.Optimizer):
             # its load_state_dict puts new tensors in place and leaves the old ones as they
@@ -479,7 +560,28 @@ class _Restorer:
             obj.load_state_dict(self.state)
 
     def undo(self) -> None:
-        if self.generator:
+        if self.random_states:
+            _restore_random(self.before)
+        elif self.generator:
             set_state(self.obj, self.before, self.name)
+        elif isinstance(self.obj, nn.Module):
+            # copied straight back, past the module's hooks (one may be what failed)
+            with torch.no_grad():
+                for k, v in self.obj.state_dict().items():
+                    v.copy_(self.before[k])
         else:
             self.obj.load_state_dict(self.before)
+
+
+def _plain_load(module: nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` is torch's own throughout: no hooks, no overrides
+    outside ``torch.nn``. After :func:`_check_shapes` it then only copies tensors of the
+    right shapes into place, which fails only if the device does (out of memory)."""
+    if type(module).load_state_dict is not nn.Module.load_state_dict:
+        return False
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return False
+        if not type(m)._load_from_state_dict.__module__.startswith("torch.nn."):
+            return False
+    return True

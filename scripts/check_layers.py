@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [
         "_check",
         "_deprecated",
         "_tempfiles",
+        "_records",
         "_rng_state",
         "cpu_memory",
         "precision",

@@ -276,3 +276,221 @@ def test_checksums_are_those_of_the_bytes_as_before(tmp_path):
         assert _digest_tensor(t) == before(t)
     z = torch.randn(4, dtype=torch.complex64, generator=g)
     assert _digest_tensor(z.conj()) == before(z.conj().resolve_conj())
+
+
+def _flip_record(path, member, at=0):
+    """Flip one bit of the ``at``-th stored byte of the record ``member`` in place."""
+    import zipfile
+
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(member)
+    off = info.header_offset
+    name_len = int.from_bytes(raw[off + 26 : off + 28], "little")
+    extra_len = int.from_bytes(raw[off + 28 : off + 30], "little")
+    raw[off + 30 + name_len + extra_len + at] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _member(path, suffix):
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return next(n for n in z.namelist() if n.endswith(suffix))
+
+
+def test_a_damaged_structure_record_is_refused_before_it_is_unpickled(tmp_path):
+    net = torch.nn.Linear(3, 2)
+    path = tmp_path / "s.pt"
+    fm.snapshot.save(path, step=5, modules={"net": net}, extra={"note": "x" * 50})
+    _flip_record(path, _member(path, "data.pkl"), at=40)
+    with pytest.raises(
+        fm.snapshot.SnapshotError, match=r"s\.pt is corrupt: .*the numbers and structure"
+    ):
+        fm.snapshot.load(path, modules={"net": torch.nn.Linear(3, 2)})
+
+
+def test_saves_store_crcs_even_when_torch_is_told_not_to(tmp_path):
+    from funcmeta._records import check_records
+
+    net = torch.nn.Linear(3, 2)
+    torch.serialization.set_crc32_options(False)
+    try:
+        fm.snapshot.save(tmp_path / "s.pt", step=1, modules={"net": net})
+        assert not torch.serialization.get_crc32_options()  # the user's setting is kept
+    finally:
+        torch.serialization.set_crc32_options(True)
+    check = check_records(tmp_path / "s.pt")
+    assert check.has_crcs and check.bad == []
+    _flip_record(tmp_path / "s.pt", _member(tmp_path / "s.pt", "data/0"))
+    assert check_records(tmp_path / "s.pt").bad == [_member(tmp_path / "s.pt", "data/0")]
+
+
+def _payload(fmt, net):
+    from funcmeta.snapshot import _random_states
+
+    return {
+        "format": fmt,
+        "step": 2,
+        "modules": {"net": net.state_dict()},
+        "optimizers": {},
+        "generators": {},
+        "random": _random_states(),
+        "extra": {},
+    }
+
+
+def test_a_format_4_file_without_crcs_is_refused(tmp_path):
+    net = torch.nn.Linear(3, 2)
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(_payload(4, net), tmp_path / "s.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with pytest.raises(fm.snapshot.SnapshotError, match="stores no CRC-32 of its records"):
+        fm.snapshot.load(tmp_path / "s.pt", modules={"net": torch.nn.Linear(3, 2)})
+
+
+def test_format_3_files_load_and_their_sha256_checksums_are_checked(tmp_path):
+    """Format 3 kept SHA-256 checksums in the payload; its files still load, and one written
+    without record CRCs (so that only the SHA-256 can catch it) is refused when damaged."""
+    from funcmeta.snapshot import _checksums
+
+    net = torch.nn.Linear(3, 2)
+    payload = _payload(3, net)
+    payload["checksums"] = _checksums(payload)
+    good = tmp_path / "good.pt"
+    torch.save(payload, good)
+    other = torch.nn.Linear(3, 2)
+    assert fm.snapshot.load(good, modules={"net": other}).step == 2
+    assert torch.equal(other.weight, net.weight)
+    bad = tmp_path / "bad.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(payload, bad)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    _flip_record(bad, _member(bad, "data/0"))
+    with pytest.raises(fm.snapshot.SnapshotError, match=r"bad\.pt is corrupt: .*\['net'\]"):
+        fm.snapshot.load(bad, modules={"net": other})
+
+
+def test_a_file_replaced_while_it_is_read_is_refused(tmp_path, monkeypatch):
+    import funcmeta.snapshot as snapshot
+
+    net = torch.nn.Linear(3, 2)
+    path = tmp_path / "s.pt"
+    fm.snapshot.save(path, step=1, modules={"net": net})
+    real = snapshot.torch.load
+
+    def load_after_a_replace(*args, **kwargs):  # another writer renames a new file over it
+        fm.snapshot.save(path, step=2, modules={"net": net})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(snapshot.torch, "load", load_after_a_replace)
+    with pytest.raises(fm.snapshot.SnapshotError, match="replaced or changed while it was read"):
+        fm.snapshot.load(path, modules={"net": torch.nn.Linear(3, 2)})
+
+
+@pytest.mark.parametrize("damage", ["signature", "compressed", "extra-length"])
+def test_record_checks_refuse_damaged_archives(tmp_path, damage):
+    import zipfile
+
+    from funcmeta._records import check_records
+
+    path = tmp_path / "t.pt"
+    torch.save({"w": torch.arange(1000.0)}, path)
+    raw = bytearray(path.read_bytes())
+    if damage == "signature":  # the index survives, a record's local header does not
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo(_member(path, "data/0"))
+        raw[info.header_offset : info.header_offset + 4] = b"XXXX"
+        match = "damaged header"
+    elif damage == "compressed":
+        with zipfile.ZipFile(path) as z, zipfile.ZipFile(tmp_path / "c.pt", "w") as out:
+            for name in z.namelist():
+                out.writestr(name, z.read(name), compress_type=zipfile.ZIP_DEFLATED)
+        raw = bytearray((tmp_path / "c.pt").read_bytes())
+        match = "is compressed"
+    else:
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo(_member(path, "data/0"))
+        raw[info.header_offset + 28] = 0xFF  # a local extra length beyond the file
+        raw[info.header_offset + 29] = 0xFF
+        match = "runs past the end of the file"
+    path.write_bytes(bytes(raw))
+    with pytest.raises((zipfile.BadZipFile, ValueError), match=match):
+        check_records(path)
+    with pytest.raises(fm.snapshot.SnapshotError, match="truncated, corrupt or not a torch file"):
+        fm.snapshot.load(path)
+
+
+def test_only_torchs_own_load_path_goes_without_a_copy_to_put_back():
+    from funcmeta.snapshot import _plain_load
+
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    assert _plain_load(plain)
+    hooked = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    hooked[0]._register_load_state_dict_pre_hook(lambda *a, **k: None)
+    assert not _plain_load(hooked)
+
+    class Own(torch.nn.Linear):
+        def _load_from_state_dict(self, *args, **kwargs):
+            return super()._load_from_state_dict(*args, **kwargs)
+
+    assert not _plain_load(torch.nn.Sequential(Own(2, 3)))
+
+
+def test_a_last_module_that_fails_to_load_puts_everything_back(tmp_path):
+    """A module whose own loading raises (a hook here) keeps a copy to put back, also when
+    it is restored last; the module and optimizer restored before it are put back too."""
+    first, last = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD([*first.parameters(), *last.parameters()], lr=0.1, momentum=0.9)
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    path = tmp_path / "s.pt"
+    fm.snapshot.save(path, step=1, modules={"first": first, "last": last}, optimizers={"o": opt})
+    a, b = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    opt2 = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1, momentum=0.9)
+    before = [t.detach().clone() for t in (a.weight, a.bias, b.weight, b.bias)]
+
+    def refuse(module, state_dict, prefix, *args):  # after the first entry is copied
+        raise RuntimeError("refused by a hook")
+
+    b.register_load_state_dict_post_hook(lambda *args: refuse(*args[:3]))
+    with pytest.raises(
+        fm.snapshot.SnapshotError,
+        match=r"restoring modules\['last'\] failed .*nothing was restored",
+    ):
+        fm.snapshot.load(path, modules={"first": a, "last": b}, optimizers={"o": opt2})
+    assert all(
+        torch.equal(x, y) for x, y in zip(before, (a.weight, a.bias, b.weight, b.bias), strict=True)
+    )
+    assert opt2.state_dict()["state"] == {}
+
+
+def test_a_plain_last_module_whose_device_fails_is_named_as_partly_restored(tmp_path, monkeypatch):
+    """torch's own loading of a last module keeps no copy; if copying into it fails anyway
+    (a device out of memory), the error says that this module may be partly restored and
+    everything else was put back."""
+    first, last = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    path = tmp_path / "s.pt"
+    fm.snapshot.save(path, step=1, modules={"first": first, "last": last})
+    a, b = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    a_before = a.weight.detach().clone()
+    real = torch.Tensor.copy_
+
+    def copy_(self, other, *args, **kwargs):
+        if self is b.bias:
+            raise RuntimeError("out of memory")
+        return real(self, other, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with pytest.raises(
+        fm.snapshot.SnapshotError,
+        match=r"(?s)modules\['last'\] failed .*may be partly restored, the rest was put back",
+    ):
+        fm.snapshot.load(path, modules={"first": a, "last": b})
+    monkeypatch.undo()
+    assert torch.equal(a.weight, a_before)
