@@ -35,6 +35,7 @@ docs: setup-dev
 lint: setup-dev
 	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts docs/conf.py
 	$(PYTHON) scripts/check_layers.py
+	$(PYTHON) -m mypy
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts docs/conf.py
 
 bench: setup-dev

@@ -15,7 +15,7 @@ threshold fixed; peak allocated bytes on CUDA).
 
     python benchmarks/bert_meta.py [--device cpu] [--batch 8] [--steps 5] [--repeats 1]
 
-``tests/test_bert_meta.py`` runs :func:`meta_iteration` on a small config.
+``tests/integration/test_bert_meta.py`` runs :func:`meta_iteration` on a small config.
 """
 
 from __future__ import annotations

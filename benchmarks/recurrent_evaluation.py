@@ -3,7 +3,7 @@ under ``torch.no_grad()`` against a Python loop over the tasks.
 
 With the weights shared and no graph to build, the task-batched call runs the recurrent layer
 once, as torch computes it (oneDNN's fused LSTM on CPU in float32), on the tasks joined to its
-batch (``funcmeta.batching.recurrent``). Each model: ``sequence_tasks.py``'s classifier (an
+batch (``funcmeta._src.batching.recurrent``). Each model: ``sequence_tasks.py``'s classifier (an
 embedding, an ``nn.LSTM`` or ``nn.GRU`` with hidden 128, batch first, and a linear head), on
 T tasks of 25 sequences of 32 tokens. Medians of ``--repeats`` rounds, the two implementations interleaved in one process;
 "agree": the outputs within float32 rounding (1e-5 relative).

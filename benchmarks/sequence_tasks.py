@@ -17,7 +17,7 @@ its speed); "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload 
 cost is printed). Medians of ``--repeats`` meta-iterations, the implementations interleaved
 in one process, each round in a rotated order. "agree": the meta-gradients are within 1% of
 each tensor's largest entry (float32; exactness is tested in float64 by
-tests/test_task_intercept.py and tests/test_task_recurrent.py). Then the peak memory of the
+tests/batching/test_task_intercept.py and tests/batching/test_task_recurrent.py). Then the peak memory of the
 loop and of the batched run: the most tensor memory allocated at once above the start of the
 meta-iteration, from the allocation events of ``torch.profiler`` (a fresh process each).
 Those are the bytes the tensors take, whatever the C allocator does with them: the resident

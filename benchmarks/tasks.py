@@ -163,7 +163,7 @@ def default_choice(fmodel: fm.FunctionalModel, tuning: list[float], ms: float) -
 def agree(grads, ref) -> bool:
     # A float32 sanity check, relative to each tensor's largest entry: second order through
     # conv and BatchNorm amplifies float32 rounding (up to 0.6% seen for conv4 at 4 tasks).
-    # Exactness is checked in float64 by tests/test_tasks.py and tests/test_task_layers.py.
+    # Exactness is checked in float64 by tests/inner/test_tasks.py and tests/batching/test_task_layers.py.
     return all(
         float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
         for a, b in zip(grads, ref, strict=True)

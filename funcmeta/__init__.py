@@ -18,7 +18,6 @@ Example:
 """
 
 from funcmeta import (
-    batching,
     data,
     distributed,
     heads,
@@ -28,26 +27,30 @@ from funcmeta import (
     learned,
     models,
     optim,
-    options,
     recipes,
     remat,
     snapshot,
-    tasks,
     tree,
-    types,
 )
-from funcmeta.batching.tune import tune_task_chunk
-from funcmeta.cpu_memory import keep_freed_memory
-from funcmeta.evaluation import Evaluation, evaluate
-from funcmeta.functional import FunctionalModel, functional_model
-from funcmeta.inner import adapt
-from funcmeta.inputs import Args
-from funcmeta.optim.base import apply_updates
-from funcmeta.options import AdaptOptions
-from funcmeta.precision import exact_float32
-from funcmeta.remat.replay import recomputing
-from funcmeta.tasks import adapt_tasks, apply_tasks, task_losses
-from funcmeta.types import AdaptResult, LossFn, NonFiniteError
+from funcmeta._src.core.precision import exact_float32 as exact_float32
+from funcmeta._src.core.replay import recomputing as recomputing
+from funcmeta._src.core.types import AdaptResult as AdaptResult
+from funcmeta._src.core.types import LossFn as LossFn
+from funcmeta._src.core.types import NonFiniteError as NonFiniteError
+from funcmeta._src.inner.adapt import adapt as adapt
+from funcmeta._src.inner.inputs import Args as Args
+from funcmeta._src.inner.model import functional_model as functional_model
+from funcmeta._src.inner.options import AdaptOptions as AdaptOptions
+from funcmeta._src.inner.options import takes_options as takes_options
+from funcmeta._src.inner.tasks import adapt_tasks as adapt_tasks
+from funcmeta._src.inner.tasks import apply_tasks as apply_tasks
+from funcmeta._src.inner.tasks import task_losses as task_losses
+from funcmeta._src.inner.tune import tune_task_chunk as tune_task_chunk
+from funcmeta._src.module.functional import FunctionalModel as FunctionalModel
+from funcmeta._src.optim.base import apply_updates as apply_updates
+from funcmeta.cpu_memory import keep_freed_memory as keep_freed_memory
+from funcmeta.evaluation import Evaluation as Evaluation
+from funcmeta.evaluation import evaluate as evaluate
 
 __version__ = "0.1.0"
 
@@ -64,7 +67,6 @@ __all__ = [
     "adapt_tasks",
     "apply_tasks",
     "apply_updates",
-    "batching",
     "data",
     "distributed",
     "evaluate",
@@ -77,24 +79,13 @@ __all__ = [
     "keep_freed_memory",
     "learned",
     "models",
-    "options",
     "optim",
     "recipes",
     "recomputing",
     "remat",
     "snapshot",
+    "takes_options",
     "task_losses",
-    "tasks",
     "tree",
     "tune_task_chunk",
-    "types",
 ]
-
-
-def __getattr__(name: str) -> object:
-    """The deprecated module aliases, imported (and warning) only when used."""
-    if name in ("checkpoint", "kernels", "replay", "tune"):
-        import importlib
-
-        return importlib.import_module(f"funcmeta.{name}")
-    raise AttributeError(f"module 'funcmeta' has no attribute {name!r}")

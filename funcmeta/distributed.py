@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from funcmeta import tree
-from funcmeta._check import check_real
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_real
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -21,15 +21,15 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.types import NonFiniteError
+from funcmeta._src.inner.adapt import adapt
+from funcmeta._src.inner.inputs import check_model
+from funcmeta._src.inner.tasks import adapt_tasks, apply_tasks
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
 from funcmeta.data.episodes import EpisodeBatch, Episodes
-from funcmeta.functional import FunctionalModel
-from funcmeta.inner import adapt
-from funcmeta.inputs import check_model
-from funcmeta.optim.base import GradientTransformation
 from funcmeta.recipes.protonet import embed_episodes, prototype_logits
-from funcmeta.tasks import adapt_tasks, apply_tasks
-from funcmeta.types import NonFiniteError
 
 __all__ = ["Evaluation", "evaluate", "mean_ci"]
 
@@ -204,6 +204,7 @@ def evaluate(
                 z_s, z_q = embed_episodes(fmodel, params, batch.x_support, batch.x_query, buffers)
                 logits = (head or prototype_logits)(z_s, batch.y_support, z_q, ways)
             else:
+                assert opt is not None and steps is not None  # checked above for "adapt"
                 logits = _adapted_logits(
                     fmodel,
                     params,

@@ -28,15 +28,15 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcmeta import tree
-from funcmeta._check import check_int, check_real
-from funcmeta.tree import Tree
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_int, check_real
+from funcmeta._src.core.tree import Tree
 
 __all__ = [
     "HyperTree",
@@ -101,6 +101,7 @@ class HyperTree(nn.Module):
         self.groups = groups
         self._spec = spec
         self._group_of = group_of
+        self.raw: nn.ParameterList | nn.Parameter
         if isinstance(raw, list):
             self.raw = nn.ParameterList([nn.Parameter(r) for r in raw])
         else:
@@ -127,15 +128,19 @@ class HyperTree(nn.Module):
         """The values for inner step ``step`` (0-based; ignored unless ``steps`` was given)."""
         self._check_step(step)
         per_step = self.steps is not None
+        # the builders give every kind but scalar a spec, per_element a ParameterList, the
+        # other kinds one Parameter and a group_of
         if self.kind == "per_element":
             values = [self._transform(r[step] if per_step else r) for r in self.raw]
-            return tree.unflatten(self._spec, values)
-        raw = self.raw[step] if per_step else self.raw
+            return tree.unflatten(cast(tree.PyTreeSpec, self._spec), values)
+        whole = cast(nn.Parameter, self.raw)
+        raw = whole[step] if per_step else whole
         value = self._transform(raw)
         if self.kind == "scalar":
             return value
         by_group = value.unbind(0)
-        return tree.unflatten(self._spec, [by_group[i] for i in self._group_of])
+        groups = [by_group[i] for i in cast(list[int], self._group_of)]
+        return tree.unflatten(cast(tree.PyTreeSpec, self._spec), groups)
 
     def _index(self, name: str) -> int:
         try:
@@ -154,7 +159,8 @@ class HyperTree(nn.Module):
         i = self._index(name)
         if self.kind == "per_element":
             return self.raw[i]
-        return self.raw[..., i] if self.kind != "scalar" else self.raw
+        whole = cast(nn.Parameter, self.raw)  # one Parameter for every other kind
+        return whole[..., i] if self.kind != "scalar" else whole
 
     def value_for(self, name: str, step: int | None = None) -> Tensor:
         """The value of group ``name`` at ``step``, after the parameterisation."""

@@ -49,10 +49,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from torch import Tensor, nn
 
-from funcmeta._check import check_int
+from funcmeta._src.core.checks import check_int
 
 __all__ = ["ResidualBlock", "conv4", "conv4_miniimagenet", "conv4_omniglot", "resnet12"]
 
@@ -110,12 +111,14 @@ def conv4(
 
 def conv4_omniglot(out_features: int | None, **kwargs: int | bool) -> nn.Sequential:
     """conv4 for 1x28x28 Omniglot: 64 filters, 64 features."""
-    return conv4(out_features, **{"in_channels": 1, "hidden": 64, "image_size": 28, **kwargs})
+    options: dict[str, Any] = {"in_channels": 1, "hidden": 64, "image_size": 28, **kwargs}
+    return conv4(out_features, **options)
 
 
 def conv4_miniimagenet(out_features: int | None, **kwargs: int | bool) -> nn.Sequential:
     """conv4 for 3x84x84 mini-ImageNet: 32 filters, 800 features."""
-    return conv4(out_features, **{"in_channels": 3, "hidden": 32, "image_size": 84, **kwargs})
+    options: dict[str, Any] = {"in_channels": 3, "hidden": 32, "image_size": 84, **kwargs}
+    return conv4(out_features, **options)
 
 
 class ResidualBlock(nn.Module):

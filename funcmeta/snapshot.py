@@ -58,10 +58,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from funcmeta._check import check_int
-from funcmeta._records import RecordCheck, check_records, compute_crc32, identity
-from funcmeta._rng_state import check_state, get_state, set_state
-from funcmeta._tempfiles import make_temp, remove_stale
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.records import RecordCheck, check_records, compute_crc32, identity
+from funcmeta._src.core.rng_state import check_state, get_state, set_state
+from funcmeta._src.core.tempfiles import make_temp, remove_stale
 
 __all__ = ["FORMAT", "Snapshot", "SnapshotError", "load", "save"]
 
@@ -156,7 +156,7 @@ def _check_extra(value: Any, where: str, path: frozenset[int] = frozenset()) -> 
                 _check_extra(item, f"{where}[{i}]", inner)
         return
     if isinstance(value, Tensor):
-        convert = "x.as_subclass(torch.Tensor)"
+        convert: str | None = "x.as_subclass(torch.Tensor)"
     else:
         convert = next((c for base, c in _CONVERT.items() if isinstance(value, base)), None)
     hint = f"; convert it ({convert}) before saving" if convert else ""
@@ -493,7 +493,9 @@ def load(
     return Snapshot(payload["step"], payload["extra"])
 
 
-def _check_shapes(path: Path, modules: Mapping[str, nn.Module], saved: Mapping[str, Any]) -> None:
+def _check_shapes(
+    path: str | os.PathLike[str], modules: Mapping[str, nn.Module], saved: Mapping[str, Any]
+) -> None:
     """Every saved module state has the module's entries and shapes, checked before anything
     is restored."""
     for name, module in modules.items():

@@ -1,75 +1,49 @@
-"""The import-layering check of ``make lint``: funcmeta's modules import only from lower layers,
-and only the fence module touches torch's private internals.
+"""The floor plan of funcmeta, checked: the package rule and the fence.
 
-The layers, bottom up, are :data:`LAYERS` (docs/design.md draws them). A module may import a
-module of its own layer or of a lower one; modules of one layer must not import each other in
-a cycle (Python would fail on that anyway). A package's ``__init__`` belongs to the layer of
-its highest module: it only re-exports.
+Packages, lowest first; a module imports from its own package or from lower rows only, and
+two packages of one row never import each other::
 
-    python scripts/check_layers.py            # exit 1 and a list of violations, if any
+    0  _src.core                       tree, checks, types, the torch fence, kernels, replay
+    1  _src.optim                      the optimizers as pure (init, update) pairs
+    2  _src.module                     FunctionalModel, the shadow base, the executor protocol
+    3  _src.remat | _src.batching      rematerialisation | the task executor
+    4  _src.inner                      the batch, forward, the loop, adapt and adapt_tasks
+    5  the public modules and packages (everything outside _src)
+    6  the facade (funcmeta/__init__.py)
+
+Only ``_src/core/fence.py`` touches torch's (and Python's) private internals; the check reads
+code only (strings and comments are skipped), with no exceptions.
+
+    python scripts/check_layers.py
 """
 
 from __future__ import annotations
 
 import ast
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "funcmeta"
 
-LAYERS: list[list[str]] = [
-    # 0: no funcmeta imports
-    [
-        "_check",
-        "_deprecated",
-        "_tempfiles",
-        "_records",
-        "_rng_state",
-        "cpu_memory",
-        "precision",
-        "_torch_private",
-        "tree",
-        "remat.replay",
-        "models",
-        "types",
-        "data.*",
-    ],
-    # 1: kernels, optimizers, hyperparameters, the module shadow
-    ["remat.kernels", "remat.scope", "optim.*", "hyper", "remat.shadow", "distributed", "snapshot"],
-    # 2: the vmap glue and what runs on it
-    [
-        "batching.vmap",
-        "batching.auto",
-        "batching.fallback",
-        "batching.intercept",
-        "batching.packed",
-        "batching.recurrent",
-        "batching.layer_norm",
-        "batching.cells",
-        "batching.attention",
-        "batching.layers",
-        "remat.engine",
-        "implicit.*",
-        "learned.*",
-        "heads",
-    ],
-    # 3: per-layer checkpointing (a checkpointed layer under vmap leaves the vmap level)
-    ["remat.layers", "remat.takeover", "remat", "checkpoint", "kernels", "replay"],
-    # 4: the public core
-    ["functional", "options", "inputs", "forward"],
-    ["_loop"],
-    ["inner", "tasks"],
-    # 5: what is built on the inner loop
-    ["batching.tune", "batching", "tune", "recipes.*", "evaluation"],
+ROWS: list[list[str]] = [
+    ["_src.core"],
+    ["_src.optim"],
+    ["_src.module"],
+    ["_src.remat", "_src.batching"],
+    ["_src.inner"],
+    ["public"],
     ["__init__"],
 ]
 
-FENCE = "_torch_private"
+FENCE = "_src.core.fence"
 PRIVATE = re.compile(
-    r"torch\._C\b|torch\.utils\._|\._parameters\b|\._buffers\b|\._modules\b|"
+    r"torch\._C\b|torch\.utils\._|torch\._functorch|\._parameters\b|\._buffers\b|\._modules\b|"
     r"_(?:forward|backward)(?:_pre)?_hooks\b|_conv_forward\b|_reversed_padding_repeated_twice|"
-    r"cudnn\.enabled\b|_is_fastpath_enabled|__dict__\[\"_(?:parameters|buffers|modules)\"\]"
+    r"cudnn\.enabled\b|_is_fastpath_enabled|_qkv_same_embed_dim|sys\._getframe|"
+    r"\.__code__\b|\.f_locals\b|\.f_back\b|\.co_\w+|__dict__\[\"_(?:parameters|buffers|modules)\"\]"
 )
 
 
@@ -80,19 +54,26 @@ def module_name(path: Path, root: Path = ROOT) -> str:
     return ".".join(parts)
 
 
-def layer_of(name: str) -> int:
-    for i, layer in enumerate(LAYERS):
-        for pattern in layer:
-            if name == pattern or (pattern.endswith(".*") and name.startswith(pattern[:-1])):
-                return i
-            if pattern.endswith(".*") and name == pattern[:-2]:
-                return i
-    raise KeyError(name)
+def package_of(name: str) -> str:
+    """The package of the module ``name``: ``_src.<part>``, ``public`` or ``__init__``."""
+    if name == "__init__":
+        return "__init__"
+    if name == "_src":
+        return "_src.core"
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "_src" else "public"
+
+
+def row_of(package: str) -> int:
+    for i, row in enumerate(ROWS):
+        if package in row:
+            return i
+    raise KeyError(package)
 
 
 def imports(path: Path, root: Path = ROOT) -> set[str]:
-    """The funcmeta modules ``path`` imports (``from funcmeta import tree`` is ``tree``,
-    ``from funcmeta.remat import kernels`` is ``remat.kernels`` where that module exists)."""
+    """The funcmeta modules ``path`` imports (``from funcmeta._src.core import tree`` is
+    ``_src.core.tree``; a name from a package is the package)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -113,34 +94,51 @@ def imports(path: Path, root: Path = ROOT) -> set[str]:
     return found
 
 
+def code_lines(text: str) -> dict[int, str]:
+    """Each line's code with strings and comments taken out, by line number."""
+    lines: dict[int, list[str]] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type in (tokenize.STRING, tokenize.COMMENT) or tok.type >= tokenize.N_TOKENS:
+            continue
+        if sys.version_info >= (3, 12) and tok.type in (
+            tokenize.FSTRING_START,
+            tokenize.FSTRING_MIDDLE,
+            tokenize.FSTRING_END,
+        ):
+            continue
+        lines.setdefault(tok.start[0], []).append(tok.string)
+    return {n: " ".join(parts) for n, parts in lines.items()}
+
+
 def violations(root: Path = ROOT) -> list[str]:
-    """Every upward import and every private access outside the fence, in the package at
-    ``root``."""
+    """Every import against the package rule and every private access outside the fence, in
+    the package at ``root``."""
     out = []
     files = sorted(root.rglob("*.py"))
     known = {module_name(p, root) for p in files}
     for path in files:
         name = module_name(path, root)
-        try:
-            mine = layer_of(name)
-        except KeyError:
-            out.append(f"funcmeta.{name}: in no layer of scripts/check_layers.py")
-            continue
+        mine = package_of(name)
         for dep in sorted(imports(path, root)):
             if dep not in known:
-                continue  # a name from a package (from funcmeta.optim import sgd), checked there
-            if layer_of(dep) > mine:
+                continue
+            theirs = package_of(dep)
+            if theirs == mine:
+                continue
+            if row_of(theirs) >= row_of(mine):
+                kind = "a sideways" if row_of(theirs) == row_of(mine) else "an upward"
                 out.append(
-                    f"funcmeta.{name} (layer {mine}) imports funcmeta.{dep} (layer "
-                    f"{layer_of(dep)}): an upward import"
+                    f"funcmeta.{name} ({mine}, row {row_of(mine)}) imports funcmeta.{dep} "
+                    f"({theirs}, row {row_of(theirs)}): {kind} import"
                 )
         if name != FENCE:
-            for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-                code = line.split("#", 1)[0]
-                if PRIVATE.search(code) and "``" not in code:
+            text = path.read_text()
+            source = text.splitlines()
+            for lineno, code in sorted(code_lines(text).items()):
+                if PRIVATE.search(code.replace(" . ", ".").replace(" .", ".").replace(". ", ".")):
                     out.append(
-                        f"funcmeta/{path.relative_to(root)}:{lineno}: touches torch's private "
-                        f"internals outside funcmeta/_torch_private.py: {line.strip()}"
+                        f"funcmeta/{path.relative_to(root)}:{lineno}: touches private "
+                        f"internals outside funcmeta/_src/core/fence.py: {source[lineno - 1].strip()}"
                     )
     return out
 

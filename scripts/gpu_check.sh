@@ -37,9 +37,7 @@ run() {  # a titled section: the command's output, into the report
 
 {
     echo "# GPU check: $($PYTHON -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)'), Python $($PYTHON -c 'import platform; print(platform.python_version())'), $(date -u +%Y-%m-%d)"
-    run "CUDA tests" $PYTHON -m pytest -q -p no:cacheprovider -m cuda \
-        tests/test_cuda.py tests/test_cuda_models.py tests/test_checkpoint.py \
-        tests/test_task_packed.py tests/test_tasks.py
+    run "CUDA tests" $PYTHON -m pytest -q -p no:cacheprovider -m cuda tests
     run "The motivating scenario: 40 self-checkpointed blocks of width 768, 4096 rows, fp16 + GradScaler" \
         $PYTHON examples/checkpointed_maml.py --device cuda --width 768 --rows 4096 --iterations 10 --repeats 3
     run "Per-layer checkpointing: funcmeta's layers and the model's own checkpoints (residual MLP, 5 steps)" \

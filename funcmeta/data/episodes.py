@@ -18,8 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
-from funcmeta.data._batch import query_pair, support_pair
+from funcmeta._src.core.checks import check_int
 
 __all__ = ["EpisodeBatch", "Episodes", "omniglot_characters", "split_classes"]
 
@@ -38,8 +37,16 @@ class EpisodeBatch(NamedTuple):
     y_query: Tensor
     classes: Tensor
 
-    support = support_pair
-    query = query_pair
+    @property
+    def support(self) -> tuple[Tensor, Tensor]:
+        """``(x_support, y_support)``: the support batch, as the recipes and
+        :func:`funcmeta.adapt_tasks` take it."""
+        return (self.x_support, self.y_support)
+
+    @property
+    def query(self) -> tuple[Tensor, Tensor]:
+        """``(x_query, y_query)``: the query batch."""
+        return (self.x_query, self.y_query)
 
 
 def split_classes(

@@ -32,12 +32,12 @@ import functools
 import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, cast
 
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
+from funcmeta._src.core.checks import check_int
 from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta.data._files import check_sha256, safe_members
 from funcmeta.data.episodes import EpisodeBatch
@@ -87,7 +87,8 @@ def _folder_drawings(folder: Path) -> dict[str, list[tuple[str, Opener]]]:
         files = sorted(character.glob("*.png"))
         if files:
             key = f"{character.parent.name}/{character.name}"
-            drawings[key] = [(str(f), functools.partial(f.open, "rb")) for f in files]
+            # typeshed's partial takes Path.open's first (text) overload: this one is binary
+            drawings[key] = [(str(f), cast(Opener, functools.partial(f.open, "rb"))) for f in files]
     return drawings
 
 
@@ -204,8 +205,10 @@ def load_omniglot(
                     continue
                 decoded[base], found_in[base] = stack, s
     decoded = dict(sorted(decoded.items()))
-    where = " and ".join(str(w) for w in wheres)
-    images, labels, names = [], [], []
+    searched = " and ".join(str(w) for w in wheres)
+    images: list[Tensor] = []
+    labels: list[Tensor] = []
+    names: list[str] = []
     for base, stack in decoded.items():
         if invert:
             stack = 1 - stack
@@ -215,7 +218,7 @@ def load_omniglot(
             labels.append(torch.full((len(stack),), len(names)))
             names.append(base if k == 0 else f"{base}/rot{90 * k}")
     if not images:
-        raise ValueError(f"no PNG drawings under {where}")
+        raise ValueError(f"no PNG drawings under {searched}")
     return torch.cat(images), torch.cat(labels), names
 
 
@@ -245,7 +248,7 @@ def _run_files(source: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Ope
         return _zip_members(source, stack), f"{source}:"
     base = source / "all_runs" if (source / "all_runs").is_dir() else source
     files = {
-        p.relative_to(base).as_posix(): functools.partial(p.open, "rb")
+        p.relative_to(base).as_posix(): cast(Opener, functools.partial(p.open, "rb"))
         for p in sorted(base.glob("run*/**/*"))
         if p.is_file()
     }

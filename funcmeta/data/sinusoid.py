@@ -11,8 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
-from funcmeta.data._batch import query_pair, support_pair
+from funcmeta._src.core.checks import check_int
 
 __all__ = ["Sinusoid", "SinusoidBatch"]
 
@@ -30,8 +29,16 @@ class SinusoidBatch(NamedTuple):
     amplitude: Tensor
     phase: Tensor
 
-    support = support_pair
-    query = query_pair
+    @property
+    def support(self) -> tuple[Tensor, Tensor]:
+        """``(x_support, y_support)``: the support batch, as the recipes and
+        :func:`funcmeta.adapt_tasks` take it."""
+        return (self.x_support, self.y_support)
+
+    @property
+    def query(self) -> tuple[Tensor, Tensor]:
+        """``(x_query, y_query)``: the query batch."""
+        return (self.x_query, self.y_query)
 
 
 def _check_range(name: str, lo_hi: tuple[float, float]) -> tuple[float, float]:

@@ -41,10 +41,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from funcmeta import tree
-from funcmeta._torch_private import peek_interpreter_stack
+from funcmeta._src.core import tree
+from funcmeta._src.core.fence import peek_interpreter_stack
+from funcmeta._src.core.tree import Tree
 from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
-from funcmeta.tree import Tree
 
 __all__ = ["ConvergenceError", "Report", "root"]
 
@@ -119,7 +119,9 @@ def _check_graph(outs: list[Tensor], xs: list[Tensor], params: list[Tensor]) -> 
     solution = {id(t) for t in xs}
     reached = False
     seen: dict[int, Any] = {}  # holds the nodes: a freed wrapper's id can be reused
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    stack: list[torch.autograd.graph.Node | None] = [
+        t.grad_fn for t in outs if t.grad_fn is not None
+    ]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:

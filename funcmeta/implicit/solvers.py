@@ -32,14 +32,14 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
-from funcmeta import tree
-from funcmeta._check import check_int
-from funcmeta.tree import Tree
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.tree import Tree
 
 __all__ = ["CG", "ConvergenceWarning", "Neumann", "NormalCG", "Solution", "Solver"]
 
@@ -74,7 +74,8 @@ class Solution(NamedTuple):
 
 def _dot(a: list[Tensor], b: list[Tensor], batch_dims: int) -> Tensor:
     """Inner products per system: shape of the leading ``batch_dims`` axes."""
-    return sum((u * v).flatten(batch_dims).sum(-1) for u, v in zip(a, b, strict=True))
+    # a tensor: _System refuses an empty right-hand side, so the sum has a term
+    return cast(Tensor, sum((u * v).flatten(batch_dims).sum(-1) for u, v in zip(a, b, strict=True)))
 
 
 def _expand(s: Tensor, like: Tensor) -> Tensor:

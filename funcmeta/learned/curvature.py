@@ -30,16 +30,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from funcmeta import tree
-from funcmeta._check import check_int
-from funcmeta.optim.base import GradientTransformation
-from funcmeta.tree import Tree
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.tree import Tree
+from funcmeta._src.optim.base import GradientTransformation
 
 __all__ = ["MetaCurvature", "MetaCurvatureState"]
 
 
 class MetaCurvatureState(NamedTuple):
-    count: int
+    count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
 
 
 def _modes(shape: torch.Size) -> list[int]:

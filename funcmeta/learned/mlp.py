@@ -39,22 +39,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcmeta import tree
-from funcmeta._check import check_int
-from funcmeta.optim.base import GradientTransformation, safe_sqrt
-from funcmeta.tree import Tree
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.tree import Tree
+from funcmeta._src.optim.base import GradientTransformation, safe_sqrt
 
 __all__ = ["LearnedOptimizer", "LearnedOptimizerState"]
 
 
 class LearnedOptimizerState(NamedTuple):
-    count: int
+    count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
     momenta: tuple[Tree, ...]
     nu: Tree
 
@@ -130,7 +130,7 @@ class LearnedOptimizer(nn.Module):
 
     @property
     def num_features(self) -> int:
-        return self.net[0].in_features
+        return cast(nn.Linear, self.net[0]).in_features  # the first layer is a Linear
 
     def features(
         self, g: Tensor, p: Tensor, momenta: list[Tensor], nu: Tensor, count: int
@@ -177,9 +177,9 @@ class LearnedOptimizer(nn.Module):
                     "the learned optimizer reads the parameters: call update(grads, state, params)"
                 )
             g, spec = tree.flatten(updates)
-            p = spec.flatten_up_to(params)
-            nus = spec.flatten_up_to(state.nu)
-            moms = [spec.flatten_up_to(m) for m in state.momenta]
+            p = cast(list[Tensor], spec.flatten_up_to(params))
+            nus = cast(list[Tensor], spec.flatten_up_to(state.nu))
+            moms = [cast(list[Tensor], spec.flatten_up_to(m)) for m in state.momenta]
             new_nu = [
                 self.beta2 * v + (1 - self.beta2) * x * x for v, x in zip(nus, g, strict=True)
             ]

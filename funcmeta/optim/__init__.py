@@ -5,7 +5,7 @@ as their ``torch.optim`` namesakes with the same arguments, and are differentiab
 gradients, the parameters, the state and every hyperparameter. :func:`from_torch` converts a
 configured ``torch.optim`` optimizer, parameter groups included. A hyperparameter may be a
 number, a tensor, a tree of tensors that is a prefix of the parameter tree (per layer, per
-tensor, per element) or a per-step schedule; see :mod:`funcmeta.optim.values`.
+tensor, per element) or a per-step schedule; see :mod:`funcmeta._src.optim.values`.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -21,29 +21,26 @@ Example:
     True
 """
 
-from funcmeta._deprecated import renamed
-from funcmeta.optim.adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
-from funcmeta.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
-from funcmeta.optim.base import (
+from funcmeta._src.optim.adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
+from funcmeta._src.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
+from funcmeta._src.optim.base import (
     GradientTransformation,
     InitFn,
     UpdateFn,
     apply_updates,
     chain,
-    has_task_axis,
     safe_sqrt,
     step,
-    task_axis,
     with_descend,
 )
-from funcmeta.optim.clip import (
+from funcmeta._src.optim.clip import (
     ClipState,
     clip_by_global_norm,
     clip_grads_by_global_norm,
     global_norm,
 )
-from funcmeta.optim.from_torch import from_torch
-from funcmeta.optim.primitives import (
+from funcmeta._src.optim.from_torch import from_torch
+from funcmeta._src.optim.primitives import (
     AddDecayedWeightsState,
     AddProximalState,
     ScaleByLearningRateState,
@@ -53,9 +50,9 @@ from funcmeta.optim.primitives import (
     momentum_trace,
     scale_by_learning_rate,
 )
-from funcmeta.optim.rmsprop import ScaleByRmsState, rmsprop, scale_by_rms
-from funcmeta.optim.sgd import sgd
-from funcmeta.optim.values import Hyperparameter
+from funcmeta._src.optim.rmsprop import ScaleByRmsState, rmsprop, scale_by_rms
+from funcmeta._src.optim.sgd import sgd
+from funcmeta._src.optim.values import Hyperparameter
 
 __all__ = [
     "AddDecayedWeightsState",
@@ -81,7 +78,6 @@ __all__ = [
     "clip_grads_by_global_norm",
     "from_torch",
     "global_norm",
-    "has_task_axis",
     "momentum_trace",
     "rmsprop",
     "safe_sqrt",
@@ -91,8 +87,5 @@ __all__ = [
     "scale_by_rms",
     "sgd",
     "step",
-    "task_axis",
     "with_descend",
 ]
-
-__getattr__ = renamed("funcmeta.optim", {"trace": ("momentum_trace", "beside torch.trace")})

@@ -8,12 +8,12 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_model, split_batch, task_count
-from funcmeta.optim.base import GradientTransformation
-from funcmeta.optim.sgd import sgd
-from funcmeta.tasks import task_losses
-from funcmeta.types import AdaptResult, LossFn
+from funcmeta._src.core.types import AdaptResult, LossFn
+from funcmeta._src.inner.inputs import check_model, split_batch, task_count
+from funcmeta._src.inner.tasks import task_losses
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
+from funcmeta._src.optim.sgd import sgd
 
 __all__ = ["RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
 

@@ -27,15 +27,15 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_model
-from funcmeta.optim.base import GradientTransformation
-from funcmeta.options import takes_options
+from funcmeta._src.core.tree import Filter
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.inputs import check_model
+from funcmeta._src.inner.options import takes_options
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.maml import maml
 from funcmeta.recipes.protonet import embed_episodes
-from funcmeta.tree import Filter
-from funcmeta.types import LossFn
 
 __all__ = ["anil"]
 

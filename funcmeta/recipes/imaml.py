@@ -29,21 +29,21 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int, check_real
-from funcmeta.functional import FunctionalModel
+from funcmeta._src.core import kernels
+from funcmeta._src.core.checks import check_int, check_real
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.tasks import adapt_tasks, task_losses
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation, chain
+from funcmeta._src.optim.primitives import add_proximal
 from funcmeta.implicit.solvers import CG, ConvergenceWarning
-from funcmeta.optim.base import GradientTransformation, chain
-from funcmeta.optim.primitives import add_proximal
-from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult, check_recipe, resolve_opt
-from funcmeta.remat import kernels
-from funcmeta.tasks import adapt_tasks, task_losses
-from funcmeta.types import LossFn
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
 
@@ -130,7 +130,8 @@ def imaml(
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:
         """``(1 + damping) v + H v / (lam + lam_damping)`` per task (the tasks are
         independent: one Hessian-vector product of the summed support losses)."""
-        dot = sum((g * v[k]).sum() for g, k in zip(grads, free, strict=True))
+        # a tensor: free holds a parameter (adapt_tasks refuses a call without one)
+        dot = cast(Tensor, sum((g * v[k]).sum() for g, k in zip(grads, free, strict=True)))
         hv = torch.autograd.grad(dot, list(free.values()), retain_graph=True)
         return {
             k: (1 + damping) * v[k] + h / (lam + lam_damping) for k, h in zip(free, hv, strict=True)
@@ -177,7 +178,10 @@ def _check_convergence(
     if adapted.losses.shape[0] == 0:
         return
     start = adapted.losses[0].detach()
-    proximal = sum((free[k].detach() - theta[k]).pow(2).flatten(1).sum(1) for k in free)
+    # a tensor: free holds a parameter (adapt_tasks refuses a call without one)
+    proximal = cast(
+        Tensor, sum((free[k].detach() - theta[k]).pow(2).flatten(1).sum(1) for k in free)
+    )
     proximal = proximal * (lam / 2)
     end = support_losses + proximal
     rising = (~(end <= start)).nonzero().flatten().tolist()

@@ -16,12 +16,12 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta.functional import FunctionalModel
-from funcmeta.optim.base import GradientTransformation
-from funcmeta.options import takes_options
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.tasks import adapt_tasks
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
 from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
-from funcmeta.tasks import adapt_tasks
-from funcmeta.types import LossFn
 
 __all__ = ["fomaml", "maml"]
 

@@ -19,19 +19,19 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
-from funcmeta.functional import FunctionalModel
-from funcmeta.optim.sgd import sgd
-from funcmeta.options import takes_options
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.tree import Tree
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.tasks import adapt_tasks
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.sgd import sgd
 from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss
-from funcmeta.tasks import adapt_tasks
-from funcmeta.tree import Tree
-from funcmeta.types import LossFn
 
 __all__ = ["mamlpp", "mamlpp_step_weights"]
 
@@ -109,7 +109,8 @@ def mamlpp(
         new_buffers.append(_across_tasks(adapted.buffers))
         step_loss, logits = query_loss(fmodel, params, loss_fn, query, adapted.buffers)
         total = total + weights[k].to(step_loss.dtype) * step_loss
-    return RecipeResult(total, step_loss.detach(), adapted, step_buffers=new_buffers, logits=logits)
+    loss = cast(Tensor, total)  # a tensor: steps >= 1 (checked above)
+    return RecipeResult(loss, step_loss.detach(), adapted, step_buffers=new_buffers, logits=logits)
 
 
 def _across_tasks(buffers: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcmeta import tree
-from funcmeta.functional import FunctionalModel
+from funcmeta._src.core import tree
+from funcmeta._src.core.tree import Tree
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.options import takes_options
+from funcmeta._src.module.functional import FunctionalModel
 from funcmeta.hyper import HyperTree, per_element
-from funcmeta.options import takes_options
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.maml import maml
-from funcmeta.tree import Tree
-from funcmeta.types import LossFn
 
 __all__ = ["metasgd", "metasgd_rates"]
 

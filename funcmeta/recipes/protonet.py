@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
-from funcmeta.functional import FunctionalModel
-from funcmeta.inputs import check_model
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.inputs import check_model
+from funcmeta._src.inner.tasks import apply_tasks
+from funcmeta._src.module.functional import FunctionalModel
 from funcmeta.recipes._common import RecipeResult
-from funcmeta.tasks import apply_tasks
-from funcmeta.types import LossFn
 
 __all__ = ["prototype_logits", "protonet"]
 

@@ -29,11 +29,11 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta.functional import FunctionalModel
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.module.functional import FunctionalModel
 from funcmeta.heads import RidgeHead
 from funcmeta.recipes._common import RecipeResult
 from funcmeta.recipes.protonet import classify_embeddings
-from funcmeta.types import LossFn
 
 __all__ = ["r2d2"]
 

@@ -18,18 +18,18 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from funcmeta._check import check_int
-from funcmeta.functional import FunctionalModel
-from funcmeta.optim.base import GradientTransformation
-from funcmeta.options import takes_options
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.tasks import adapt_tasks
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
 from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
-from funcmeta.tasks import adapt_tasks
-from funcmeta.types import LossFn
 
 __all__ = ["reptile"]
 
@@ -80,7 +80,8 @@ def reptile(
             if query is None
             else query_loss(fmodel, phi, loss_fn, query, adapted.buffers)
         )
-    surrogate = sum((params[k] * d).sum() for k, d in displacement.items())
+    # a tensor: adapt_tasks refuses a call without parameters to adapt, so the sum has a term
+    surrogate = cast(Tensor, sum((params[k] * d).sum() for k, d in displacement.items()))
     return RecipeResult(surrogate, evaluated, adapted, logits=logits)
 
 
@@ -124,4 +125,5 @@ def _minibatch_steps(
         adapted = adapt_tasks(fmodel, params, loss_fn, batch, opt, steps=1, state=state, **options)
         params, state = adapted.params, adapted.state
         losses.append(adapted.losses)
+    assert adapted is not None  # steps >= 1 (checked above): the loop ran
     return adapted._replace(losses=torch.cat(losses))

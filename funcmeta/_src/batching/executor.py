@@ -1,0 +1,186 @@
+"""The task executor: runs a functional model on task-batched inputs as one computation, with
+the meta-gradients of a loop over the tasks, or once per task where the model cannot run
+under ``vmap``; it owns the chunk choice and the report of which layers ran once per task.
+
+:func:`funcmeta.functional_model` gives every model one (see
+:mod:`funcmeta._src.module.executor`). The stand-ins for layer families
+(:mod:`~funcmeta._src.batching.layers`) run inside the task runner it is built with.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> fmodel = fm.functional_model(torch.nn.Linear(3, 1), task_chunk=None)
+    >>> type(fmodel.executor).__name__, fmodel.task_loop
+    ('TaskExecutor', None)
+    >>> p = {k: v.expand(4, *v.shape) for k, v in fmodel.params.items()}
+    >>> out = torch.func.vmap(fmodel)(p, torch.randn(4, 5, 3))
+    >>> fmodel.task_loop
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from funcmeta._src.batching import packed
+from funcmeta._src.batching.chunks import ChunkTuner
+from funcmeta._src.batching.fallback import describe_refusal
+from funcmeta._src.batching.intercept import TaskMode, task_mode
+from funcmeta._src.batching.layers import task_standins
+from funcmeta._src.batching.recurrent import reporting
+from funcmeta._src.core import kernels
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.fence import is_vmap_refusal
+from funcmeta._src.core.replay import recomputation
+from funcmeta._src.core.vmap import any_batched, call_outside_vmap
+from funcmeta._src.module.functional import Swap, execute
+
+if TYPE_CHECKING:
+    from funcmeta._src.module.functional import FunctionalModel
+
+__all__ = ["TaskExecutor"]
+
+RunnerBuilder = Callable[[dict[str, Any]], tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]]
+"""Builds a runner (a shadow of the module) with the given stand-ins in place: what
+per-layer checkpointing adds around them is the builder's business."""
+
+_FAST_PATH_LAYERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
+
+
+class TaskExecutor:
+    """Runs one model's task-batched calls (see the module docstring).
+
+    ``build_runner`` makes the task runner from the task stand-ins (with the model's
+    checkpointed layers around them); ``task_chunk`` is ``"auto"``, ``None`` or a number.
+    """
+
+    def __init__(
+        self, module: nn.Module, build_runner: RunnerBuilder, task_chunk: int | str | None
+    ) -> None:
+        self._loop_layers: dict[str, str] = {}
+        self.runner, self.copies = build_runner(reporting(task_standins(module), self._loop_layers))
+        self.swap = Swap(module, self.runner)
+        self.module = module
+        self.task_chunk = task_chunk
+        self._loop: bool | None = None
+        self._task_mode = False  # run task-batched forwards under a TaskMode
+        # layers with torch's inference fast path, which task batching must keep off
+        self._fast_path_layers = any(isinstance(m, _FAST_PATH_LAYERS) for m in module.modules())
+
+    @property
+    def task_chunk(self) -> int | str | None:
+        return self._task_chunk
+
+    @task_chunk.setter
+    def task_chunk(self, value: int | str | None) -> None:
+        if value is not None and value != "auto":
+            check_int(value, "task_chunk", low=1, what='"auto", None or a positive int')
+        self._task_chunk = value
+        self.tuner = ChunkTuner()  # measured afresh
+
+    def chunk_now(self) -> int | None:
+        if self._task_chunk == "auto":
+            return self.tuner.hint
+        return self._task_chunk  # type: ignore[return-value]
+
+    @property
+    def choices(self) -> dict[Any, dict[str, Any]]:
+        return {k: dict(v) for k, v in self.tuner.choices.items()}
+
+    @property
+    def loop(self) -> bool | None:
+        return self._loop
+
+    @property
+    def loop_layers(self) -> dict[str, str]:
+        return dict(self._loop_layers)
+
+    def run(
+        self,
+        model: FunctionalModel,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        if not self._fast_path_layers:
+            return self._run(model, params, buffers, args, kwargs)
+        with kernels.no_fast_path():
+            return self._run(model, params, buffers, args, kwargs)
+
+    def _run(
+        self,
+        model: FunctionalModel,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """Batched, or once per task when the model cannot run under vmap (found out once, by
+        a run without a graph and with the random number generators restored, so that a
+        checkpoint around this call sees one forward)."""
+        task_run = (self.runner, self.copies, self.swap)
+        if self._loop is None:
+            refusal = self._vmaps(task_run, params, buffers, args, kwargs)
+            self._loop = refusal is not None
+            if refusal is not None:
+                self._report(refusal)
+        if not self._loop:
+            try:
+                with task_mode() if self._task_mode else contextlib.nullcontext():
+                    return packed.check_output(execute(*task_run, params, buffers, args, kwargs))
+            except RuntimeError as error:
+                if not is_vmap_refusal(error):
+                    raise
+                self._loop = True
+                self._report(error)
+
+        def one_task(p: Any, b: Any, a: Any, kw: Any) -> tuple[Any, dict[str, Tensor]]:
+            if any_batched(p, b, a, kw):
+                # batched at an outer vmap level too (two task axes): what the inner level
+                # refused, plain vmap would refuse at the outer one; it runs per task as well
+                return self._run(model, p, b, a, kw)
+            return execute(model.runner, model.copies, model.swap, p, b, a, kw)
+
+        return call_outside_vmap(
+            lambda f, flat: f(*flat),
+            one_task,
+            (dict(params), dict(buffers), args, kwargs),
+            per_task=True,
+        )
+
+    def _report(self, refusal: RuntimeError) -> None:
+        """Record and say once which layer refused vmap, and why."""
+        name, why = describe_refusal(refusal, [self.runner, self.module])
+        self._loop_layers[name] = why
+        where = f"layer {name!r}" if name else "the model's forward"
+        warnings.warn(
+            f"task batching runs this model once per task: {where} cannot run under vmap "
+            f"({why}). The results are exact; the batched speed-up is lost "
+            "(fmodel.task_loop_layers)",
+            stacklevel=6,
+        )
+
+    def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> RuntimeError | None:
+        """None when the task runner runs under vmap on these inputs, else vmap's refusal.
+        It runs under a :class:`~funcmeta._src.batching.intercept.TaskMode`, and keeps the
+        mode for later calls if it was needed."""
+        mode = TaskMode()
+        devices = sorted(
+            {p.device.index or 0 for p in self.module.parameters() if p.device.type == "cuda"}
+        )
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
+            try:
+                with task_mode(mode):
+                    packed.check_output(execute(*task_run, *inputs))
+            except RuntimeError as error:
+                if is_vmap_refusal(error):
+                    return error
+                raise
+        self._task_mode = mode.needed()
+        return None

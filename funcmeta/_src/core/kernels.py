@@ -1,0 +1,234 @@
+"""Kernel choice for graphs that are differentiated twice, and the same kernels on recomputation.
+
+Some of PyTorch's fastest kernels have no derivative of their backward:
+
+- ``F.scaled_dot_product_attention`` (``nn.MultiheadAttention``, ``nn.Transformer*Layer``,
+  HuggingFace models) is twice differentiable only on its math kernel. CPU flash attention and
+  the CUDA flash, memory-efficient and cuDNN kernels raise in second order.
+- cuDNN's RNN kernels (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` on CUDA) have no double backward.
+- The inference fast path of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` has
+  no derivative at all.
+
+:func:`twice_differentiable` selects kernels that have one: the math attention kernel, RNNs
+without cuDNN and no inference fast path. :func:`funcmeta.adapt` enters it for its
+second-order inner steps (forward and inner gradient), the only graphs it builds that are
+differentiated again. First-order steps, the query pass and evaluation keep the user's kernel
+choice and the fast kernels. Use it yourself when you differentiate a model's output twice
+outside :func:`funcmeta.adapt` (a Hessian-vector product, a gradient penalty).
+
+The choice is global state that PyTorch reads when a kernel runs, so a checkpoint that
+recomputes a layer during the outer ``.backward()`` would otherwise pick whatever is in force
+then. funcmeta's checkpoints (per layer and per step) :func:`capture` the state when their
+forward runs and :func:`restore` it for the recomputation.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    >>> x = torch.randn(2, 5, 8)
+    >>> with fm.remat.kernels.twice_differentiable():
+    ...     out = attn(x, x, x, need_weights=False)[0]
+    ...     g = torch.autograd.grad(out.pow(2).sum(), attn.in_proj_weight, create_graph=True)[0]
+    >>> hvp = torch.autograd.grad(g.sum(), attn.in_proj_weight)[0]   # second order works
+    >>> hvp.shape
+    torch.Size([24, 8])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from funcmeta._src.core.fence import (
+    get_fast_path,
+    sdp_backends,
+    sdp_getters,
+    sdp_priority,
+    sdp_setters,
+    set_fast_path,
+    set_sdp_priority,
+)
+from funcmeta._src.core.replay import recomputation
+
+__all__ = [
+    "KernelState",
+    "capture",
+    "entered_again",
+    "in_twice_differentiable",
+    "no_fast_path",
+    "recompute_with",
+    "KernelRestore",
+    "restore",
+    "twice_differentiable",
+]
+
+
+class _Local(threading.local):
+    twice: bool = False
+    again: tuple[Callable[[], contextlib.AbstractContextManager], ...] = ()
+
+
+_LOCAL = _Local()
+
+
+@dataclass(frozen=True)
+class KernelState:
+    """The kernel choice in force: attention backends (and their priority), the MHA fast
+    path, and whether :func:`twice_differentiable` is active (RNNs then avoid cuDNN)."""
+
+    attention: tuple[bool, ...]
+    priority: tuple[int, ...] | None
+    fast_path: bool
+    twice: bool
+    again: tuple[Callable[[], contextlib.AbstractContextManager], ...] = ()
+    """Contexts in force that a recomputation enters again (:func:`entered_again`)."""
+
+
+def capture() -> KernelState:
+    """The kernel choice in force now."""
+    return KernelState(
+        attention=tuple([get() for get in sdp_getters]),
+        priority=tuple(sdp_priority()) if sdp_priority is not None else None,
+        fast_path=get_fast_path(),
+        twice=_LOCAL.twice,
+        again=_LOCAL.again,
+    )
+
+
+@contextlib.contextmanager
+def entered_again(make: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """Mark the block as running inside ``make()`` (entered by the caller), so that a
+    recomputation of what it runs (a checkpointed layer, a checkpointed step) enters a new
+    ``make()`` too: a ``TorchFunctionMode`` that task batching needs is one."""
+    before = _LOCAL.again
+    _LOCAL.again = (*before, make)
+    try:
+        yield
+    finally:
+        _LOCAL.again = before
+
+
+def _apply(state: KernelState, current: KernelState) -> None:
+    """Put ``state`` in force, setting only what differs from ``current``."""
+    if state.attention != current.attention:
+        _set_attention(state.attention)
+    if state.priority != current.priority and state.priority is not None and set_sdp_priority:
+        set_sdp_priority(list(state.priority))
+    if state.fast_path != current.fast_path:
+        set_fast_path(state.fast_path)
+    _LOCAL.twice = state.twice
+    _LOCAL.again = state.again
+
+
+class KernelRestore(contextlib.AbstractContextManager):
+    """Put ``state`` (from :func:`capture`) in force for the block; the choice before it
+    comes back afterwards. Reusable: a checkpoint may recompute more than once."""
+
+    def __init__(self, state: KernelState) -> None:
+        self.state = state
+        self._before: list[tuple[KernelState, contextlib.ExitStack]] = []
+
+    def __enter__(self) -> None:
+        now = capture()
+        entered = contextlib.ExitStack()
+        self._before.append((now, entered))
+        if now != self.state:
+            _apply(self.state, now)
+        for make in self.state.again[len(now.again) :] if self.state.again != now.again else ():
+            entered.enter_context(make())
+
+    def __exit__(self, *exc: object) -> None:
+        before, entered = self._before.pop()
+        entered.close()
+        now = capture()
+        if now != before:
+            _apply(before, now)
+
+
+def restore(state: KernelState) -> KernelRestore:
+    """A reusable context manager that puts ``state`` (from :func:`capture`) in force for its
+    block and the choice before it back afterwards (:class:`KernelRestore`)."""
+    return KernelRestore(state)
+
+
+_MATH_ONLY = tuple(name == "math" for name in sdp_backends)
+
+
+def _set_attention(enabled: tuple[bool, ...]) -> None:
+    for set_enabled, on in zip(sdp_setters, enabled, strict=True):
+        set_enabled(on)
+
+
+class _Override:
+    """Math-only attention (if ``math``), no MHA fast path, and the twice-differentiable mark
+    (if ``twice``) for the block; only what differs is set, and put back afterwards. On the
+    path of every inner step, so kept to a few calls."""
+
+    __slots__ = ("_saved", "math", "twice")
+
+    def __init__(self, math: bool, twice: bool) -> None:
+        self.math, self.twice = math, twice
+        self._saved: list[tuple[tuple[bool, ...] | None, bool, bool]] = []
+
+    def __enter__(self) -> None:
+        attention = tuple([get() for get in sdp_getters]) if self.math else None
+        fast_path, twice = get_fast_path(), _LOCAL.twice
+        self._saved.append((attention, fast_path, twice))
+        if attention is not None and attention != _MATH_ONLY:
+            _set_attention(_MATH_ONLY)
+        if fast_path:
+            set_fast_path(False)
+        if self.twice:
+            _LOCAL.twice = True
+
+    def __exit__(self, *exc: object) -> None:
+        attention, fast_path, twice = self._saved.pop()
+        if attention is not None and attention != tuple([get() for get in sdp_getters]):
+            _set_attention(attention)
+        if fast_path != get_fast_path():
+            set_fast_path(fast_path)
+        _LOCAL.twice = twice
+
+
+def twice_differentiable() -> contextlib.AbstractContextManager[None]:
+    """A block whose graph can be differentiated twice: math attention only, RNNs without
+    cuDNN, no MHA inference fast path (see the module docstring)."""
+    return _Override(math=True, twice=True)
+
+
+def no_fast_path() -> contextlib.AbstractContextManager[None]:
+    """A block without the MHA/Transformer inference fast path (which has no derivative and no
+    vmap support); other choices unchanged."""
+    return _Override(math=False, twice=False)
+
+
+def in_twice_differentiable() -> bool:
+    """Whether a :func:`twice_differentiable` block (or a recomputation of one) is running."""
+    return _LOCAL.twice
+
+
+def recompute_with(
+    state: KernelState,
+) -> Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint``: the forward runs as it is,
+    the recomputation under ``state`` (the choice captured when the forward ran)."""
+    return lambda: (contextlib.nullcontext(), _Recompute(state))
+
+
+class _Recompute(KernelRestore):
+    """:class:`restore`, and the block marked for :func:`funcmeta.recomputing`. Reusable."""
+
+    def __init__(self, state: KernelState) -> None:
+        super().__init__(state)
+        self._marks: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        super().__enter__()
+        mark = recomputation()
+        mark.__enter__()
+        self._marks.append(mark)
+
+    def __exit__(self, *exc: object) -> None:
+        self._marks.pop().__exit__(None, None, None)
+        super().__exit__(*exc)

@@ -1,0 +1,54 @@
+"""The public types of the inner loop: what a loss function is, what an inner loop returns,
+and the error it raises for non-finite values.
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> from funcmeta._src.core.types import AdaptResult, LossFn
+    >>> loss: LossFn = F.mse_loss
+    >>> fmodel = fm.functional_model(torch.nn.Linear(1, 1))
+    >>> r = fm.adapt(fmodel, fmodel.params, loss, (torch.ones(2, 1), torch.ones(2, 1)),
+    ...              fm.optim.sgd(lr=0.1), steps=2)
+    >>> isinstance(r, AdaptResult), r.losses.shape
+    (True, torch.Size([2]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+__all__ = ["AdaptResult", "LossFn", "NonFiniteError"]
+
+LossFn = Callable[[Any, Any], Tensor]
+"""``(output, targets) -> scalar tensor``, e.g. ``torch.nn.functional.mse_loss``."""
+
+
+class AdaptResult(NamedTuple):
+    """What :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` return (the latter with a
+    leading task axis on parameters, buffers and state, and losses of shape ``(steps, T)``).
+
+    Attributes:
+        params: the adapted parameters (all of them; the ones held fixed are passed through).
+        buffers: the buffers after the last inner forward (BatchNorm running statistics).
+        losses: the inner loss before each step, shape ``(steps,)``; attached to the graph
+            for second-order steps (``.detach()`` it to log it).
+        state: the optimizer state after the last step (pass it back to continue).
+        skipped: indices of steps skipped for non-finite values (``on_nonfinite="skip"``),
+            or not taken after an overflow under a GradScaler.
+        overflowed: an inner step overflowed under a ``torch.amp.GradScaler``
+            (``loss_scale=scaler``): the loop stopped there, and every gradient through the
+            adapted parameters is non-finite, so ``scaler.step`` skips this meta-iteration.
+    """
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    losses: Tensor
+    state: Any
+    skipped: tuple[int, ...] = ()
+    overflowed: bool = False
+
+
+class NonFiniteError(FloatingPointError):
+    """An inner loss or gradient was NaN or infinite; the message names the step."""

@@ -1,0 +1,221 @@
+"""The forward pass of the inner loop: a model's loss on a batch, for one task or for T tasks
+under ``vmap``, and the outputs of T tasks (:func:`funcmeta.apply_tasks`).
+
+:func:`forward_loss` is one task's ``loss_fn(fmodel(params, *args, **kwargs), targets)``;
+a failing ``loss_fn`` is re-raised with what it was given. :func:`task_losses_of` and
+:func:`task_outputs_of` run the model once for T tasks, the task axis taken by ``vmap``
+(:func:`funcmeta._src.core.vmap.vmap_flat`, in chunks of ``fmodel.chunk_now()``). The inputs
+were checked before (:func:`funcmeta._src.inner.inputs.check_batch_call`).
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> from funcmeta._src.inner.forward import forward_loss
+    >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
+    >>> batch = (((torch.ones(3, 2),), {}), torch.zeros(3, 1))
+    >>> loss, _ = forward_loss(fmodel, F.mse_loss, batch, fmodel.params, fmodel.buffers)
+    >>> loss.shape
+    torch.Size([])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import retold
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.core.vmap import vmap_flat
+from funcmeta._src.inner.inputs import CallInputs, TaskAxisError
+from funcmeta._src.module.functional import FunctionalModel
+
+__all__ = [
+    "batch_dims",
+    "forward_loss",
+    "forward_loss_outputs",
+    "task_losses_of",
+    "task_outputs_of",
+]
+
+
+def forward_loss(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
+    ``((args, kwargs), targets)`` made by :func:`funcmeta._src.inner.inputs.check_adapt_call`."""
+    (loss, _), new_buffers = forward_loss_outputs(fmodel, loss_fn, batch, params, buffers)
+    return loss, new_buffers
+
+
+def forward_loss_outputs(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+) -> tuple[tuple[Tensor, Any], dict[str, Tensor]]:
+    """:func:`forward_loss` that also gives the model's outputs: ``((loss, outputs),
+    new_buffers)``."""
+    (args, kwargs), targets = batch
+    # the inner loop's parameters have the checked names and shapes
+    out, new_buffers = run_model(fmodel, params, buffers, args, kwargs)
+    _check_elementwise(loss_fn, out, targets)
+    try:
+        loss = loss_fn(out, targets)
+    except TaskAxisError:
+        raise
+    except (IndexError, RuntimeError, ValueError, TypeError) as error:
+        raise _loss_error(error, out, targets) from error
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+    return (loss, out), new_buffers
+
+
+def run_model(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Tensor]]:
+    """``fmodel.run_checked``; a dtype mismatch inside the model (torch's "must have the
+    same dtype") is said again with the dtypes of the inputs and parameters and the fix."""
+    try:
+        return fmodel.run_checked(params, buffers, args, kwargs)
+    except RuntimeError as error:
+        text = str(error)
+        if "dtype" not in text and "scalar type" not in text:
+            raise
+        raise retold(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
+
+
+def _dtypes_hint(
+    params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str:
+    kinds: dict[torch.dtype, list[str]] = {}
+    for name, p in params.items():
+        kinds.setdefault(p.dtype, []).append(name)
+    common = max(kinds, key=lambda d: len(kinds[d]))
+    odd = {n: str(d).replace("torch.", "") for d, ns in kinds.items() if d != common for n in ns}
+    given = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
+    inputs = {w: str(v.dtype).replace("torch.", "") for w, v in given if isinstance(v, Tensor)}
+    want = str(common).replace("torch.", "")
+    parts = [f"The parameters are {want}" + (f", except {odd}" if odd else "")]
+    parts.append(f"the inputs are {inputs}")
+    fix = (
+        f"cast the odd parameters with the module (module.to(torch.{want}))"
+        if odd
+        else f"give the model {want} inputs (x.to(torch.{want})); integer inputs are for embeddings"
+    )
+    return "; ".join(parts) + f": {fix}."
+
+
+_ELEMENTWISE = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
+
+
+def _check_elementwise(loss_fn: Any, out: Any, targets: Any) -> None:
+    """Refuse an elementwise loss of an output and targets of different shapes: torch
+    broadcasts them (every output against every target) and only warns."""
+    if loss_fn not in _ELEMENTWISE or not (isinstance(out, Tensor) and isinstance(targets, Tensor)):
+        return
+    if out.shape == targets.shape:
+        return
+    try:
+        both = tuple(torch.broadcast_shapes(out.shape, targets.shape))
+    except RuntimeError:
+        return  # torch's own error names the shapes
+    raise ValueError(
+        f"{loss_fn.__name__} of the model's output {tuple(out.shape)} and targets "
+        f"{tuple(targets.shape)} (per task under task batching): they would broadcast to "
+        f"{both}, comparing every output with every target (torch only warns). Give both one "
+        "shape, e.g. targets of shape (N, 1) for an output (N, 1): y.view_as(out) or "
+        "y.unsqueeze(-1)"
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
+    """``error`` again, its message saying what ``loss_fn`` was given (per task under task
+    batching) and, for class-index targets, the range they must lie in."""
+    hint = ""
+    if (
+        isinstance(targets, Tensor)
+        and not targets.is_floating_point()
+        and isinstance(out, Tensor)
+        and out.dim() > 0
+    ):
+        hint = (
+            f" Class-index targets must lie in [0, {out.shape[-1]}) for an output with "
+            f"{out.shape[-1]} columns: an episode with more ways than the model's head, or "
+            "labels not numbered 0..ways-1 within each task, fails here."
+        )
+    message = (
+        f"loss_fn failed on the model's output ({_describe(out)}) and the targets "
+        f"({_describe(targets)}), shapes per task under task batching: "
+        f"{type(error).__name__}: {str(error).rstrip('.')}.{hint}"
+    )
+    return retold(error, message)
+
+
+def batch_dims(batch: Any) -> Any:
+    """The ``vmap`` in-dims of a batch: 0 for every tensor (the task axis), None otherwise."""
+    return tree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
+
+
+def task_losses_of(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    dims: dict[str, int | None],
+    params: Mapping[str, Tensor],
+    buffers: dict[str, Tensor],
+    *,
+    outputs: bool = False,
+    chunk: int | Literal["model"] | None = "model",
+) -> tuple[Any, dict[str, Tensor]]:
+    """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
+    ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
+
+    ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
+    buffers carry it. ``chunk``: the tasks run at once (``"model"``: the model's choice now).
+    """
+    forward = forward_loss_outputs if outputs else forward_loss
+
+    def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
+        return forward(fmodel, loss_fn, b, p, bufs)
+
+    trees = (batch, dict(params), buffers)
+    in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
+    return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now() if chunk == "model" else chunk)
+
+
+def task_outputs_of(
+    fmodel: FunctionalModel,
+    call: CallInputs,
+    dims: dict[str, int | None],
+    params: Mapping[str, Tensor],
+    buffers: dict[str, Tensor],
+) -> tuple[Any, dict[str, Tensor]]:
+    """Per-task outputs and new per-task buffers of the call ``(args, kwargs)``, under vmap;
+    ``dims`` as in :func:`task_losses_of`."""
+
+    def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
+        return run_model(fmodel, p, bufs, c[0], c[1])
+
+    trees = (dict(params), buffers, call)
+    in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))
+    return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now())

@@ -1,0 +1,438 @@
+"""The inner-loop engine behind :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks`.
+
+Three layers, bottom up:
+
+- :meth:`InnerLoop.unrolled_step`: one inner step (forward, ``autograd.grad``, optimizer
+  update), a pure function of the parameters, optimizer state and buffers, in a
+  :class:`StepMode` (graph or not, second order or not, offloaded or not);
+- :func:`checkpointed_step`: that step under a step checkpoint (``checkpoint_steps=True``),
+  or as it is;
+- :func:`run_inner_loop`: the inner loop on the adapted parameters (split off by
+  :func:`split_adapted`): initialise the optimizer, take the steps (truncation, kernel
+  choice), collect the losses.
+
+It calls nothing above it: the forward is a value the caller builds
+(:mod:`funcmeta._src.inner.forward`), never a callback into the caller.
+
+The call was checked before (:func:`funcmeta._src.inner.inputs.check_adapt_call`); the forward each step
+runs is given (:mod:`funcmeta._src.inner.forward`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from funcmeta._src.core import kernels, tree
+from funcmeta._src.core.checks import retold
+from funcmeta._src.core.tree import Filter, Tree
+from funcmeta._src.core.types import AdaptResult, NonFiniteError
+from funcmeta._src.inner.options import AdaptOptions
+from funcmeta._src.optim.base import GradientTransformation
+from funcmeta._src.optim.base import step as optim_step
+from funcmeta._src.optim.clip import clip_grads_by_global_norm
+from funcmeta._src.remat.engine import graph_input
+
+__all__ = [
+    "Forward",
+    "InnerLoop",
+    "StepMode",
+    "checkpointed_step",
+    "run_inner_loop",
+    "split_adapted",
+]
+
+
+Forward = Callable[[Tree, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor]]]
+"""``forward(params, buffers) -> (loss, new_buffers)``: one loss, or one per task ``(T,)``."""
+
+
+@dataclass(frozen=True)
+class StepMode:
+    """How one inner step runs.
+
+    Attributes:
+        graph: build a graph through the step (steps before ``truncate`` do not).
+        second: take the inner gradient with ``create_graph`` (second order).
+        offload: keep what the step saves for backward in CPU memory.
+    """
+
+    graph: bool
+    second: bool
+    offload: bool = False
+
+
+@dataclass(frozen=True)
+class InnerLoop:
+    """What one inner loop holds fixed; :meth:`unrolled_step` is one pure inner step.
+
+    ``forward(params, buffers) -> (loss, new_buffers)`` gives one loss, or one per task
+    (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
+    of their sum, which is each task's own gradient since the tasks share nothing.
+    """
+
+    forward: Forward
+    opt: GradientTransformation
+    spec: Any
+    names: list[str]
+    fixed: Tree | None
+    options: AdaptOptions
+    tasks: int | None = None
+
+    def unrolled_step(
+        self,
+        k: int,
+        mode: StepMode,
+        state: Any,
+        buffers: dict[str, Tensor],
+        *leaves: Tensor,
+    ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        """Step ``k``: ``(new_leaves, new_state, new_buffers, loss, skipped)``.
+
+        Pure (it writes nothing outside its return value), so that step-level checkpointing
+        can run it again during backward.
+        """
+        with _offload(mode.offload and mode.graph, leaves):
+            return self._compute_step(k, mode.graph, mode.second, state, buffers, list(leaves))
+
+    def _compute_step(
+        self,
+        k: int,
+        graph: bool,
+        second: bool,
+        state: Any,
+        buffers: dict[str, Tensor],
+        leaves: list[Tensor],
+    ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        with torch.enable_grad():
+            if second:
+                if not all(p.requires_grad for p in leaves):
+                    leaves = [p if p.requires_grad else graph_input(p) for p in leaves]
+                wrt = leaves
+            else:
+                wrt = [graph_input(p) for p in leaves]
+            current = tree.unflatten(self.spec, wrt)
+            full = current if self.fixed is None else tree.combine(current, self.fixed)
+            loss, new_buffers = self.forward(full, buffers)
+            objective = loss if self.tasks is None else loss.sum()
+            if not objective.requires_grad:
+                raise ValueError(
+                    "the inner loss does not depend on the adapted parameters (it has no "
+                    "gradient history): loss_fn must compute the loss from the model's output "
+                    "(a loss of the targets alone, or one computed under torch.no_grad() or "
+                    "from .detach()ed outputs, cannot be adapted on)"
+                )
+            scale = self.options.scale
+            if scale is not None:
+                objective = objective * scale
+            found = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
+        grads = _fill_unused(found, wrt, self.names, self.options.allow_unused)
+        if scale is not None:
+            inv = 1.0 / scale
+            grads = [g * inv for g in grads]
+        if not second:
+            loss = loss.detach()
+        grad_tree = tree.unflatten(self.spec, grads)
+        if self.options.clip_grad_norm is not None:
+            grad_tree = clip_grads_by_global_norm(
+                grad_tree, self.options.clip_grad_norm, task_axis=self.tasks is not None
+            )
+        adapted = tree.unflatten(self.spec, leaves)
+        with contextlib.nullcontext() if graph else torch.no_grad():
+            adapted, new_state = optim_step(
+                self.opt, grad_tree, state, adapted, tasks=self.tasks is not None
+            )
+        new_leaves = self.spec.flatten_up_to(adapted)
+        check = self.options.nonfinite
+        # what the step produced is checked too: an overflowing update (a huge rate, fp16)
+        # makes finite gradients into non-finite parameters; one host sync for all of it
+        if check is not None and not _all_finite(loss, grads, new_leaves):
+            if check == "raise":
+                raise NonFiniteError(
+                    _nonfinite_message(k, loss, grads, new_leaves, self.names, self.tasks)
+                )
+            return leaves, state, buffers, loss, True
+        return new_leaves, new_state, new_buffers, loss, False
+
+
+def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
+    """``save_on_cpu`` (pinned when the parameters are on CUDA) if ``on``."""
+    if not on:
+        return contextlib.nullcontext()
+    pin = any(p.is_cuda for p in leaves)
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin)
+
+
+def _take_steps(
+    inner: InnerLoop,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+    steps: int,
+) -> AdaptResult:
+    """The loop of :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` over
+    :meth:`InnerLoop.unrolled_step`.
+
+    Steps ``truncate`` on build a graph. In second order it is differentiated again, so they
+    run on kernels that allow it (:func:`funcmeta._src.core.kernels.twice_differentiable`, entered once
+    for all of them; a recomputation restores the choice of its forward).
+    """
+    # Without an outer graph (evaluation under no_grad) nothing differentiates the inner
+    # gradients: the steps run first order, same values, on the kernels in force.
+    outer = torch.is_grad_enabled()
+    first_order = inner.options.first_order or not outer
+    truncate = inner.options.truncate
+    offload = inner.options.offload_activations
+    losses: list[Tensor] = []
+    skipped: list[int] = []
+    overflowed = False
+    start = leaves
+    kernel_choice = contextlib.ExitStack()
+    with kernel_choice:
+        for k in range(steps):
+            if k == truncate and truncate > 0:
+                leaves = _reenter(leaves, start)
+            if k == truncate and not first_order:
+                kernel_choice.enter_context(kernels.twice_differentiable())
+            graph = k >= truncate
+            try:
+                mode = StepMode(graph, graph and not first_order, offload)
+                leaves, state, buffers, loss, was_skipped = checkpointed_step(
+                    inner, k, mode, outer, leaves, state, buffers
+                )
+            except RuntimeError as error:  # torch.OutOfMemoryError is one
+                if not _out_of_memory(error):
+                    raise
+                raise _memory_error(error, k, steps, inner.options) from error
+            losses.append(loss)
+            if was_skipped:
+                skipped.append(k)
+                if inner.options.nonfinite == "scaler":
+                    # an overflow under a GradScaler: the rest of the loop is not taken
+                    overflowed = True
+                    skipped += range(k + 1, steps)
+                    losses += [torch.full_like(loss, math.nan)] * (steps - k - 1)
+                    break
+    if truncate > 0 and truncate == steps:
+        leaves = _reenter(leaves, start)
+    if overflowed:
+        leaves = [_NonFiniteGradient.apply(p) for p in leaves]
+    adapted = tree.unflatten(inner.spec, leaves)
+    final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
+    stacked = torch.stack(losses) if losses else torch.empty(0)
+    return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped), overflowed)
+
+
+class _NonFiniteGradient(torch.autograd.Function):
+    """The identity, whose backward gives NaN: the adapted parameters of an inner loop that
+    overflowed under a GradScaler, so that every meta-gradient through them is non-finite
+    and the scaler skips the outer step, as for an overflow in the outer backward."""
+
+    @staticmethod
+    def forward(ctx: Any, p: Tensor) -> Tensor:
+        return p.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return torch.full_like(grad, math.nan)
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    """Whether ``error`` is an allocator failure (CUDA's ``OutOfMemoryError``, or the CPU
+    allocator's "can't allocate memory")."""
+    oom = getattr(torch, "OutOfMemoryError", None)
+    if oom is not None and isinstance(error, oom):
+        return True
+    message = str(error)
+    return "out of memory" in message.lower() or "can't allocate memory" in message
+
+
+def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions) -> Exception:
+    """``error`` again, its message naming the step and the options that bound the memory."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    held = "" if options.first_order else " (each second-order step keeps its graph)"
+    message = (
+        f"out of memory at inner step {k} of {steps}{held}: {first}\n"
+        "The inner loop's memory grows with the number of steps. To bound it: "
+        "checkpoint_steps=True keeps only each step's parameters and recomputes the steps in "
+        "the outer backward (same meta-gradients), and first_order=True or truncate= keeps no "
+        "graph of the steps; per-layer checkpointing (functional_model(..., "
+        "checkpoint_layers=...)) lowers what each step keeps. Fewer steps or tasks per call "
+        "(task_chunk=) also help."
+    )
+    return retold(error, message)
+
+
+def checkpointed_step(
+    inner: InnerLoop,
+    k: int,
+    mode: StepMode,
+    outer: bool,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+    """Step ``k`` of the inner loop, under a step checkpoint when ``checkpoint_steps`` is set
+    and an outer graph is being built (``outer``), else as it is."""
+    if not (inner.options.checkpoint_steps and mode.graph and outer):
+        return inner.unrolled_step(k, mode, state, buffers, *leaves)
+    # State and buffers are bound now: the recomputation must see these values, on the
+    # kernels of this forward. Offload, if asked, applies to what the checkpoint keeps (inside
+    # it, it would keep everything and recompute nothing).
+    inside = StepMode(mode.graph, mode.second, offload=False)
+    with _offload(mode.offload, leaves):
+        return torch_checkpoint(
+            inner.unrolled_step,
+            k,
+            inside,
+            state,
+            buffers,
+            *leaves,
+            use_reentrant=False,
+            context_fn=kernels.recompute_with(kernels.capture()),
+        )
+
+
+def run_inner_loop(
+    adapted: Tree,
+    fixed: Tree | None,
+    opt: GradientTransformation,
+    steps: int,
+    buffers: dict[str, Tensor],
+    options: AdaptOptions,
+    *,
+    frozen: list[str],
+    forward: Forward,
+    tasks: int | None = None,
+    state: Any = None,
+) -> AdaptResult:
+    """Once the arguments are checked and the adapted parameters split off
+    (:func:`split_adapted`): initialise the optimizer unless ``state`` is given, and run
+    ``steps`` steps with ``forward`` (the forward for the adapted parameters)."""
+    names, leaves, spec = _adapted_leaves(adapted, frozen)
+    if state is None:
+        state = opt.init(adapted)
+    else:
+        _check_state(state, opt.init(adapted))
+    inner = InnerLoop(
+        forward=forward, opt=opt, spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
+    )
+    return _take_steps(inner, leaves, state, buffers, steps)
+
+
+def _check_state(state: Any, fresh: Any) -> None:
+    """Raise ``ValueError`` unless ``state`` has the structure of ``opt.init`` of the adapted
+    parameters (the state of another optimizer, or for other parameters, would fail deep in
+    the update or, worse, be read as something else)."""
+    given = tree.structure(state, none_is_leaf=True)
+    expected = tree.structure(fresh, none_is_leaf=True)
+    if given != expected:
+        raise ValueError(
+            "state does not match the optimizer: pass the state that this optimizer returned "
+            "for these parameters (result.state of an adapt call with the same opt= and "
+            f"trainable=), or None to start afresh. Expected {_short(expected)}, got "
+            f"{_short(given)}"
+        )
+
+
+def _short(spec: Any) -> str:
+    text = str(spec)
+    return text if len(text) <= 300 else text[:300] + " ..."
+
+
+def split_adapted(
+    params: dict[str, Tensor], trainable: Filter | None, frozen: list[str]
+) -> tuple[Tree, Tree | None]:
+    """``(adapted, fixed)``: the parameters ``trainable`` selects, less the frozen ones, and
+    the rest (``None`` when nothing is held fixed)."""
+    if trainable is None and not frozen:
+        return params, None
+    adapted, fixed = (params, None) if trainable is None else tree.partition(params, trainable)
+    if frozen:
+        adapted, held = tree.partition(adapted, lambda path, _: path not in frozen)
+        fixed = held if fixed is None else tree.combine(fixed, held)
+    return adapted, fixed
+
+
+def _reenter(truncated: list[Tensor], start: list[Tensor]) -> list[Tensor]:
+    """The truncated unroll's values with an identity Jacobian to the initial parameters."""
+    return [p + (p0 - p0.detach()) for p, p0 in zip(truncated, start, strict=True)]
+
+
+def _adapted_leaves(adapted: Tree, frozen: list[str]) -> tuple[list[str], list[Tensor], Any]:
+    leaves, spec = tree.flatten(adapted)
+    names = tree.spec_paths(spec)
+    if not leaves:
+        why = (
+            f"; the module's frozen parameters (requires_grad=False) are {frozen}" if frozen else ""
+        )
+        raise ValueError(f"no parameters to adapt: the trainable filter selected none{why}")
+    for name, leaf in zip(names, leaves, strict=True):
+        if not isinstance(leaf, Tensor) or not leaf.is_floating_point():
+            raise TypeError(f"parameter {name!r} is not a floating-point tensor")
+    return names, leaves, spec
+
+
+def _fill_unused(
+    grads: tuple[Tensor | None, ...], wrt: list[Tensor], names: list[str], allow_unused: bool
+) -> list[Tensor]:
+    unused = [n for n, g in zip(names, grads, strict=True) if g is None]
+    if unused and not allow_unused:
+        raise ValueError(
+            f"the inner loss does not depend on the adapted parameters {unused}; pass "
+            "allow_unused=True to give them zero gradients, or leave them out with trainable="
+        )
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wrt, strict=True)]
+
+
+def _all_finite(loss: Tensor, grads: list[Tensor], params: list[Tensor]) -> bool:
+    checks = [torch.isfinite(loss).all()] + [torch.isfinite(t).all() for t in (*grads, *params)]
+    return bool(torch.stack(checks).all())
+
+
+def _finite_tasks(tensors: list[Tensor], start: Tensor) -> Tensor:
+    finite = start
+    for t in tensors:
+        finite = finite & torch.isfinite(t).flatten(1).all(1)
+    return finite
+
+
+def _nonfinite_message(
+    k: int,
+    loss: Tensor,
+    grads: list[Tensor],
+    params: list[Tensor],
+    names: list[str],
+    tasks: int | None,
+) -> str:
+    bad_grads = [n for n, g in zip(names, grads, strict=True) if not bool(torch.isfinite(g).all())]
+    if bool(torch.isfinite(loss).all()) and not bad_grads:
+        bad = [n for n, p in zip(names, params, strict=True) if not bool(torch.isfinite(p).all())]
+        where = ""
+        if tasks is not None:
+            finite = _finite_tasks(params, torch.ones(tasks, dtype=torch.bool, device=loss.device))
+            where = f" in tasks {(~finite).nonzero().flatten().tolist()}"
+        return (
+            f"inner step {k}: the loss and gradients were finite, but the update made the "
+            f"parameters {bad} non-finite{where} (the step overflowed): lower the learning "
+            "rate, clip the gradients (clip_grad_norm=), or adapt in a wider dtype"
+        )
+    what = "loss" if not bool(torch.isfinite(loss).all()) else "gradient"
+    where = ""
+    if tasks is not None:
+        finite = _finite_tasks(grads, torch.isfinite(loss))
+        where = f" in tasks {(~finite).nonzero().flatten().tolist()}"
+        value: list[Any] | float = loss.detach().float().tolist()
+    else:
+        value = loss.detach().float().item()
+    return (
+        f"inner step {k}: non-finite {what}{where} (loss={value}); parameters with "
+        f"non-finite gradients: {bad_grads}"
+    )

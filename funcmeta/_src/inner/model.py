@@ -1,0 +1,78 @@
+"""Where a module becomes a :class:`~funcmeta._src.module.functional.FunctionalModel`: the
+checkpointed layers chosen (:mod:`funcmeta._src.remat`) and the task executor given
+(:mod:`funcmeta._src.batching`); the one place that knows both.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> fm.functional_model(net, checkpoint_layers="sequential").checkpointed
+    ['0', '2']
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from funcmeta._src.batching.executor import TaskExecutor
+from funcmeta._src.batching.recurrent import recurrent_layers
+from funcmeta._src.module.functional import FunctionalModel, check_layers
+from funcmeta._src.remat import takeover
+from funcmeta._src.remat.layers import CheckpointSpec, checkpointed_runner, select
+
+__all__ = ["functional_model"]
+
+assert (
+    takeover.dispatch is not None
+)  # checkpoints a model takes itself go to funcmeta (see the module)
+
+
+def functional_model(
+    module: nn.Module,
+    *,
+    checkpoint_layers: CheckpointSpec = None,
+    task_chunk: int | str | None = "auto",
+) -> FunctionalModel:
+    """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
+
+    ``checkpoint_layers`` chooses layers to run under per-layer activation checkpointing
+    (see :mod:`funcmeta.remat`): ``None``; a preset name (``"sequential"``: the
+    children of every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of
+    submodule names; or a predicate ``(name, module) -> bool``. A checkpointed layer keeps its
+    inputs instead of its activations, in first and in second order (the graph of a
+    ``create_graph`` backward keeps the layer's inputs and incoming gradients only). Outputs
+    and gradients, second order included, are those of the unchecked model (to float
+    round-off). Unknown names, or a predicate that
+    matches nothing, raise ``ValueError``. (Step-level checkpointing is the inner-loop option
+    ``checkpoint_steps``: :class:`funcmeta.AdaptOptions`.)
+
+    ``task_chunk`` sets how many tasks the task-batched functions (:func:`funcmeta.adapt_tasks`,
+    :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`) run in one vmapped call:
+    ``"auto"`` (the default: on the CPU, measured on the first calls of each kind, see
+    :mod:`funcmeta._src.batching.chunks`), ``None`` (all), or ``c``, for chunks of ``c`` tasks one
+    after another (``1``: each task on its own, without vmap). The results are the same up to
+    float rounding (random draws such as dropout masks aside); only speed and the size of the
+    largest intermediate tensors change. Pin it (``None`` or a number) for float32 runs that
+    must repeat bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices up front.
+
+    Example:
+        >>> import torch, funcmeta as fm
+        >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
+        >>> params = {k: torch.zeros_like(v) for k, v in fmodel.params.items()}
+        >>> fmodel(params, torch.ones(1, 2)).item()
+        0.0
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
+    check_layers(module)
+    checkpointed = select(module, checkpoint_layers)
+    runner, copies = checkpointed_runner(module, checkpointed, recurrent_layers(module))
+    build = functools.partial(checkpointed_runner, module, checkpointed)
+    return FunctionalModel(
+        module,
+        runner=runner,
+        copies=copies,
+        checkpointed=checkpointed,
+        executor=TaskExecutor(module, build, task_chunk),
+    )

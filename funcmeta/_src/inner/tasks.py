@@ -1,0 +1,278 @@
+"""Many tasks at once: :func:`adapt_tasks` runs :func:`funcmeta.adapt`'s inner loop for T
+tasks in one batched computation, and :func:`apply_tasks` runs a model for T tasks.
+
+Every tensor of the batch has a leading task axis ``T``. A parameter, buffer or
+hyperparameter tensor shaped like the module's is shared by all tasks. One with a leading
+task axis, ``(T, *shape)``, holds a value per task. A per-task learning rate for a parameter
+of shape ``(a, b)`` is ``(T, a, b)``, or ``(T, 1, 1)`` for one rate per task: ordinary
+broadcasting against the per-task parameters ``(T, a, b)``. Results carry the task axis:
+adapted parameters, optimizer state and buffers are ``(T, ...)``, and losses are
+``(steps, T)``.
+
+How it works: the model's forward runs under ``torch.func.vmap`` over the task axis, and the
+inner gradient is ``torch.autograd.grad`` of the *sum* of the per-task losses, taken outside
+vmap. The tasks share nothing, so that sum's gradient with respect to the per-task
+parameters is each task's own gradient. Second order, BatchNorm, per-layer and step-level
+checkpointing compose with it. ``vmap(torch.func.grad(...))`` gives wrong second-order
+meta-gradients with BatchNorm (see docs/tasks.md); this does not.
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
+    >>> fmodel = fm.functional_model(net)
+    >>> b = fm.data.Sinusoid().sample(16, support=10, query=10)
+    >>> opt = fm.optim.sgd(lr=0.01)
+    >>> result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (b.x_support, b.y_support), opt, steps=5)
+    >>> result.params["0.weight"].shape, result.losses.shape
+    (torch.Size([16, 40, 1]), torch.Size([5, 16]))
+    >>> out, _ = fm.apply_tasks(fmodel, result.params, b.x_query, buffers=result.buffers)
+    >>> F.mse_loss(out, b.y_query).backward()   # the mean of the 16 query losses
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcmeta._src.batching.executor import TaskExecutor
+from funcmeta._src.core import tree
+from funcmeta._src.core.fence import peek_interpreter_stack
+from funcmeta._src.core.types import AdaptResult, LossFn
+from funcmeta._src.inner.forward import task_losses_of, task_outputs_of
+from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
+from funcmeta._src.inner.loop import run_inner_loop, split_adapted
+from funcmeta._src.inner.options import AdaptOptions, takes_options
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
+
+__all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
+
+
+def apply_tasks(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    inputs: Any,
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
+) -> tuple[Any, dict[str, Tensor]]:
+    """``fmodel.run`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
+
+    ``inputs`` are the model's arguments as in :func:`funcmeta.adapt` (a tuple is positional,
+    a dict is keywords, ``fm.Args`` is both, anything else is the one argument); their
+    tensors carry a leading task axis. ``params`` and ``buffers`` (default: the module's) may
+    be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
+    """
+    checked = check_batch_call(
+        fmodel, params, inputs, buffers=buffers, task_batched=True, targets=False
+    )
+    call = checked.batch[0]
+    assert checked.param_dims is not None  # task-batched: one entry per parameter
+    return _following(
+        fmodel,
+        functools.partial(
+            task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
+        ),
+    )
+
+
+def task_losses(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
+    return_outputs: bool = False,
+) -> tuple[Any, ...]:
+    """``(losses, new_buffers)``: ``loss_fn`` of each task's outputs and targets, shape ``(T,)``.
+
+    ``batch = (inputs, targets)`` with a leading task axis (``inputs`` as in
+    :func:`funcmeta.adapt`: a tuple, a dict of keyword inputs or ``fm.Args``); ``params`` and
+    ``buffers`` (default: the module's) shared or per task, as in :func:`apply_tasks`.
+    With ``return_outputs=True``, ``(losses, new_buffers, outputs)``: the model's outputs that
+    the losses were computed from, with a task axis (the query logits, for accuracy), from
+    the same forward pass.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, funcmeta as fm
+        >>> fmodel = fm.functional_model(torch.nn.Linear(1, 1))
+        >>> b = fm.data.Sinusoid().sample(4, 5, 5)
+        >>> losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query))
+        >>> losses.shape
+        torch.Size([4])
+        >>> losses, _, outputs = fm.task_losses(
+        ...     fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query), return_outputs=True)
+        >>> outputs.shape
+        torch.Size([4, 5, 1])
+    """
+    if not isinstance(return_outputs, bool):
+        raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
+    checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
+    assert checked.param_dims is not None  # task-batched: one entry per parameter
+    run = functools.partial(
+        task_losses_of,
+        fmodel,
+        loss_fn,
+        checked.batch,
+        checked.param_dims,
+        params,
+        checked.buffers,
+        outputs=return_outputs,
+    )
+    if not return_outputs:
+        return _following(fmodel, run)
+    (losses, outputs), new_buffers = _following(fmodel, run)
+    return losses, new_buffers, outputs
+
+
+@takes_options
+def adapt_tasks(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    loss_fn: LossFn,
+    batch: tuple[Any, Any],
+    opt: GradientTransformation,
+    *,
+    steps: int,
+    buffers: Mapping[str, Tensor] | None = None,
+    state: Any = None,
+    **options: Any,
+) -> AdaptResult:
+    """:func:`funcmeta.adapt` for T tasks at once; the batch carries a leading task axis.
+
+    Takes the arguments and options of :func:`funcmeta.adapt` with the same meanings, per
+    task: ``loss_fn`` sees one task's outputs and targets, ``clip_grad_norm`` clips each
+    task's gradient by its own norm, and ``on_nonfinite="raise"`` names the step and the
+    tasks. ``params``, ``buffers`` and hyperparameters are shared by all tasks unless given
+    with a leading task axis. ``on_nonfinite="skip"`` is not available: the tasks share the
+    optimizer's step count, so one task cannot skip a step alone.
+
+    Returns:
+        :class:`funcmeta.AdaptResult` with task axes: adapted parameters, optimizer state and
+        buffers ``(T, ...)`` (parameters held fixed by ``trainable`` are passed through as
+        given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
+    """
+    opts = AdaptOptions.of(options)
+    checked = check_adapt_call(
+        fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
+    )
+    tasks, dims = checked.tasks, checked.param_dims
+    assert tasks is not None and dims is not None  # task-batched: both are set
+    tuner, chunk, trial = _chunk_trial(fmodel, checked, params, steps, opts)
+    marked: list[str] = []  # the adapted parameters whose backward the trial times
+
+    adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
+    # Every task adapts its own copy: shared initial parameters get a task axis (a view).
+    # The view is made with grad enabled: a view made under no_grad reports requires_grad
+    # but is no graph node of its own, so gradients would skip it.
+    with torch.enable_grad():
+        adapted = {
+            k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
+            for k, v in adapted.items()
+        }
+        if trial is not None and trial.expect_backward:
+            for k, v in adapted.items():
+                if v is not None and v.requires_grad:
+                    adapted[k] = v.view_as(v)  # a tensor of this call's own to hook
+                    tuner.mark(trial, "in", adapted[k])
+                    marked.append(k)
+    # adapted parameters carry the task axis now; fixed ones keep their dims
+    step_dims = {k: 0 if adapted.get(k) is not None else dims[k] for k in dims}
+    forward = functools.partial(
+        task_losses_of, fmodel, loss_fn, checked.batch, step_dims, chunk=chunk
+    )
+    result = run_inner_loop(
+        adapted,
+        fixed,
+        opt,
+        steps,
+        checked.buffers,
+        opts,
+        frozen=fmodel.frozen,
+        forward=forward,
+        tasks=tasks,
+        state=state,
+    )
+    if trial is None:  # not timed
+        return result
+    tuner.finish_forward(trial)
+    for k in marked:  # tensors of this call's own: the inner loop's results, or the views above
+        if result.params[k].requires_grad:
+            tuner.mark(trial, "out", result.params[k])
+    return result
+
+
+def _following(
+    fmodel: FunctionalModel, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+) -> tuple[Any, dict[str, Tensor]]:
+    """``run()``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`); under
+    ``task_chunk="auto"``, timed as part of the measured call it follows, if any (the query
+    pass after :func:`adapt_tasks`, on the same chunk; see :mod:`funcmeta._src.batching.chunks`)."""
+    if fmodel.task_chunk != "auto" or peek_interpreter_stack is None:
+        return run()
+    executor = fmodel.executor
+    if not isinstance(executor, TaskExecutor):  # only a TaskExecutor takes "auto"
+        return run()
+    tuner = executor.tuner
+    trial = tuner.following() if peek_interpreter_stack() is None else None
+    if trial is None:
+        return run()
+    started = time.perf_counter()
+    out, new_buffers = run()
+    seconds = time.perf_counter() - started
+    if not trial.expect_backward:
+        trial.query_forward += seconds
+        return out, new_buffers
+    hooked = [x for x in tree.leaves(out) if isinstance(x, Tensor) and x.requires_grad]
+    for x in hooked:  # the outputs stay as they are: a hook notes the backward's start
+        tuner.mark(trial, "query", x)
+    if hooked:  # its backward is timed too: count its forward with it
+        trial.query_forward += seconds
+    return out, new_buffers
+
+
+def _chunk_trial(
+    fmodel: FunctionalModel,
+    checked: CheckedCall,
+    params: Mapping[str, Tensor],
+    steps: int,
+    opts: AdaptOptions,
+) -> tuple[Any, int | None, Any]:
+    """``(tuner, chunk, trial)``: the model's chunk tuner, this call's chunk, and its
+    :class:`~funcmeta._src.batching.chunks.Trial` when the call is timed (else ``None``)."""
+    if fmodel.task_chunk != "auto":
+        return None, fmodel.chunk_now(), None
+    if peek_interpreter_stack is None or peek_interpreter_stack() is not None:
+        return None, None, None  # inside a torch.func transform: all at once, not timed
+    executor = fmodel.executor
+    if not isinstance(executor, TaskExecutor):  # only a TaskExecutor takes "auto"
+        return None, fmodel.chunk_now(), None
+    tuner = executor.tuner
+    # checked by check_adapt_call(task_batched=True): both are set
+    assert checked.tasks is not None and checked.param_dims is not None
+    leaves = [x for x in tree.leaves(checked.batch) if isinstance(x, Tensor)]
+    device = leaves[0].device if leaves else torch.device("cpu")
+    expect_backward = torch.is_grad_enabled() and any(
+        isinstance(v, Tensor) and v.requires_grad for v in params.values()
+    )
+    key = (
+        checked.tasks,
+        tuple((tuple(x.shape), x.dtype) for x in leaves),
+        tuple(sorted(checked.param_dims.items())),
+        steps,
+        tuple(v for v in vars(opts).values() if isinstance(v, bool | int | str | type(None))),
+        expect_backward,
+        str(device),
+    )
+    shapes = ", ".join(str(tuple(x.shape)) for x in leaves)
+    label = (
+        f"{checked.tasks} tasks, {steps} steps, batch {shapes}, "
+        f"{'with' if expect_backward else 'without'} backward, {device}"
+    )
+    trial = tuner.start(key, label, checked.tasks, device, expect_backward)
+    return tuner, trial.chunk, (trial if tuner.timed(trial) else None)

@@ -1,0 +1,293 @@
+"""Pure functions from ``nn.Module``: :func:`functional_model` and :class:`FunctionalModel`.
+
+A :class:`FunctionalModel` calls its module through :func:`torch.func.functional_call`
+with the parameters (and buffers) you pass, so the same module can run with adapted
+parameters inside an inner loop while its own tensors stay untouched.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    >>> fmodel = fm.functional_model(net)
+    >>> params = fmodel.params                 # the module's own Parameters
+    >>> out, buffers = fmodel.run(params, fmodel.buffers, torch.randn(8, 3))
+    >>> bool(net[1].running_mean.eq(0).all())  # the module's buffers are not mutated
+    True
+    >>> bool(buffers["1.running_mean"].ne(0).any())  # the updated statistics come back
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from funcmeta._src.core.checks import check_tree
+from funcmeta._src.core.fence import buffer_dict, parameter_dict
+from funcmeta._src.core.vmap import any_batched
+from funcmeta._src.module import scope
+from funcmeta._src.module.executor import Executor
+from funcmeta._src.module.shadow import synced
+
+__all__ = ["FunctionalModel", "Swap", "check_layers", "execute"]
+
+
+class FunctionalModel:
+    """A module as a pure function ``(params, buffers, *args) -> (out, new_buffers)``.
+
+    Build one with :func:`funcmeta.functional_model`, which chooses the checkpointed layers
+    (the ``runner``: a shadow of the module with those layers checkpointed, and its
+    ``copies`` kept in step) and gives it the task executor (:mod:`funcmeta._src.module.executor`).
+
+    Attributes:
+        module: the wrapped module; never mutated by calls.
+        checkpointed: names of the submodules run under per-layer checkpointing.
+        executor: what runs task-batched calls (``None``: vmap's own rules).
+        params: ``dict[str, Tensor]`` of the module's own Parameters, by reference (tied
+            weights appear once, under their first name), so meta-gradients reach
+            ``param.grad`` and an outer ``torch.optim`` optimizer over
+            ``module.parameters()``. A new dict on every access.
+        buffers: ``dict[str, Tensor]`` of the module's buffers, by reference.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        runner: nn.Module | None = None,
+        copies: Sequence[tuple[nn.Module, nn.Module]] = (),
+        checkpointed: Sequence[str] = (),
+        executor: Executor | None = None,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
+        check_layers(module)
+        self.module = module
+        self.checkpointed = list(checkpointed)
+        self.runner = module if runner is None else runner
+        self.copies = list(copies)
+        self.swap = Swap(module, self.runner)
+        self.executor = executor
+        self._own_params = dict(module.named_parameters())
+        self._own_buffers = dict(module.named_buffers())
+        self._param_shapes = {k: v.shape for k, v in self._own_params.items()}
+        self._buffer_shapes = {k: v.shape for k, v in self._own_buffers.items()}
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        return dict(self._own_params)
+
+    @property
+    def task_chunk(self) -> int | str | None:
+        """How many tasks a task-batched call runs at once (see
+        :func:`funcmeta.functional_model`); settable: ``"auto"`` (measured), ``None`` for all
+        of them, or a number."""
+        return None if self.executor is None else self.executor.task_chunk
+
+    @task_chunk.setter
+    def task_chunk(self, value: int | str | None) -> None:
+        if self.executor is None:
+            raise ValueError(
+                "this FunctionalModel has no task executor; build it with fm.functional_model"
+            )
+        self.executor.task_chunk = value
+
+    @property
+    def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
+        """Under ``task_chunk="auto"``, what was measured and chosen, per kind of call:
+        ``{"chunk": c, "seconds": {candidate: seconds}}``, a candidate's seconds the least of
+        its two trials."""
+        return {} if self.executor is None else self.executor.choices
+
+    def chunk_now(self) -> int | None:
+        """The chunk a task-batched call runs with now: ``task_chunk``, or under ``"auto"``
+        the chunk of the latest task-batched inner loop (all tasks until there is one)."""
+        return None if self.executor is None else self.executor.chunk_now()
+
+    @property
+    def param_shapes(self) -> dict[str, torch.Size]:
+        """The shape of each parameter, by name."""
+        return dict(self._param_shapes)
+
+    @property
+    def buffer_shapes(self) -> dict[str, torch.Size]:
+        """The shape of each buffer, by name."""
+        return dict(self._buffer_shapes)
+
+    @property
+    def buffers(self) -> dict[str, Tensor]:
+        return dict(self._own_buffers)
+
+    @property
+    def frozen(self) -> list[str]:
+        """Names of the module's parameters with ``requires_grad=False``, read at each access.
+        :func:`funcmeta.adapt` holds them fixed, and they get no meta-gradient."""
+        return [k for k, p in self._own_params.items() if not p.requires_grad]
+
+    @property
+    def task_loop(self) -> bool | None:
+        """Whether task batching runs this model once per task, because part of its forward
+        cannot run under ``vmap`` (data-dependent control flow, as in HuggingFace's attention
+        mask code, or an operator without a batching rule). ``None`` until the first
+        task-batched call finds out. :attr:`task_loop_layers` says which layer and why."""
+        return None if self.executor is None else self.executor.loop
+
+    @property
+    def task_loop_layers(self) -> dict[str, str]:
+        """The layers task batching has run once per task so far, by name (``""`` for the
+        model's own forward), each with why: the layer whose forward refused ``vmap`` when
+        :attr:`task_loop` is True, and recurrent layers that stepped aside from their
+        one-pass path. Empty when everything ran batched. Each entry is also said once, as a
+        warning, when it is first found."""
+        return {} if self.executor is None else self.executor.loop_layers
+
+    def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+        """The module's output with ``params`` and the module's buffers (left unmutated)."""
+        return self.run(params, self._own_buffers, *args, **kwargs)[0]
+
+    def run(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """Run the module on ``args`` and ``kwargs`` with ``params`` and ``buffers``.
+
+        Returns ``(out, new_buffers)``. ``new_buffers`` are new tensors holding whatever the
+        forward wrote into its buffers (BatchNorm running statistics in train mode); the
+        buffers passed in and the module's own are left unchanged.
+        """
+        self.check_params(params)
+        return self.run_checked(params, buffers, args, kwargs)
+
+    def check_params(self, params: Mapping[str, Tensor]) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the entry unless ``params`` has the
+        module's parameter names, each a tensor of the module's shape."""
+        check_tree(params, self._param_shapes, "params")
+
+    def run_checked(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """:meth:`run` for ``params`` already checked against the module (the inner loop's
+        adapted parameters); the buffers are checked here."""
+        check_tree(buffers, self._buffer_shapes, "buffers")
+        if self.executor is not None and any_batched(params, buffers, args, kwargs):
+            return self.executor.run(self, params, buffers, args, kwargs)
+        return execute(self.runner, self.copies, self.swap, params, buffers, args, kwargs)
+
+    def __repr__(self) -> str:
+        checkpointed = f", checkpointed={self.checkpointed}" if self.checkpointed else ""
+        return (
+            f"FunctionalModel({type(self.module).__name__}, params={len(self._own_params)}, "
+            f"buffers={len(self._own_buffers)}{checkpointed})"
+        )
+
+
+def execute(
+    runner: nn.Module,
+    copies: Sequence[tuple[nn.Module, nn.Module]],
+    swap: Swap,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Tensor]]:
+    """Run ``runner`` (the module or its shadow) with ``params`` and fresh copies of
+    ``buffers`` in place: ``(out, new_buffers)``, inside a model-run scope
+    (:mod:`funcmeta._src.module.scope`)."""
+    new_buffers = {k: b.clone() for k, b in buffers.items()}
+    with (
+        synced(copies) if copies else contextlib.nullcontext(),
+        swap(params, new_buffers),
+        scope.model_run(runner),
+    ):
+        out = runner(*args, **kwargs)
+    return out, new_buffers
+
+
+class Swap:
+    """Puts given tensors in place of a module's parameters and buffers for one call.
+
+    What ``torch.func.functional_call`` does, with the module's layout worked out once: for
+    each name, every parameter or buffer dict that holds the tensor (tied weights and
+    modules registered twice included). On exit the original tensors go back. A buffer the
+    forward replaced (``self.stat = ...``) is written back to the ``buffers`` dict given.
+    """
+
+    def __init__(self, module: nn.Module, runner: nn.Module) -> None:
+        self.params = self._places(module, runner, "params")
+        self.buffers = self._places(module, runner, "buffers")
+
+    @staticmethod
+    def _places(
+        module: nn.Module, runner: nn.Module, kind: str
+    ) -> list[tuple[str, list[tuple[dict, str]]]]:
+        named = (
+            module.named_parameters(remove_duplicate=False)
+            if kind == "params"
+            else module.named_buffers(remove_duplicate=False)
+        )
+        first: dict[int, str] = {}
+        places: dict[str, list[tuple[dict, str]]] = {}
+        for name, tensor in named:
+            key = first.setdefault(id(tensor), name)
+            path, _, attr = name.rpartition(".")
+            owner = _DICTS[kind](runner.get_submodule(path))
+            slots = places.setdefault(key, [])
+            if not any(d is owner and a == attr for d, a in slots):
+                slots.append((owner, attr))
+        return list(places.items())
+
+    @contextlib.contextmanager
+    def __call__(self, params: Mapping[str, Tensor], buffers: dict[str, Tensor]) -> Iterator[None]:
+        saved: list[tuple[dict, str, Any]] = []
+        try:
+            for places, values in ((self.params, params), (self.buffers, buffers)):
+                for key, slots in places:
+                    value = values[key]
+                    for owner, attr in slots:
+                        saved.append((owner, attr, owner[attr]))
+                        owner[attr] = value
+            yield
+        finally:
+            for key, slots in self.buffers:
+                owner, attr = slots[0]
+                if owner[attr] is not buffers[key]:
+                    buffers[key] = owner[attr]
+            for owner, attr, value in reversed(saved):
+                owner[attr] = value
+
+
+_DICTS = {"params": parameter_dict, "buffers": buffer_dict}
+
+
+def check_layers(module: nn.Module) -> None:
+    """Refuse layers whose forward or gradient cannot be a pure, differentiable function of
+    the parameters passed in: embeddings with ``max_norm`` (the forward renormalises the
+    weight in place, which would overwrite the initial parameters) or ``sparse=True`` (sparse
+    gradients, which the optimizers' tree maps cannot take)."""
+    for name, m in module.named_modules():
+        if not isinstance(m, nn.Embedding | nn.EmbeddingBag):
+            continue
+        what = f"{type(m).__name__} {name or '(the root module)'!r}"
+        if m.max_norm is not None:
+            raise ValueError(
+                f"{what} has max_norm={m.max_norm}: its forward renormalises the weight in "
+                "place, which would overwrite the parameters passed in (the initial, "
+                "meta-learned ones included). Build it with max_norm=None and normalise in "
+                "the model instead (for example a parametrization that divides each row by "
+                "max(1, norm / max_norm))"
+            )
+        if m.sparse:
+            raise ValueError(
+                f"{what} has sparse=True: its gradient is a sparse tensor, which the "
+                "differentiable optimizers cannot take. Build it with sparse=False"
+            )

@@ -1,0 +1,417 @@
+"""Rematerialisation that composes with double backward: the engine of per-layer checkpointing.
+
+``torch.utils.checkpoint`` (non-reentrant) supports ``autograd.grad(create_graph=True)``, but
+only by recording the recomputed layer and its backward into the graph being built: in a
+second-order inner loop every checkpointed layer is recomputed, and its activations stay alive
+until the outer backward. Per-layer checkpointing then saves nothing in second order.
+
+:func:`remat` does what ``jax.checkpoint`` does under grad-of-grad, with two autograd
+Functions:
+
+- ``_Remat`` runs the function and keeps only its input tensors. Its backward recomputes the
+  function and takes the vector-Jacobian product (VJP).
+- When that backward is itself recorded (``create_graph=True``, the inner loop of
+  second-order MAML), it returns the VJP through ``_RematVJP`` instead: computed the same
+  way, but recorded as one node that keeps the function's inputs and the incoming gradients,
+  nothing of the function's insides. A backward through that node (the outer backward)
+  recomputes the function, its VJP with a graph, and differentiates that, one layer at a
+  time.
+
+Every run of the function after the first one (each recomputation) reproduces the first: the
+random number generator states (dropout masks), autocast and the kernel choice
+(:mod:`funcmeta._src.core.kernels`) of the first run are put back for it. A recorded VJP is recomputed
+under the autocast state in force when it was first computed.
+
+Example:
+    >>> import torch
+    >>> from funcmeta._src.remat.engine import remat
+    >>> x = torch.randn(5, requires_grad=True)
+    >>> y = remat(lambda t: torch.tanh(t) * t, x)
+    >>> (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)   # recomputed, recorded
+    >>> torch.allclose(g, torch.tanh(x) + x * (1 - torch.tanh(x) ** 2))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from funcmeta._src.core import kernels, tree
+from funcmeta._src.core.replay import recomputation
+from funcmeta._src.module import scope
+
+__all__ = ["OpenFunctionError", "graph_input", "remat", "remat_closed"]
+
+_TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
+
+
+class _Autocast:
+    """The autocast state in force now (CPU, and CUDA if ``cuda``), to be put back later."""
+
+    __slots__ = ("cache", "states")
+
+    def __init__(self, cuda: bool) -> None:
+        types = ("cpu", "cuda") if cuda else ("cpu",)
+        self.states = [
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
+        ]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        for device_type, enabled, dtype in self.states:
+            if enabled or torch.is_autocast_enabled(device_type):
+                stack.enter_context(
+                    torch.autocast(
+                        device_type, enabled=enabled, dtype=dtype, cache_enabled=self.cache
+                    )
+                )
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            self.enter(stack)
+            yield
+
+
+class _Replay:
+    """What a recomputation must reproduce of the first run: the random number generator
+    states of the CPU and of the CUDA devices of the inputs, autocast and the kernel choice."""
+
+    __slots__ = ("autocast", "cpu_rng", "device_rng", "devices", "kernel_state")
+
+    def __init__(self, tensors: list[Tensor]) -> None:
+        self.devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        self.cpu_rng = torch.get_rng_state()
+        self.device_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.autocast = _Autocast(bool(self.devices))
+        self.kernel_state = kernels.capture()
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=self.devices))
+            torch.set_rng_state(self.cpu_rng)
+            for device, state in zip(self.devices, self.device_rng, strict=True):
+                torch.cuda.set_rng_state(state, device)
+            self.autocast.enter(stack)
+            stack.enter_context(kernels.restore(self.kernel_state))
+            yield
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _unpack_nothing(_: None) -> Tensor:  # pragma: no cover - never called
+    raise RuntimeError("funcmeta: a tensor of a rematerialised forward was used in backward")
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def graph_input(t: Tensor) -> Tensor:
+    """A new graph input with the data of ``t`` that requires grad (call it in grad mode). It
+    is a view, not a leaf: autocast caches its cast of a leaf that requires grad until the
+    autocast region ends, which would keep a low-precision copy of every such input alive
+    (one per layer call, or per inner step). Writing into it in place raises, as it should
+    where the input is kept for a recomputation."""
+    return t.detach().requires_grad_().view_as(t)
+
+
+def _alias(t: Tensor) -> Tensor:
+    """A new graph input with the data of ``t``, requiring grad as ``t`` does."""
+    return graph_input(t) if t.requires_grad else t.detach()
+
+
+class _Run:
+    """One call of :func:`remat`: the function, the structure of its arguments and outputs,
+    and the state its recomputations replay. Lives as long as the graph that holds it."""
+
+    __slots__ = (
+        "args_spec",
+        "closed",
+        "constant",
+        "fn",
+        "leaves",
+        "out_leaves",
+        "out_spec",
+        "replay",
+        "slots",
+    )
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        closed: Callable[[], str] | None = None,
+    ):
+        self.fn = fn
+        self.closed = closed
+        leaves, self.args_spec = tree.flatten_registered((args, kwargs))
+        # non-tensor leaves stay here; tensor leaves travel as the Function's inputs
+        self.slots = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
+        self.leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
+        self.out_spec: Any = None
+        self.out_leaves: list[Any] = []
+        self.constant: list[bool] = []
+        self.replay: _Replay | None = None
+
+    def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        leaves = tree.leaves_registered((args, kwargs))
+        return [leaves[i] for i in self.slots]
+
+    def call(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.slots, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = tree.unflatten_registered(leaves, self.args_spec)
+        with scope.remat_body():
+            return self.fn(*args, **kwargs)
+
+    def first(self, tensors: tuple[Tensor, ...]) -> list[Tensor]:
+        """The first run, as the model would run it (grad mode on, inputs requiring grad as
+        given), keeping nothing for backward. Returns its tensor outputs, detached."""
+        self.replay = _Replay(list(tensors))
+        inputs = _leaves(tensors)
+        discard = torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
+        with torch.enable_grad(), discard:
+            mark = _next_sequence_nr() if self.closed is not None else 0
+            out = self.call(inputs)
+        leaves, self.out_spec = tree.flatten_registered(out)
+        if self.closed is not None:
+            _check_closed(leaves, inputs, mark, self.closed)
+        self.out_leaves = [_TENSOR if isinstance(x, Tensor) else x for x in leaves]
+        outs = [x for x in leaves if isinstance(x, Tensor)]
+        # an output with no gradient history (a constant such as T5's zero position bias)
+        # stays a constant: no gradient flows into it, and none is asked of it
+        self.constant = [not x.requires_grad for x in outs]
+        return [x.detach() for x in outs]
+
+    def output(self, tensors: tuple[Tensor, ...]) -> Any:
+        leaves = list(self.out_leaves)
+        it = iter(tensors)
+        leaves = [next(it) if x is _TENSOR else x for x in leaves]
+        return tree.unflatten_registered(leaves, self.out_spec)
+
+    def again(self, tensors: tuple[Tensor, ...] | list[Tensor]) -> list[Tensor]:
+        """A recomputation's tensor outputs, under the state of the first run."""
+        assert self.replay is not None
+        with self.replay(), recomputation():
+            out = self.call(tensors)
+        return [x for x in tree.leaves_registered(out) if isinstance(x, Tensor)]
+
+    def vjp(
+        self,
+        wanted: list[int],
+        picked: list[int],
+        tensors: list[Tensor],
+        grads: list[Tensor],
+        create_graph: bool,
+    ) -> tuple[Tensor | None, ...]:
+        """Recompute on ``tensors`` (fresh graph inputs: leaves, or views of the saved
+        tensors, so that no path runs through another input's history, as through a weight
+        tied to an earlier layer) and take the VJP of the outputs ``picked`` against
+        ``grads``, with respect to the inputs ``wanted``."""
+        # The activations of this recomputation are used right away and dropped: they must
+        # not reach the saved-tensor hooks of an enclosing step checkpoint or offload.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            outs = self.again(tensors)
+            return torch.autograd.grad(
+                [outs[i] for i in picked],
+                [tensors[i] for i in wanted],
+                grads,
+                create_graph=create_graph,
+                allow_unused=True,
+            )
+
+
+class OpenFunctionError(RuntimeError):
+    """A rematerialised function's outputs depend, through autograd, on a tensor that is not
+    among its arguments: recomputed apart from that tensor, it would give that dependency
+    no gradient."""
+
+
+def _next_sequence_nr() -> int:
+    """The sequence number the next autograd node made on this thread will have at least."""
+    node = torch.empty(0, requires_grad=True).view(0).grad_fn
+    assert node is not None
+    return node._sequence_nr() + 1
+
+
+def _check_closed(
+    outputs: list[Any], inputs: list[Tensor], mark: int, what: Callable[[], str]
+) -> None:
+    """Raise :class:`OpenFunctionError` if the graph of ``outputs`` (a function's first run)
+    reaches a tensor that requires grad other than ``inputs``: a leaf, or a node made before
+    the run began (sequence number below ``mark``)."""
+    stops = {x.grad_fn for x in inputs if x.grad_fn is not None}
+    todo: list[torch.autograd.graph.Node | None] = [
+        o.grad_fn for o in outputs if isinstance(o, Tensor) and o.grad_fn is not None
+    ]
+    seen: set[Any] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stops:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if leaf is not None or node._sequence_nr() < mark:
+            shape = tuple(leaf.shape) if isinstance(leaf, Tensor) else None
+            found = (
+                f"a leaf tensor of shape {shape}"
+                if shape is not None
+                else f"a tensor computed before the call (by {node.name()})"
+            )
+            raise OpenFunctionError(
+                f"{what()} depends on {found} that requires grad and is not among its "
+                "arguments or the parameters and buffers of the modules it was given (a "
+                "tensor held in a closure or a global): a recomputation would give it no "
+                "gradient. Pass that tensor to checkpoint as an argument "
+                "(checkpoint(fn, x, t, ...)), or register it as a parameter or buffer of the "
+                "checkpointed module"
+            )
+        todo.extend(n for n, _ in node.next_functions)
+
+
+def _leaves(tensors: Any) -> list[Tensor]:
+    """Graph inputs with the data of ``tensors``, cut from their history, requiring grad as
+    they do."""
+    with torch.enable_grad():
+        return [_alias(t) for t in tensors]
+
+
+def _views(tensors: Any) -> list[Tensor]:
+    """Graph inputs connected to ``tensors``' history (views), in grad mode."""
+    return [t.view_as(t) if t.requires_grad else t for t in tensors]
+
+
+class _Remat(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: _Run, *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.run = run
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*tensors)
+        outs = run.first(tensors)
+        fixed = [o for o, c in zip(outs, run.constant, strict=True) if c or not _differentiable(o)]
+        if fixed:
+            ctx.mark_non_differentiable(*fixed)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        run: _Run = ctx.run
+        tensors = ctx.saved_tensors
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        picked = [i for i, g in enumerate(grads) if g is not None and not run.constant[i]]
+        result: list[Tensor | None] = [None] * (1 + len(tensors))
+        if not wanted or not picked:
+            return tuple(result)
+        given = cast(list[Tensor], [grads[i] for i in picked])  # picked: not None
+        if torch.is_grad_enabled():
+            # This backward is recorded (create_graph): one node that keeps the inputs and
+            # the gradients, not the function's activations.
+            vjps = _RematVJP.apply(run, wanted, picked, len(tensors), *tensors, *given)
+        else:
+            vjps = run.vjp(wanted, picked, _leaves(tensors), given, create_graph=False)
+        for i, g in zip(wanted, vjps, strict=True):
+            result[1 + i] = g
+        return tuple(result)
+
+
+class _RematVJP(torch.autograd.Function):
+    """The VJP of a :class:`_Remat` function, recorded as one node (see the module
+    docstring). Inputs: the function's input tensors, then the gradients of its outputs."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, run: _Run, wanted: list[int], picked: list[int], n: int, *saved: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        ctx.meta = (run, wanted, picked, n)
+        ctx.autocast = _Autocast(bool(run.replay.devices) if run.replay else False)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*saved)
+        inputs = _leaves(saved[:n])
+        grads = [g.detach() for g in saved[n:]]
+        return tuple(run.vjp(wanted, picked, inputs, grads, create_graph=False))
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Tensor | None, ...]:
+        run, wanted, picked, n = ctx.meta
+        saved = ctx.saved_tensors
+        result: list[Tensor | None] = [None] * (4 + len(saved))
+        need = [i for i, flag in enumerate(ctx.needs_input_grad[4:]) if flag]
+        if not need or all(c is None for c in cotangents):
+            return tuple(result)
+        record = torch.is_grad_enabled()  # a third order: keep this graph too
+        with torch.enable_grad():
+            xs = _views(saved) if record else _leaves(saved)
+            with ctx.autocast():
+                vjps = run.vjp(wanted, picked, xs[:n], xs[n:], create_graph=True)
+            pairs = [
+                (v, c)
+                for v, c in zip(vjps, cotangents, strict=True)
+                if v is not None and c is not None and v.requires_grad
+            ]
+            if not pairs:
+                return tuple(result)
+            grads = torch.autograd.grad(
+                [v for v, _ in pairs],
+                [xs[i] for i in need],
+                [c for _, c in pairs],
+                create_graph=record,
+                allow_unused=True,
+            )
+        for i, g in zip(need, grads, strict=True):
+            result[4 + i] = g
+        return tuple(result)
+
+
+def _rematerialised(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    closed: Callable[[], str] | None,
+) -> Any:
+    """:func:`remat` and :func:`remat_closed`: the first run checked when ``closed``."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    run = _Run(fn, args, kwargs, closed=closed)
+    tensors = run.tensors(args, kwargs)
+    if not any(t.requires_grad for t in tensors):
+        if closed is None:
+            return fn(*args, **kwargs)
+        # nothing given requires grad: an output that does depends on something outside
+        mark = _next_sequence_nr()
+        out = fn(*args, **kwargs)
+        _check_closed(tree.leaves_registered(out), [], mark, closed)
+        return out
+    outs = _Remat.apply(run, *tensors)
+    return run.output(outs)
+
+
+def remat_closed(what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """:func:`remat` for a function that is not known to be pure in its arguments (one a
+    model checkpoints itself): its first run is checked to depend, through autograd, on
+    nothing that requires grad but its arguments; else :class:`OpenFunctionError`, whose
+    message begins with ``what()``."""
+    return _rematerialised(fn, args, kwargs, what)
+
+
+def remat(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, keeping only the tensors among the arguments for backward.
+
+    Tensors may sit anywhere in the arguments (nested in lists, dicts, registered pytrees);
+    outputs may be any pytree with tensor and non-tensor leaves. ``fn`` must be a pure
+    function of its tensor arguments apart from its randomness, which is replayed; it runs
+    once now and once more in each backward that goes through it (twice in a backward that
+    goes through the graph of a recorded one). Without grad mode, or without an input that
+    requires grad, it is just ``fn(*args, **kwargs)``.
+    """
+    return _rematerialised(fn, args, kwargs, None)
