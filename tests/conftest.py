@@ -1,14 +1,22 @@
-"""Test configuration: tests marked ``cuda`` skip cleanly where no CUDA device exists, and
+"""Test configuration: the folders mirror funcmeta's packages (``tests/core``, ``tests/batching``,
+..., and ``tests/integration`` for end-to-end checks) and share ``helpers.py`` and ``zoo.py``
+here; tests marked ``cuda`` skip cleanly where no CUDA device exists, and
 run without TF32 where one does: they compare float32 results against references, and
 cuDNN's default TF32 convolutions and RNNs round far beyond float32 (second order amplifies
 it; docs/memory.md, "TF32 and second order")."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import funcmeta as fm
+
+# the shared helpers (helpers.py, zoo.py) sit here, above the test folders
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config, items):

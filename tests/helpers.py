@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -117,3 +119,21 @@ def next_token_loss(out, ids: Tensor) -> Tensor:
     import torch.nn.functional as F
 
     return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2).float(), ids[..., 1:].flatten())
+
+
+def profiled(fn: Callable[[], object]) -> int:
+    """The most bytes tensors held at once while ``fn()`` ran, above what they held before
+    (from the profiler's allocation events, as ``benchmarks/sequence_tasks.py`` counts them)."""
+    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    import sequence_tasks
+
+    with (
+        torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as prof,
+        torch.profiler.record_function("window"),
+    ):
+        fn()
+    return sequence_tasks.peak_allocated(prof, "window")

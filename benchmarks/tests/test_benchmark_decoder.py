@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import decoder_meta
 
 

@@ -9,21 +9,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import sequence_tasks
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from helpers import profiled
 
 MIB = 2**20
-
-
-def profiled(fn) -> int:
-    with (
-        torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-        ) as prof,
-        torch.profiler.record_function("window"),
-    ):
-        fn()
-    return sequence_tasks.peak_allocated(prof, "window")
 
 
 def test_many_small_tensors_count_in_full():

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "recurrent_evaluation.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "recurrent_evaluation.py"
 
 
 def test_the_benchmark_runs_and_every_row_agrees():

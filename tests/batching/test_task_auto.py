@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcmeta as fm
-from funcmeta.batching.auto import ChunkTuner, candidate_chunks
+from funcmeta._src.batching.chunks import ChunkTuner, candidate_chunks
 
 DTYPE = torch.float64
 CPU = torch.device("cpu")
@@ -149,7 +149,7 @@ def test_every_auto_call_gives_the_pinned_results(first_order):
 def test_the_backward_is_timed_when_it_runs():
     net, b = problem()
     fmodel = fm.functional_model(net)
-    tuner = fmodel._chunk_tuner
+    tuner = fmodel.executor.tuner
     for _ in range(2):
         meta_gradients(fmodel, b)
     (kind,) = tuner.kinds.values()
@@ -210,10 +210,10 @@ def test_pinning_the_chunk_stops_the_measuring():
     fmodel.task_chunk = 2
     assert fmodel.task_chunk_choices == {} and fmodel.chunk_now() == 2
     meta_gradients(fmodel, b)
-    assert fmodel._chunk_tuner.kinds == {}
+    assert fmodel.executor.tuner.kinds == {}
     fmodel.task_chunk = "auto"  # measured afresh
     meta_gradients(fmodel, b)
-    assert len(fmodel._chunk_tuner.kinds) == 1
+    assert len(fmodel.executor.tuner.kinds) == 1
 
 
 def test_inside_a_torch_func_transform_all_tasks_run_at_once_untimed():
@@ -227,7 +227,7 @@ def test_inside_a_torch_func_transform_all_tasks_run_at_once_untimed():
 
     for _ in range(3):
         grads = torch.func.grad(meta_loss)(params)
-    assert fmodel._chunk_tuner.kinds == {}
+    assert fmodel.executor.tuner.kinds == {}
     ref = torch.autograd.grad(meta_loss(params), list(params.values()))
     for g, r in zip(grads.values(), ref, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)

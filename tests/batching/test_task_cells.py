@@ -1,4 +1,4 @@
-"""``nn.LSTMCell`` under task batching (:mod:`funcmeta.batching.cells`): models against a
+"""``nn.LSTMCell`` under task batching (:mod:`funcmeta._src.batching.cells`): models against a
 per-task loop of ``fm.adapt`` in float64, first and second order; per-task and shared
 weights, one sample per task, no bias; hooks and wrong shapes."""
 
@@ -15,7 +15,7 @@ from test_task_layers import assert_same, run
 from torch import Tensor, nn
 
 import funcmeta as fm
-import funcmeta.batching.cells as cells
+import funcmeta._src.batching.cells as cells
 
 DTYPE = torch.float64
 T, N, L = 3, 6, 4

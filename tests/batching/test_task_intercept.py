@@ -1,4 +1,4 @@
-"""Task batching where vmap refuses or loops (funcmeta.batching.intercept): Python values of
+"""Task batching where vmap refuses or loops (funcmeta._src.batching.intercept): Python values of
 batched tensors that every task agrees on, fused attention with the task axis in the batch,
 and HuggingFace models batched end to end; each exact against a loop over the tasks."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcmeta as fm
-import funcmeta.batching.intercept as intercept
+import funcmeta._src.batching.intercept as intercept
 
 DTYPE = torch.float64
 T = 3
@@ -412,7 +412,7 @@ def test_transformer_encoder_layer_without_fallback(strict_warnings, monkeypatch
             return self.head(self.layer(x, src_key_padding_mask=pad).mean(1))
 
     fmodel = fm.functional_model(Encoder())
-    assert type(fmodel._task_runner.layer.self_attn).__name__ == "TaskAttention"
+    assert type(fmodel.executor.runner.layer.self_attn).__name__ == "TaskAttention"
     calls = _count_attention(monkeypatch)
     x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
     pad = torch.zeros(T, 4, 5, dtype=torch.bool)

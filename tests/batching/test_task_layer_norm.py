@@ -1,5 +1,5 @@
 """``nn.LayerNorm`` with per-task parameters under task batching
-(:mod:`funcmeta.batching.layer_norm`): the node against ``F.layer_norm`` task by task and
+(:mod:`funcmeta._src.batching.layer_norm`): the node against ``F.layer_norm`` task by task and
 against finite differences (twice), models against a per-task loop of ``fm.adapt`` in first
 and second order, the cases where it steps aside, and what it keeps for the backward."""
 
@@ -16,8 +16,8 @@ from test_task_layers import assert_same, run
 from torch import Tensor, nn
 
 import funcmeta as fm
-import funcmeta.batching.layer_norm as layer_norm
-from funcmeta.remat.kernels import twice_differentiable
+import funcmeta._src.batching.layer_norm as layer_norm
+from funcmeta._src.core.kernels import twice_differentiable
 
 DTYPE = torch.float64
 T, N = 3, 5

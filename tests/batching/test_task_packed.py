@@ -1,4 +1,4 @@
-"""Packed sequences under task batching (funcmeta.batching.packed): ``pack_padded_sequence`` ->
+"""Packed sequences under task batching (funcmeta._src.batching.packed): ``pack_padded_sequence`` ->
 ``nn.RNN`` / ``nn.LSTM`` / ``nn.GRU`` -> ``pad_packed_sequence`` inside a model, with lengths
 that differ within and across tasks, exact against a loop of ``fm.adapt`` over the tasks
 (torch's own packed kernels) in float64, second and first order; what it hands to the loop,

@@ -1,4 +1,4 @@
-"""Recurrent layers under task batching (funcmeta.batching.recurrent): nn.RNN, nn.LSTM and
+"""Recurrent layers under task batching (funcmeta._src.batching.recurrent): nn.RNN, nn.LSTM and
 nn.GRU with per-task weights computed for all tasks in one pass, exact against a loop of
 fm.adapt over the tasks (torch's own recurrent kernels), in float64 and second order; and the
 cases it hands to the per-task loop, each said once."""
@@ -15,7 +15,7 @@ from helpers import per_task
 from torch import nn
 
 import funcmeta as fm
-import funcmeta.batching.recurrent as recurrent
+import funcmeta._src.batching.recurrent as recurrent
 
 DTYPE = torch.float64
 T, N, L, IN, HID = 3, 4, 5, 3, 4
@@ -76,7 +76,7 @@ def _meta_grads(fmodel, x, y, batched, *, first_order=False, extra=()):
 
 
 def _counting(monkeypatch, name: str) -> list[int]:
-    """A list that grows by one at every call of ``funcmeta.batching.recurrent.<name>``."""
+    """A list that grows by one at every call of ``funcmeta._src.batching.recurrent.<name>``."""
     calls: list[int] = []
     real = getattr(recurrent, name)
 
@@ -340,7 +340,7 @@ def test_a_subclass_runs_once_per_task():
             out, h = super().forward(x, hx)
             return 2 * out, h
 
-    from funcmeta.batching.layers import task_standins
+    from funcmeta._src.batching.layers import task_standins
 
     kinds = {k: v.__name__ for k, v in task_standins(Head(Scaled(IN, HID))).items()}
     assert kinds["rnn"] == "TaskLoop"
@@ -400,8 +400,8 @@ def test_float32_evaluation_with_shared_weights_on_torch_kernels(kind, merged):
 
 def _peak_bytes(fn) -> int:
     """The most tensor bytes allocated at once while ``fn`` runs, above the start (the
-    sequence benchmark's count, tested in tests/test_benchmark_memory.py)."""
-    from test_benchmark_memory import profiled
+    sequence benchmark's count, tested in benchmarks/tests/test_benchmark_memory.py)."""
+    from helpers import profiled
 
     return profiled(fn)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import funcmeta._torch_private as fence
+import funcmeta._src.core.fence as fence
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_layers  # noqa: E402
 
@@ -24,19 +24,30 @@ def test_the_package_keeps_its_layers_and_its_fence():
 
 def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_path):
     package = tmp_path / "funcmeta"
-    package.mkdir()
-    (package / "tasks.py").write_text("X = 1\n")
-    (package / "tree.py").write_text("from funcmeta.tasks import X\n")
-    (package / "kernels.py").write_text("import torch\nflag = torch._C._get_math_sdp_enabled\n")
+    for folder in ("_src/core", "_src/inner", "_src/remat", "_src/batching"):
+        (package / folder).mkdir(parents=True)
+    (package / "_src/inner/tasks.py").write_text("X = 1\n")
+    (package / "_src/core/tree.py").write_text("from funcmeta._src.inner.tasks import X\n")
+    (package / "_src/remat/engine.py").write_text("from funcmeta._src.batching.layers import Y\n")
+    (package / "_src/batching/layers.py").write_text("Y = 1\n")
+    (package / "_src/core/kernels.py").write_text(
+        'import torch\n"""torch._C in a docstring is words"""\nflag = torch._C._get_math_sdp_enabled\n'
+    )
     found = check_layers.violations(package)
-    assert any("funcmeta.tree (layer 0) imports funcmeta.tasks" in v for v in found), found
-    assert any("kernels.py:2: touches torch's private internals" in v for v in found), found
+    assert any(
+        "funcmeta._src.core.tree (_src.core, row 0) imports funcmeta._src.inner.tasks" in v
+        and "an upward import" in v
+        for v in found
+    ), found
+    assert any("_src.remat.engine" in v and "a sideways import" in v for v in found), found
+    assert any("kernels.py:3: touches private internals" in v for v in found), found
+    assert not any("kernels.py:2" in v for v in found), found
 
 
 def test_every_private_access_exists_on_this_torch():
     missing = fence.missing()
     assert not missing, (
-        f"torch {torch.__version__} lacks {missing}, which funcmeta/_torch_private.py uses. "
+        f"torch {torch.__version__} lacks {missing}, which funcmeta/_src/core/fence.py uses. "
         "Port that access to this release (one place), or lower the claimed torch range in "
         "pyproject.toml and the README."
     )
@@ -56,7 +67,13 @@ def test_vmap_refusals_are_recognised_on_this_torch():
 @pytest.mark.parametrize(
     "name",
     [
-        "funcmeta.batching",
+        "funcmeta._src",
+        "funcmeta._src.core",
+        "funcmeta._src.optim",
+        "funcmeta._src.module",
+        "funcmeta._src.remat",
+        "funcmeta._src.batching",
+        "funcmeta._src.inner",
         "funcmeta.remat",
         "funcmeta.optim",
         "funcmeta.implicit",

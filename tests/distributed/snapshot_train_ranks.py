@@ -1,6 +1,6 @@
 """Two-rank Meta-SGD training that snapshots every step and resumes from the snapshots.
 
-Used by tests/test_distributed_failures.py:
+Used by tests/distributed/test_distributed_failures.py:
     python tests/snapshot_train_ranks.py RANK RENDEZVOUS FOLDER STEPS [KILL_AT]
 Each rank keeps its own snapshot ``FOLDER/state{RANK}.pt`` (its random states differ). With
 KILL_AT, rank 1 kills itself with SIGKILL during that step, before averaging; rank 0 then
@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import init_gloo
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared helpers
+from helpers import init_gloo
 
 import funcmeta as fm
 

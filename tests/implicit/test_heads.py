@@ -196,7 +196,7 @@ def test_r2d2_on_real_sequence_models(kind):
     """PyTorch's transformer layer (fused attention), an LSTM and a HuggingFace BERT from a
     config as the embedding: R2D2's loss and gradients, exact and implicit, equal the
     hand-written per-task reference."""
-    from test_fewshot import SequenceNet
+    from zoo import SequenceNet
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 30, (60, 8), generator=g)

@@ -16,7 +16,7 @@ from torch import nn
 
 import funcmeta as fm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 
 def data(seed=0, n=16, width=3, dtype=torch.float32):

@@ -352,7 +352,7 @@ def test_cuda_batched_equals_loop(ck):
 
 def test_the_torch_func_vmap_fallback_gives_the_same_results(monkeypatch):
     """Without functorch's batching primitives, task batching runs on torch.func.vmap."""
-    import funcmeta.batching.vmap as functorch_glue
+    import funcmeta._src.core.vmap as functorch_glue
 
     monkeypatch.setattr(functorch_glue, "USE_PRIMITIVES", False)
     net, support, query, loss_fn = make("mlp")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import bert_meta
 

@@ -62,32 +62,6 @@ def test_nonfinite_check_on_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("batched", [False, True], ids=["adapt", "adapt_tasks"])
-@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
-def test_cuda_self_checkpointed_model_gives_the_unchecked_meta_gradients(how, batched):
-    """float64 on CUDA: the model's own checkpoints, rematerialised by funcmeta, give the
-    unchecked model's meta-gradients (the CUDA backward runs recomputations on autograd's
-    device threads)."""
-    import test_self_checkpoint as sc
-
-    def on_cuda(net):
-        return net.cuda()
-
-    cpu_data = sc.task_data
-
-    def cuda_data(seed=1):
-        return tuple(t.cuda() for t in cpu_data(seed))
-
-    sc.task_data = cuda_data
-    try:
-        reference = sc.meta_gradients(on_cuda(sc.build("none")), batched, first_order=False)
-        ours = sc.meta_gradients(on_cuda(sc.build(how)), batched, first_order=False)
-    finally:
-        sc.task_data = cpu_data
-    assert sc.relative(ours, reference) < 1e-10
-
-
-@pytest.mark.cuda
 def test_cuda_inner_overflow_is_a_skipped_step_for_the_cuda_scaler():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).cuda()
@@ -154,7 +128,7 @@ def test_cuda_checkpointed_maml_example(capsys):
 def test_exact_float32_turns_tf32_off_and_restores_the_settings():
     """On every machine: the flags inside and after the block (the new per-operator ones on
     torch >= 2.9, the legacy allow_tf32 ones before), also after an error."""
-    from funcmeta import precision
+    from funcmeta._src.core import precision
 
     flags = precision._NEW or precision._LEGACY
     before = [getattr(owner, name) for owner, name in flags]

@@ -37,7 +37,7 @@ def test_every_public_module_has_examples():
     assert without == []
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [
     "README.md",
     *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")),

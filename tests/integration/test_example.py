@@ -15,7 +15,7 @@ from helpers import shared_file
 
 import funcmeta as fm
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import torch
 
 import funcmeta as fm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 for folder in ("benchmarks", "examples"):
     if str(ROOT / folder) not in sys.path:
         sys.path.insert(0, str(ROOT / folder))

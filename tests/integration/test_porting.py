@@ -18,7 +18,7 @@ from torch.func import functional_call
 
 import funcmeta as fm
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 ITERATIONS = 2
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from zoo import SequenceNet
 
 import funcmeta as fm
 
@@ -274,46 +274,6 @@ def test_evaluate_errors():
         fm.evaluate(*call, opt, steps=1, num_episodes=0)
     with pytest.raises(TypeError, match=r"episodes must be a funcmeta\.data\.Episodes"):
         fm.evaluate(fmodel, fmodel.params, F.cross_entropy, (x, y), opt, steps=1)
-
-
-class SequenceNet(nn.Module):
-    """Token ids -> a real sequence model -> mean over positions -> head (``ways=None``: the
-    embedding alone)."""
-
-    def __init__(self, kind: str, ways: int | None) -> None:
-        super().__init__()
-        self.kind = kind
-        if kind == "hf":
-            transformers = pytest.importorskip("transformers")
-            config = transformers.BertConfig(
-                vocab_size=30,
-                hidden_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                intermediate_size=32,
-                max_position_embeddings=16,
-                hidden_dropout_prob=0.0,
-                attention_probs_dropout_prob=0.0,
-            )
-            self.body = transformers.BertModel(config, add_pooling_layer=False)
-        else:
-            self.embed = nn.Embedding(30, 16)
-            self.body = (
-                nn.LSTM(16, 16, batch_first=True)
-                if kind == "lstm"
-                else nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-            )
-        self.head = nn.Linear(16, ways) if ways else None
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.kind == "hf":
-            h = self.body(input_ids=ids).last_hidden_state
-        elif self.kind == "lstm":
-            h = self.body(self.embed(ids))[0]
-        else:
-            h = self.body(self.embed(ids))
-        h = h.mean(1)
-        return h if self.head is None else self.head(h)
 
 
 @pytest.mark.parametrize("kind", ["encoder", "lstm", "hf"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import funcmeta as fm
-from funcmeta.optim.values import LeafResolver
+from funcmeta._src.optim.values import LeafResolver
 
 DTYPE = torch.float64
 
@@ -126,3 +126,25 @@ def test_learning_rate_errors_still_come_at_init():
     opt = fm.optim.sgd(lr={"a": torch.ones(7), "b": {"c": torch.ones(5)}})
     with pytest.raises(ValueError, match="lr for parameter 'a'"):
         opt.init(tree(0))
+
+
+def test_clipping_is_pure_and_says_how_it_clips_per_task():
+    """The optimizers are pure functions of their arguments: ``update`` clips by the norm of the
+    whole tree wherever it is called; ``update_tasks`` (what the inner loop of
+    ``fm.adapt_tasks`` calls for updates with a task axis) clips each task by its own, and
+    ``chain`` passes it on; a transformation that works leaf by leaf has none."""
+    g = {"w": torch.tensor([[3.0, 4.0], [0.3, 0.4]], dtype=torch.float64)}  # norms 5 and 0.5
+    clip = fm.optim.clip_by_global_norm(1.0)
+    whole, _ = clip.update(g, clip.init(g))
+    per_task, _ = clip.update_tasks(g, clip.init(g))
+    norm = torch.linalg.vector_norm(g["w"])
+    assert torch.allclose(whole["w"], g["w"] / (norm + 1e-6))
+    assert torch.allclose(per_task["w"][0], g["w"][0] / (5.0 + 1e-6))
+    assert torch.equal(per_task["w"][1], g["w"][1])  # within its own bound: untouched
+    assert fm.optim.sgd(lr=0.1).update_tasks is None
+    opt = fm.optim.chain(clip, fm.optim.sgd(lr=0.1))
+    params = {"w": torch.zeros(2, 2, dtype=torch.float64)}
+    stepped, _ = fm.optim.step(opt, g, opt.init(params), params, tasks=True)
+    assert torch.allclose(stepped["w"], -0.1 * per_task["w"])
+    plain, _ = fm.optim.step(opt, g, opt.init(params), params)
+    assert torch.allclose(plain["w"], -0.1 * whole["w"])

@@ -14,7 +14,7 @@ from helpers import DTYPE
 from torch import nn
 
 import funcmeta as fm
-from funcmeta.remat.engine import remat
+from funcmeta._src.remat.engine import remat
 
 
 class Counting(nn.Module):

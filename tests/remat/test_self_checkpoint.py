@@ -11,6 +11,7 @@ import threading
 import warnings
 
 import pytest
+import test_remat
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
@@ -21,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import funcmeta as fm
-from funcmeta.remat.engine import OpenFunctionError
+from funcmeta._src.remat.engine import OpenFunctionError
 
 T, N, W = 3, 10, 6  # tasks, examples per task, width
 
@@ -204,7 +205,6 @@ def test_second_order_memory_as_funcmeta_checkpoint_layers(monkeypatch):
     """What the graph keeps between the inner loop and the outer backward (the measurement of
     ``test_remat``): the self-checkpointed model at most 1.1x the same model under
     ``checkpoint_layers``, with the same meta-gradients."""
-    import test_remat
 
     def net_with(self_checkpoint):
         def make(*layers):
@@ -472,3 +472,19 @@ def test_other_threads_get_torchs_own_checkpoint_during_a_run():
         done.set()
         worker.join()
     assert _code() is inspect.unwrap(tuc.checkpoint).__code__
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batched", [False, True], ids=["adapt", "adapt_tasks"])
+@pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
+def test_cuda_self_checkpointed_model_gives_the_unchecked_meta_gradients(how, batched, monkeypatch):
+    """float64 on CUDA: the model's own checkpoints, rematerialised by funcmeta, give the
+    unchecked model's meta-gradients (the CUDA backward runs recomputations on autograd's
+    device threads)."""
+    cpu_data = task_data
+    monkeypatch.setitem(
+        globals(), "task_data", lambda seed=1: tuple(t.cuda() for t in cpu_data(seed))
+    )
+    reference = meta_gradients(build("none").cuda(), batched, first_order=False)
+    ours = meta_gradients(build(how).cuda(), batched, first_order=False)
+    assert relative(ours, reference) < 1e-10

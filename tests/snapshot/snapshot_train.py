@@ -1,6 +1,6 @@
 """A small Meta-SGD training run that saves its state after every step and resumes from it.
 
-Used by tests/test_snapshot.py: python tests/snapshot_train.py STATE OUT STEPS [--slow]
+Used by tests/snapshot/test_snapshot.py: python tests/snapshot/snapshot_train.py STATE OUT STEPS [--slow]
 """
 
 from __future__ import annotations

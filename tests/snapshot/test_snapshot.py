@@ -311,7 +311,7 @@ def test_a_damaged_structure_record_is_refused_before_it_is_unpickled(tmp_path):
 
 
 def test_saves_store_crcs_even_when_torch_is_told_not_to(tmp_path):
-    from funcmeta._records import check_records
+    from funcmeta._src.core.records import check_records
 
     net = torch.nn.Linear(3, 2)
     torch.serialization.set_crc32_options(False)
@@ -396,7 +396,7 @@ def test_a_file_replaced_while_it_is_read_is_refused(tmp_path, monkeypatch):
 def test_record_checks_refuse_damaged_archives(tmp_path, damage):
     import zipfile
 
-    from funcmeta._records import check_records
+    from funcmeta._src.core.records import check_records
 
     path = tmp_path / "t.pt"
     torch.save({"w": torch.arange(1000.0)}, path)
