@@ -145,7 +145,7 @@ class TaskExecutor:
                 # batched at an outer vmap level too (two task axes): what the inner level
                 # refused, plain vmap would refuse at the outer one; it runs per task as well
                 return self._run(model, p, b, a, kw)
-            return execute(model.runner, model.copies, model.swap, p, b, a, kw)
+            return model.run_plain(p, b, a, kw)
 
         return call_outside_vmap(
             lambda f, flat: f(*flat),

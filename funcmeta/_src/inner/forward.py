@@ -29,7 +29,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import retold
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.core.vmap import vmap_flat
+from funcmeta._src.core.vmap import any_batched, vmap_flat
 from funcmeta._src.inner.inputs import CallInputs, TaskAxisError
 from funcmeta._src.module.functional import FunctionalModel
 
@@ -87,10 +87,16 @@ def run_model(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> tuple[Any, dict[str, Tensor]]:
-    """``fmodel.run_checked``; a dtype mismatch inside the model (torch's "must have the
-    same dtype") is said again with the dtypes of the inputs and parameters and the fix."""
+    """``fmodel.run_checked``, with task-batched inputs handed straight to the model's task
+    executor (the call goes down the packages, never back up through the model); a dtype
+    mismatch inside the model (torch's "must have the same dtype") is said again with the
+    dtypes of the inputs and parameters and the fix."""
     try:
-        return fmodel.run_checked(params, buffers, args, kwargs)
+        fmodel.check_buffers(buffers)
+        executor = fmodel.executor
+        if executor is not None and any_batched(params, buffers, args, kwargs):
+            return executor.run(fmodel, params, buffers, args, kwargs)
+        return fmodel.run_plain(params, buffers, args, kwargs)
     except RuntimeError as error:
         text = str(error)
         if "dtype" not in text and "scalar type" not in text:

@@ -169,6 +169,22 @@ class FunctionalModel:
         module's parameter names, each a tensor of the module's shape."""
         check_tree(params, self._param_shapes, "params")
 
+    def check_buffers(self, buffers: Mapping[str, Tensor]) -> None:
+        """Raise ``TypeError``/``ValueError`` naming the entry unless ``buffers`` has the
+        module's buffer names, each a tensor of the module's shape."""
+        check_tree(buffers, self._buffer_shapes, "buffers")
+
+    def run_plain(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """Swap ``params`` and ``buffers`` (both checked) in and run the module's runner as it
+        is, whatever the inputs: the executor's per-task runs, and unbatched calls."""
+        return execute(self.runner, self.copies, self.swap, params, buffers, args, kwargs)
+
     def run_checked(
         self,
         params: Mapping[str, Tensor],
@@ -178,10 +194,10 @@ class FunctionalModel:
     ) -> tuple[Any, dict[str, Tensor]]:
         """:meth:`run` for ``params`` already checked against the module (the inner loop's
         adapted parameters); the buffers are checked here."""
-        check_tree(buffers, self._buffer_shapes, "buffers")
+        self.check_buffers(buffers)
         if self.executor is not None and any_batched(params, buffers, args, kwargs):
             return self.executor.run(self, params, buffers, args, kwargs)
-        return execute(self.runner, self.copies, self.swap, params, buffers, args, kwargs)
+        return self.run_plain(params, buffers, args, kwargs)
 
     def __repr__(self) -> str:
         checkpointed = f", checkpointed={self.checkpointed}" if self.checkpointed else ""
