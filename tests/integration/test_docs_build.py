@@ -27,7 +27,4 @@ def test_sphinx_build_has_no_warnings(tmp_path):
     reference = (tmp_path / "html" / "reference" / "core.html").read_text()
     for name in ("funcmeta.adapt", "funcmeta.adapt_tasks", "funcmeta.AdaptOptions"):
         assert f'id="{name}"' in reference, f"{name} is missing from the API reference"
-    assert (
-        'id="funcmeta.optim.from_torch"'
-        in (tmp_path / "html/reference/optim.html").read_text()
-    )
+    assert 'id="funcmeta.optim.from_torch"' in (tmp_path / "html/reference/optim.html").read_text()
