@@ -38,6 +38,8 @@ from funcmeta._src.core.types import AdaptResult as AdaptResult
 from funcmeta._src.core.types import LossFn as LossFn
 from funcmeta._src.core.types import NonFiniteError as NonFiniteError
 from funcmeta._src.inner.adapt import adapt as adapt
+from funcmeta._src.inner.compiled import MetaStep as MetaStep
+from funcmeta._src.inner.compiled import compile_meta_step as compile_meta_step
 from funcmeta._src.inner.inputs import Args as Args
 from funcmeta._src.inner.model import functional_model as functional_model
 from funcmeta._src.inner.options import AdaptOptions as AdaptOptions
@@ -61,12 +63,14 @@ __all__ = [
     "Evaluation",
     "FunctionalModel",
     "LossFn",
+    "MetaStep",
     "NonFiniteError",
     "__version__",
     "adapt",
     "adapt_tasks",
     "apply_tasks",
     "apply_updates",
+    "compile_meta_step",
     "data",
     "distributed",
     "evaluate",

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +100,14 @@ class HyperTree(nn.Module):
         self.parameterization = parameterization
         self.groups = groups
         self._spec = spec
+        # the tree's layout as plain containers of leaf indices, when it has one: rebuilt by
+        # plain Python in forward, which torch.compile traces (it cannot take an optree spec
+        # made outside the compiled region)
+        self._layout = (
+            None
+            if spec is None
+            else _plain_layout(tree.unflatten(spec, list(range(spec.num_leaves))))
+        )
         self._group_of = group_of
         self.raw: nn.ParameterList | nn.Parameter
         if isinstance(raw, list):
@@ -132,7 +140,7 @@ class HyperTree(nn.Module):
         # other kinds one Parameter and a group_of
         if self.kind == "per_element":
             values = [self._transform(r[step] if per_step else r) for r in self.raw]
-            return tree.unflatten(cast(tree.PyTreeSpec, self._spec), values)
+            return self._as_tree(values)
         whole = cast(nn.Parameter, self.raw)
         raw = whole[step] if per_step else whole
         value = self._transform(raw)
@@ -140,7 +148,13 @@ class HyperTree(nn.Module):
             return value
         by_group = value.unbind(0)
         groups = [by_group[i] for i in cast(list[int], self._group_of)]
-        return tree.unflatten(cast(tree.PyTreeSpec, self._spec), groups)
+        return self._as_tree(groups)
+
+    def _as_tree(self, values: list[Tensor]) -> Tree:
+        """``values`` (one per leaf, in flattening order) in the layout of the tree given."""
+        if self._layout is not None:
+            return _rebuild(self._layout, values)
+        return tree.unflatten(cast(tree.PyTreeSpec, self._spec), values)
 
     def _index(self, name: str) -> int:
         try:
@@ -308,3 +322,27 @@ def per_element(
         steps=steps,
         parameterization=parameterization,
     )
+
+
+def _plain_layout(layout: Any) -> Any:
+    """``layout`` if it is made of dicts, lists and tuples (exactly those types) of leaf
+    indices, else ``None``."""
+
+    def plain(x: Any) -> bool:
+        if type(x) is int:
+            return True
+        if type(x) is dict:
+            return all(plain(v) for v in x.values())
+        if type(x) in (list, tuple):
+            return all(plain(v) for v in x)
+        return False
+
+    return layout if plain(layout) else None
+
+
+def _rebuild(layout: Any, values: list[Tensor]) -> Any:
+    if type(layout) is int:
+        return values[layout]
+    if type(layout) is dict:
+        return {k: _rebuild(v, values) for k, v in layout.items()}
+    return type(layout)(_rebuild(v, values) for v in layout)

@@ -59,6 +59,27 @@ def test_sinusoid_comparison_runs_and_plots(tmp_path, capsys):
     assert torch.get_num_threads() == 1  # the sinusoid MLP's operations are tiny
 
 
+def test_sinusoid_meta_trains_with_the_compiled_step(tmp_path):
+    """``--compiled``: each method's meta-iteration compiled once, and meta-learning helps."""
+    results = load("sinusoid").main(
+        [
+            "--iterations",
+            "60",
+            "--shots",
+            "10",
+            "--eval-tasks",
+            "50",
+            "--no-progress",
+            "--compiled",
+            "--plot",
+            str(tmp_path / "s.png"),
+        ]
+    )
+    for method in ("MAML", "Meta-SGD"):
+        after, before = results[(method, 10)]["after"][0], results[(method, 10)]["before"][0]
+        assert after < before
+
+
 @pytest.mark.parametrize(
     "recipe", ["maml", "fomaml", "metasgd", "anil", "reptile", "mamlpp", "imaml"]
 )

@@ -56,8 +56,10 @@ __all__ = [
     "pack_padded_op",
     "pad_packed_op",
     "qkv_same_embed_dim",
+    "reparametrized",
     "buffer_dict",
     "caller_frame",
+    "compiling",
     "conv_forward",
     "frame_local",
     "frame_runs",
@@ -286,6 +288,22 @@ def has_hooks(module: nn.Module) -> bool:
         or hooks._global_backward_hooks
         or hooks._global_backward_pre_hooks
     )
+
+
+def compiling() -> bool:
+    """Whether torch.compile is tracing this call (Python-side caches keyed by optree specs
+    step aside then: the compiler cannot hash them)."""
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def reparametrized(module: nn.Module, values: dict[str, Tensor]) -> Any:
+    """A context in which ``module``'s parameters of those names are ``values``: what
+    ``torch.func.functional_call`` does, as a context around other code (torch.compile
+    traces it)."""
+    from torch.nn.utils import stateless
+
+    return stateless._reparametrize_module(module, values)
 
 
 def qkv_same_embed_dim(module: nn.MultiheadAttention) -> bool:

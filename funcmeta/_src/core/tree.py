@@ -33,7 +33,7 @@ from typing import Any
 
 import optree
 
-from funcmeta._src.core.fence import torch_pytree
+from funcmeta._src.core.fence import compiling, torch_pytree
 
 __all__ = [
     "Filter",
@@ -209,6 +209,8 @@ def broadcast_prefix(prefix: Tree, full: Tree, *, name: str = "value") -> list[A
         [1.0, 1.0, 2.0]
     """
     prefix_leaves, prefix_spec = optree.tree_flatten(prefix)
+    if compiling():
+        return [prefix_leaves[i] for i in _prefix_index(prefix, full, name)]
     full_spec = optree.tree_structure(full)
     key = (prefix_spec, full_spec)
     index = _PREFIX_CACHE.get(key)

@@ -1,0 +1,262 @@
+"""The compiled meta-step (``fm.compile_meta_step``) against the per-task loop,
+``fm.adapt_tasks`` and, where ``jax`` is installed, JAX's ``jit(grad(vmap(...)))`` of the same
+meta-iteration.
+
+One second-order MAML meta-iteration (SGD inner loop, learning rate 0.01 for the sinusoid
+and 0.4 for conv4, the query loss averaged over the tasks, its gradient with respect to the
+initial parameters), float32:
+
+- ``sinusoid``: the MLP 1-40-40-1 (ReLU), 10-shot support and query;
+- ``conv4``: conv4 (64 filters, BatchNorm with batch statistics), 5-way 1-shot, 15 queries
+  per class, 28x28 images.
+
+For each workload, number of tasks T and inner steps K: the median milliseconds of each way
+(interleaved rounds, after a warm-up), the compiled step's first call (compile and run), and
+the largest difference of each way's meta-gradients from ``fm.adapt_tasks``'s, relative to
+the largest entry. JAX's parameters are the torch model's, so its meta-gradient is compared
+too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core).
+
+    python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
+        [--repeats 20] [--device cpu|cuda] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+THREADS = ("--threads" in sys.argv and sys.argv[sys.argv.index("--threads") + 1]) or "1"
+os.environ.setdefault(
+    "XLA_FLAGS",
+    f"--xla_cpu_multi_thread_eigen={'true' if THREADS != '1' else 'false'} "
+    f"intra_op_parallelism_threads={THREADS}",
+)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import funcmeta as fm  # noqa: E402
+
+try:  # the reference, where installed (the bench extra)
+    import jax
+    import jax.numpy as jnp
+except ImportError:  # pragma: no cover - depends on the environment
+    jax = None
+
+
+def sinusoid_net() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(1, 40), nn.ReLU(), nn.Linear(40, 40), nn.ReLU(), nn.Linear(40, 1)
+    )
+
+
+def workload(name: str, tasks: int, device: str) -> tuple[nn.Module, Any, Any, Any, float]:
+    """``(net, loss_fn, support, query, lr)``, seeded."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if name == "sinusoid":
+        b = fm.data.Sinusoid().sample(tasks, 10, 10, generator=g)
+        net, loss_fn, lr = sinusoid_net(), F.mse_loss, 0.01
+        support, query = b.support, b.query
+    else:
+        net, loss_fn, lr = fm.models.conv4(5), F.cross_entropy, 0.4
+        support = (torch.randn(tasks, 5, 1, 28, 28, generator=g), torch.arange(5).repeat(tasks, 1))
+        query = (torch.randn(tasks, 75, 1, 28, 28, generator=g), torch.arange(5).repeat(tasks, 15))
+    move = lambda pair: tuple(t.to(device) for t in pair)  # noqa: E731
+    return net.to(device), loss_fn, move(support), move(query), lr
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def grads_of(net: nn.Module, run: Callable[[], Any]) -> list[torch.Tensor]:
+    for p in net.parameters():
+        p.grad = None
+    run()
+    return [p.grad.detach().clone() for p in net.parameters()]
+
+
+# ------------------------------------------------------------------ JAX's meta-iteration
+
+
+def jax_step(name: str, net: nn.Module, lr: float, steps: int) -> Callable[..., Any]:
+    """``jit(grad(meta_loss))``: the mean over ``vmap``-ed tasks of the query loss after
+    ``steps`` inner ``grad`` steps (the JAX idiom), for the same network."""
+
+    def mlp(p, x):
+        h = jax.nn.relu(x @ p["0.weight"].T + p["0.bias"])
+        h = jax.nn.relu(h @ p["2.weight"].T + p["2.bias"])
+        return h @ p["4.weight"].T + p["4.bias"]
+
+    def conv4(p, x):
+        for i in range(4):
+            pre = f"features.{i}."
+            x = (
+                jax.lax.conv_general_dilated(
+                    x,
+                    p[pre + "conv.weight"],
+                    (1, 1),
+                    ((1, 1), (1, 1)),
+                    dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                )
+                + p[pre + "conv.bias"][None, :, None, None]
+            )
+            mean = x.mean(axis=(0, 2, 3), keepdims=True)
+            var = x.var(axis=(0, 2, 3), keepdims=True)
+            x = (x - mean) / jnp.sqrt(var + 1e-5)
+            x = (
+                x * p[pre + "norm.weight"][None, :, None, None]
+                + p[pre + "norm.bias"][None, :, None, None]
+            )
+            x = jax.nn.relu(x)
+            x = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+        return x.reshape(x.shape[0], -1) @ p["head.weight"].T + p["head.bias"]
+
+    forward = mlp if name == "sinusoid" else conv4
+
+    def loss(p, x, y):
+        out = forward(p, x)
+        if name == "sinusoid":
+            return ((out - y) ** 2).mean()
+        return -jnp.take_along_axis(jax.nn.log_softmax(out), y[:, None], axis=1).mean()
+
+    def task(p, xs, ys, xq, yq):
+        for _ in range(steps):
+            g = jax.grad(loss)(p, xs, ys)
+            p = jax.tree_util.tree_map(lambda a, b: a - lr * b, p, g)
+        return loss(p, xq, yq)
+
+    def meta(p, xs, ys, xq, yq):
+        return jax.vmap(task, in_axes=(None, 0, 0, 0, 0))(p, xs, ys, xq, yq).mean()
+
+    return jax.jit(jax.grad(meta))
+
+
+def to_jax(x: torch.Tensor) -> Any:
+    return jnp.asarray(x.detach().cpu().numpy())
+
+
+# ------------------------------------------------------------------ one row
+
+
+def measure(name: str, tasks: int, steps: int, repeats: int, device: str) -> dict[str, Any]:
+    net, loss_fn, support, query, lr = workload(name, tasks, device)
+    opt = fm.optim.sgd(lr=lr)
+    fmodel = fm.functional_model(net, task_chunk=None)
+
+    def loop() -> None:
+        losses = []
+        for t in range(tasks):
+            r = fm.adapt(
+                fmodel, fmodel.params, loss_fn, (support[0][t], support[1][t]), opt, steps=steps
+            )
+            losses.append(loss_fn(fmodel(r.params, query[0][t]), query[1][t]))
+        torch.stack(losses).mean().backward()
+
+    def batched() -> None:
+        r = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=steps)
+        losses, _ = fm.task_losses(fmodel, r.params, loss_fn, query)
+        losses.mean().backward()
+
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps)
+    reference = grads_of(net, batched)
+    started = time.perf_counter()
+    compiled = grads_of(net, lambda: step(support, query))
+    sync(device)
+    first = time.perf_counter() - started
+    ways: dict[str, Callable[[], Any]] = {
+        "loop": loop,
+        "adapt_tasks": batched,
+        "compiled": lambda: step(support, query),
+    }
+    agree = {"loop": grads_of(net, loop), "compiled": compiled}
+    if jax is not None and device == "cpu":
+        params = {k: to_jax(v) for k, v in net.named_parameters()}
+        data = [to_jax(t) for t in (*support, *query)]
+        jgrad = jax_step(name, net, lr, steps)
+        out = jgrad(params, *data)
+        jax.block_until_ready(out)
+        agree["jax"] = [
+            torch.from_numpy(__import__("numpy").asarray(out[k])) for k, _ in net.named_parameters()
+        ]
+        ways["jax"] = lambda: jax.block_until_ready(jgrad(params, *data))
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(repeats + 1):
+        order = list(ways) if r % 2 == 0 else list(ways)[::-1]
+        for k in order:
+            for p in net.parameters():
+                p.grad = None
+            sync(device)
+            t0 = time.perf_counter()
+            ways[k]()
+            sync(device)
+            if r:
+                times[k].append((time.perf_counter() - t0) * 1e3)
+    scale = max(g.abs().max().item() for g in reference)
+    diff = {
+        k: max((a.cpu() - b.cpu()).abs().max().item() for a, b in zip(v, reference, strict=True))
+        / scale
+        for k, v in agree.items()
+    }
+    return {
+        "ms": {k: statistics.median(v) for k, v in times.items()},
+        "compile_s": first,
+        "eager": step.eager_reason,
+        "diff": diff,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--workloads", nargs="+", default=["sinusoid", "conv4"], choices=["sinusoid", "conv4"]
+    )
+    parser.add_argument("--tasks", nargs="+", type=int, default=[8, 32])
+    parser.add_argument("--steps", nargs="+", type=int, default=[1, 5])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    jax_version = jax.__version__ if jax is not None else "not installed"
+    print(
+        f"compiled meta-step; torch {torch.__version__}, JAX {jax_version}, Python "
+        f"{platform.python_version()}, {args.device}, {args.threads} thread(s); "
+        f"median of {args.repeats} ms; float32"
+    )
+    print(
+        "| workload | T | K | loop ms | adapt_tasks ms | compiled ms | JAX ms | compile s | "
+        "adapt_tasks / compiled | compiled / JAX | max rel. diff (loop, compiled, JAX) |"
+    )
+    print("| --- " * 11 + "|")
+    for name in args.workloads:
+        for tasks in args.tasks:
+            for steps in args.steps:
+                r = measure(name, tasks, steps, args.repeats, args.device)
+                ms = r["ms"]
+                jax_ms = ms.get("jax")
+                jax_cell = f"{jax_ms:.2f}" if jax_ms is not None else "-"
+                ratio_jax = f"{ms['compiled'] / jax_ms:.2f}" if jax_ms is not None else "-"
+                diffs = ", ".join(
+                    f"{r['diff'][k]:.1e}" for k in ("loop", "compiled", "jax") if k in r["diff"]
+                )
+                note = f" (eager: {r['eager']})" if r["eager"] else ""
+                print(
+                    f"| {name} | {tasks} | {steps} | {ms['loop']:.2f} | {ms['adapt_tasks']:.2f} | "
+                    f"{ms['compiled']:.2f}{note} | {jax_cell} | {r['compile_s']:.1f} | "
+                    f"{ms['adapt_tasks'] / ms['compiled']:.2f} | {ratio_jax} | {diffs} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""A whole meta-iteration as one compiled graph: :func:`compile_meta_step`.
+
+One meta-iteration of MAML and its relatives is the inner loop of ``steps`` optimizer steps
+for every task, the query loss, and the outer gradient with respect to the initial
+parameters and every learnable hyperparameter. :func:`compile_meta_step` writes it as one
+pure function of ``torch.func`` transforms and hands it to ``torch.compile``:
+
+- the tasks run together under ``torch.func.vmap`` (the forward only);
+- each inner gradient is ``torch.func.grad`` of the *sum* of the per-task losses, taken
+  outside the ``vmap``, as :func:`funcmeta.adapt_tasks` takes it (``vmap`` of a gradient
+  through BatchNorm's batch statistics gives wrong second-order meta-gradients; a gradient
+  of the summed losses does not: ``docs/design.md``);
+- the update is the funcmeta optimizer's own (pure) ``update``, per-task clipping included;
+- the outer gradient is ``torch.func.grad`` of the mean query loss, with respect to the
+  model's parameters and the parameters of the ``hyper`` modules (learnable rates).
+
+Calling the step writes the meta-gradients into ``.grad`` (added, as ``backward`` adds) and
+returns the mean query loss, so a training loop stays ordinary PyTorch: ``outer.step()``.
+
+Compiled once per kind of input (shapes, dtypes, devices); the first call of each kind is
+timed (:attr:`MetaStep.compile_seconds`) and a new kind says so once. Where the step cannot
+be compiled (a graph break, an operator ``torch.compile`` or ``vmap`` refuses, a torch
+without ``torch.compile`` support for ``torch.func``), it runs :func:`funcmeta.adapt_tasks`
+and :func:`funcmeta.task_losses` eagerly instead, with the same meta-gradients, and says
+once why (:attr:`MetaStep.eager_reason`).
+
+Example:
+    >>> import torch, torch.nn.functional as F, funcmeta as fm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    >>> fmodel = fm.functional_model(net)
+    >>> step = fm.compile_meta_step(fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=2, compile=False)
+    >>> b = fm.data.Sinusoid().sample(4, 5, 5, generator=torch.Generator().manual_seed(0))
+    >>> loss = step(b.support, b.query)          # fills net's .grad
+    >>> net[0].weight.grad.shape
+    torch.Size([8, 1])
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.fence import reparametrized
+from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.inputs import split_batch, task_count
+from funcmeta._src.inner.loop import split_adapted
+from funcmeta._src.inner.options import AdaptOptions
+from funcmeta._src.inner.tasks import adapt_tasks, task_losses
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.optim.base import GradientTransformation
+from funcmeta._src.optim.base import step as optim_step
+
+__all__ = ["MetaStep", "compile_meta_step"]
+
+_OPTIONS = frozenset({"first_order", "trainable"})
+
+
+class MetaStep:
+    """A compiled meta-iteration (see the module docstring); build it with
+    :func:`compile_meta_step`.
+
+    Attributes:
+        compile_seconds: per kind of input, the seconds its first call took (compiling and
+            running once).
+        eager_reason: why the step runs eagerly (``None`` while it runs compiled).
+    """
+
+    def __init__(
+        self,
+        fmodel: FunctionalModel,
+        loss_fn: LossFn,
+        opt: GradientTransformation,
+        *,
+        steps: int,
+        hyper: Sequence[nn.Module],
+        options: dict[str, Any],
+        compile: bool,
+        mode: str | None,
+    ) -> None:
+        self.fmodel, self.loss_fn, self.opt, self.steps = fmodel, loss_fn, opt, steps
+        self.hyper = list(hyper)
+        self.options = AdaptOptions.of(options)
+        self.compile_seconds: dict[tuple[Any, ...], float] = {}
+        self.eager_reason: str | None = None if compile else "compile=False"
+        self._buffer_names = list(fmodel.buffers)
+        grad_fn = torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
+        self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
+        self._compiled: Callable[..., Any] | None = None
+        if compile:
+            on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
+            # on a CPU the graph is a few hundred small kernels: inductor's C++ wrapper
+            # launches them without a Python call each (design.md, point 45)
+            how: dict[str, Any] = (
+                {"options": {"cpp_wrapper": True}} if mode is None and on_cpu else {"mode": mode}
+            )
+            self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False, **how)
+
+    # ---------------------------------------------------------------- the pure function
+
+    def _task_loss(
+        self,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        targets: Any,
+    ) -> Tensor:
+        module = self.fmodel.module
+        out = torch.func.functional_call(module, (params, buffers), args, kwargs)
+        return self.loss_fn(out, targets)
+
+    def _losses(
+        self,
+        adapted: dict[str, Tensor],
+        fixed: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        batch: tuple[tuple[tuple[Any, ...], dict[str, Any]], Any],
+    ) -> Tensor:
+        """The per-task losses ``(T,)``: adapted parameters and buffers with a task axis,
+        fixed parameters shared, the batch with a task axis."""
+        (args, kwargs), targets = batch
+
+        def one(a: dict[str, Tensor], b: dict[str, Tensor], x: Any, kw: Any, y: Any) -> Tensor:
+            return self._task_loss({**fixed, **a}, b, x, kw, y)
+
+        return torch.func.vmap(one)(adapted, buffers, args, kwargs, targets)
+
+    def _meta_loss(
+        self,
+        params: dict[str, Tensor],
+        hyper: list[dict[str, Tensor]],
+        buffers: dict[str, Tensor],
+        support: Any,
+        query: Any,
+        tasks: int,
+    ) -> Tensor:
+        return self._with_hyper(0, hyper, params, buffers, support, query, tasks)
+
+    def _with_hyper(self, i: int, hyper: list[dict[str, Tensor]], *args: Any) -> Tensor:
+        """The meta-loss with the ``hyper`` modules' parameters from ``i`` on put in place."""
+        if i == len(self.hyper):
+            return self._inner_and_query(*args)
+        with reparametrized(self.hyper[i], hyper[i]):
+            return self._with_hyper(i + 1, hyper, *args)
+
+    def _inner_and_query(
+        self,
+        params: dict[str, Tensor],
+        buffers: dict[str, Tensor],
+        support: Any,
+        query: Any,
+        tasks: int,
+    ) -> Tensor:
+        opts = self.options
+        adapted_tree, fixed_tree = split_adapted(dict(params), opts.trainable, self.fmodel.frozen)
+        adapted = {k: v.expand(tasks, *v.shape) for k, v in adapted_tree.items() if v is not None}
+        fixed = {} if fixed_tree is None else {k: v for k, v in fixed_tree.items() if v is not None}
+        # every task keeps its own buffers (BatchNorm's running statistics)
+        task_buffers = {k: v.expand(tasks, *v.shape).clone() for k, v in buffers.items()}
+        state = self.opt.init(adapted)
+        for _ in range(self.steps):
+
+            def summed(
+                a: dict[str, Tensor], b: dict[str, Tensor]
+            ) -> tuple[Tensor, dict[str, Tensor]]:
+                # the buffers are an input: the forward updates them in place (BatchNorm's
+                # running statistics), and they go on to the next step as the loop's do
+                return self._losses(a, fixed, b, support).sum(), b
+
+            grads, task_buffers = torch.func.grad(summed, has_aux=True)(adapted, task_buffers)
+            if opts.first_order:
+                grads = {k: g.detach() for k, g in grads.items()}
+            adapted, state = optim_step(self.opt, grads, state, adapted, tasks=True)
+        return self._losses(adapted, fixed, task_buffers, query).mean()
+
+    # ---------------------------------------------------------------- calling it
+
+    def __call__(self, support: tuple[Any, Any], query: tuple[Any, Any]) -> Tensor:
+        """One meta-iteration on a batch of tasks: the meta-gradients are added to ``.grad``
+        of the model's parameters that require grad and of the ``hyper`` modules'
+        parameters; returns the mean query loss (without a graph)."""
+        s, q = split_batch(support), split_batch(query)
+        tasks = task_count(s)
+        if task_count(q) != tasks:
+            raise ValueError(
+                f"support holds {tasks} tasks and query {task_count(q)}: one task axis for both"
+            )
+        params = self.fmodel.params
+        hyper: list[dict[str, Tensor]] = [dict(m.named_parameters()) for m in self.hyper]
+        if self._compiled is not None and self.eager_reason is None:
+            done = self._run_compiled(params, hyper, s, q, tasks)
+            if done is not None:
+                return done
+        return self._run_eager(support, query, params, hyper)
+
+    def _run_compiled(
+        self,
+        params: dict[str, Tensor],
+        hyper: list[dict[str, Tensor]],
+        support: Any,
+        query: Any,
+        tasks: int,
+    ) -> Tensor | None:
+        assert self._compiled is not None
+        key = _kind(support, query, params, hyper)
+        first = key not in self.compile_seconds
+        if first and self.compile_seconds:
+            warnings.warn(
+                f"compile_meta_step compiles again for a new kind of input ({_describe(key)}); "
+                "keep shapes fixed (the same tasks, shots and queries) to compile once",
+                stacklevel=3,
+            )
+        started = time.perf_counter()
+        detached = {k: v.detach() for k, v in params.items()}
+        raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
+        buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
+        try:
+            (g_params, g_hyper), loss = self._compiled(
+                detached, raw, buffers, support, query, tasks
+            )
+        except Exception as error:  # a graph break, an unsupported operator: run eagerly
+            self.eager_reason = f"{type(error).__name__}: {_first_line(error)}"
+            warnings.warn(
+                "compile_meta_step runs eagerly (fm.adapt_tasks, the same meta-gradients): "
+                f"torch.compile could not compile the meta-iteration ({self.eager_reason})",
+                stacklevel=3,
+            )
+            return None
+        if first:
+            self.compile_seconds[key] = time.perf_counter() - started
+        _accumulate(params, g_params)
+        for h, g in zip(hyper, g_hyper, strict=True):
+            _accumulate(h, g)
+        return loss.detach()
+
+    def _run_eager(
+        self,
+        support: tuple[Any, Any],
+        query: tuple[Any, Any],
+        params: dict[str, Tensor],
+        hyper: list[dict[str, Tensor]],
+    ) -> Tensor:
+        """The plain path: :func:`funcmeta.adapt_tasks`, the query losses, ``backward``."""
+        result = adapt_tasks(
+            self.fmodel,
+            params,
+            self.loss_fn,
+            support,
+            self.opt,
+            steps=self.steps,
+            **{k: getattr(self.options, k) for k in _OPTIONS},
+        )
+        losses, _ = task_losses(
+            self.fmodel, result.params, self.loss_fn, query, buffers=result.buffers
+        )
+        loss = losses.mean()
+        wrt = [
+            t
+            for t in [*params.values(), *(v for h in hyper for v in h.values())]
+            if t.requires_grad
+        ]
+        if loss.requires_grad and wrt:
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+            for t, g in zip(wrt, grads, strict=True):
+                if g is not None:
+                    t.grad = g if t.grad is None else t.grad + g
+        return loss.detach()
+
+
+def _accumulate(tensors: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
+    for k, t in tensors.items():
+        if t.requires_grad:
+            g = grads[k]
+            t.grad = g if t.grad is None else t.grad + g
+
+
+def _kind(*values: Any) -> tuple[Any, ...]:
+    """What a compiled graph is specialised on: each tensor's shape, dtype and device."""
+    return tuple(
+        (tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, Tensor) else repr(x)
+        for x in tree.leaves_registered(values)
+    )
+
+
+def _describe(key: tuple[Any, ...]) -> str:
+    shapes = [str(k[0]) for k in key if isinstance(k, tuple)]
+    return "shapes " + ", ".join(shapes[:6]) + (", ..." if len(shapes) > 6 else "")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
+def compile_meta_step(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    opt: GradientTransformation,
+    *,
+    steps: int,
+    hyper: Sequence[nn.Module] = (),
+    compile: bool = True,
+    mode: str | None = None,
+    **options: Any,
+) -> MetaStep:
+    """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
+    :mod:`funcmeta._src.inner.compiled`).
+
+    ``fmodel``, ``loss_fn``, ``opt`` and ``steps`` are those of :func:`funcmeta.adapt_tasks`;
+    ``hyper`` lists the modules whose parameters the optimizer reads (``fm.hyper`` trees of
+    learnable rates, a learned optimizer), which get meta-gradients too. Options:
+    ``first_order`` and ``trainable`` (a subset adapted, as ANIL's head); others raise
+    ``TypeError`` naming them. ``compile=False`` runs the plain path eagerly (the reference
+    the compiled graph is tested against); ``mode`` is ``torch.compile``'s (``None``: on a
+    CPU, inductor's C++ wrapper; ``"reduce-overhead"`` for CUDA graphs on a GPU).
+
+    Returns a :class:`MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
+    query loss to ``.grad`` and returns that loss. The support and query batches carry the
+    task axis, as for :func:`funcmeta.adapt_tasks`.
+    """
+    check_int(steps, "steps", low=1, what="a positive int")
+    unknown = sorted(set(options) - _OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"compile_meta_step takes the options {sorted(_OPTIONS)}; {unknown} are not "
+            "compiled: use fm.adapt_tasks for them"
+        )
+    if not isinstance(fmodel, FunctionalModel):
+        raise TypeError(
+            f"compile_meta_step expects a FunctionalModel (fm.functional_model(net)), got "
+            f"{type(fmodel).__name__}"
+        )
+    if fmodel.checkpointed:
+        raise ValueError(
+            "compile_meta_step does not compile per-layer checkpointing (checkpoint_layers="
+            f"{fmodel.checkpointed}); build the model without it, or use fm.adapt_tasks"
+        )
+    if not isinstance(opt, GradientTransformation):
+        raise TypeError(f"opt must be a funcmeta optimizer (fm.optim.*), got {type(opt).__name__}")
+    modules = list(hyper)
+    for i, m in enumerate(modules):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"hyper[{i}] is a {type(m).__name__}; hyper takes nn.Modules")
+    return MetaStep(
+        fmodel,
+        loss_fn,
+        opt,
+        steps=steps,
+        hyper=modules,
+        options=options,
+        compile=compile,
+        mode=mode,
+    )

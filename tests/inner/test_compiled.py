@@ -1,0 +1,261 @@
+"""``fm.compile_meta_step``: the meta-iteration as one graph gives the meta-gradients of the
+plain path (``fm.adapt_tasks``, the query losses, ``backward``) and of the recipes, float64
+to 1e-10: the graph's computation run eagerly in every configuration (cheap), and compiled
+by ``torch.compile`` in a few (each compile takes seconds on a small CPU)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+from funcmeta._src.inner.inputs import split_batch
+
+DTYPE = torch.float64
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(1, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 1)
+    ).to(DTYPE)
+
+
+def conv() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    ).to(DTYPE)
+
+
+def sinusoid(tasks: int = 4, seed: int = 0):
+    b = fm.data.Sinusoid().sample(tasks, 5, 6, generator=torch.Generator().manual_seed(seed))
+    cast = lambda pair: tuple(t.to(DTYPE) for t in pair)  # noqa: E731
+    return cast(b.support), cast(b.query)
+
+
+def images(tasks: int = 3):
+    g = torch.Generator().manual_seed(1)
+    ys = torch.arange(3).repeat(tasks, 2)
+    support = (torch.randn(tasks, 6, 1, 8, 8, generator=g, dtype=DTYPE), ys)
+    query = (torch.randn(tasks, 6, 1, 8, 8, generator=g, dtype=DTYPE), ys)
+    return support, query
+
+
+def setup(name: str):
+    """``(net, fmodel, opt, hyper, options, loss_fn, (support, query))`` for a configuration."""
+    net = conv() if name == "batchnorm" else mlp()
+    fmodel = fm.functional_model(net)
+    hyper: list[nn.Module] = []
+    options: dict = {}
+    loss_fn = F.cross_entropy if name == "batchnorm" else F.mse_loss
+    data = images() if name == "batchnorm" else sinusoid()
+    opt = fm.optim.sgd(lr=0.1)
+    if name == "first-order":
+        options["first_order"] = True
+    elif name == "adam-per-layer-rates":
+        rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus").to(DTYPE)
+        opt, hyper = fm.optim.adam(lr=rates), [rates]
+    elif name == "per-step-rates":
+        rates = fm.hyper.per_tensor(fmodel.params, 0.1, steps=3).to(DTYPE)
+        opt, hyper = fm.optim.sgd(lr=rates), [rates]
+    elif name == "anil":
+        options["trainable"] = ["4"]
+    elif name == "clip":
+        opt = fm.optim.chain(fm.optim.clip_by_global_norm(0.05), fm.optim.sgd(lr=0.1))
+    return net, fmodel, opt, hyper, options, loss_fn, data
+
+
+def meta_grads(net, hyper, run):
+    for t in [*net.parameters(), *(p for h in hyper for p in h.parameters())]:
+        t.grad = None
+    loss = run()
+    return loss, [
+        t.grad.clone() for t in [*net.parameters(), *(p for h in hyper for p in h.parameters())]
+    ]
+
+
+def relative(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) / max(
+        y.abs().max().item() for y in b
+    )
+
+
+def traced(step, support, query):
+    """The graph's computation (grad_and_value of the meta-loss), run without compiling,
+    its gradients added to .grad as the compiled step does."""
+    params = step.fmodel.params
+    hyper = [dict(m.named_parameters()) for m in step.hyper]
+    s, q = split_batch(support), split_batch(query)
+    (gp, gh), loss = step._uncompiled(
+        {k: v.detach() for k, v in params.items()},
+        [{k: v.detach() for k, v in h.items()} for h in hyper],
+        {k: v.detach() for k, v in step.fmodel.buffers.items()},
+        s,
+        q,
+        support[0].shape[0],
+    )
+    for tensors, grads in [(params, gp), *zip(hyper, gh, strict=True)]:
+        for k, t in tensors.items():
+            if t.requires_grad:
+                t.grad = grads[k] if t.grad is None else t.grad + grads[k]
+    return loss
+
+
+CONFIGS = [
+    "sgd",
+    "first-order",
+    "adam-per-layer-rates",
+    "per-step-rates",
+    "anil",
+    "clip",
+    "batchnorm",
+]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_graphs_computation_gives_the_plain_paths_meta_gradients(name):
+    net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup(name)
+    steps = 3
+    step = fm.compile_meta_step(
+        fmodel, loss_fn, opt, steps=steps, hyper=hyper, compile=False, **options
+    )
+    plain_loss, plain = meta_grads(net, hyper, lambda: step(support, query))
+    ours_loss, ours = meta_grads(net, hyper, lambda: traced(step, support, query))
+    assert relative(ours, plain) < 1e-10, name
+    assert torch.allclose(ours_loss, plain_loss, rtol=1e-12, atol=0)
+    if name == "anil":  # the body is held fixed in the inner loop and still learns
+        assert net[0].weight.grad.abs().sum() > 0
+
+
+def test_the_plain_path_is_the_per_task_loop():
+    """The reference itself: fm.adapt per task, the mean of the query losses."""
+    net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup("adam-per-layer-rates")
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, hyper=hyper, compile=False)
+    _, plain = meta_grads(net, hyper, lambda: step(support, query))
+
+    def loop():
+        losses = []
+        for t in range(support[0].shape[0]):
+            r = fm.adapt(
+                fmodel, fmodel.params, loss_fn, (support[0][t], support[1][t]), opt, steps=2
+            )
+            losses.append(loss_fn(fmodel(r.params, query[0][t]), query[1][t]))
+        loss = torch.stack(losses).mean()
+        loss.backward()
+        return loss
+
+    _, looped = meta_grads(net, hyper, loop)
+    assert relative(plain, looped) < 1e-10
+
+
+@pytest.mark.parametrize("recipe", ["maml", "metasgd", "anil"])
+def test_the_graphs_computation_gives_the_recipes_meta_gradients(recipe):
+    net, fmodel, _, _, _, loss_fn, (support, query) = setup("sgd")
+    hyper: list[nn.Module] = []
+    options: dict = {}
+    if recipe == "metasgd":
+        rates = fm.hyper.per_element(fmodel.params, 0.05).to(DTYPE)
+        hyper, opt = [rates], fm.optim.sgd(lr=rates)
+        run = lambda: fm.recipes.metasgd(  # noqa: E731
+            fmodel, fmodel.params, loss_fn, support, query, steps=2, lr=rates
+        ).loss.backward()
+    elif recipe == "anil":
+        options["trainable"] = ["4"]
+        opt = fm.optim.sgd(lr=0.1)
+        run = lambda: fm.recipes.anil(  # noqa: E731
+            fmodel, fmodel.params, loss_fn, support, query, steps=2, lr=0.1, trainable=["4"]
+        ).loss.backward()
+    else:
+        opt = fm.optim.sgd(lr=0.1)
+        run = lambda: fm.recipes.maml(  # noqa: E731
+            fmodel, fmodel.params, loss_fn, support, query, steps=2, lr=0.1
+        ).loss.backward()
+    _, theirs = meta_grads(net, hyper, run)
+    step = fm.compile_meta_step(
+        fmodel, loss_fn, opt, steps=2, hyper=hyper, compile=False, **options
+    )
+    _, ours = meta_grads(net, hyper, lambda: traced(step, support, query))
+    assert relative(ours, theirs) < 1e-10
+
+
+def test_compiled_once_per_kind_of_input_with_the_plain_paths_meta_gradients():
+    """torch.compile for real (a small model: compiling takes seconds): Adam with learnable
+    per-layer rates, float64, to 1e-10; the first call's time reported; the same shapes reuse
+    the graph; new shapes compile again and say so."""
+    net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup("adam-per-layer-rates")
+    reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, hyper=hyper, compile=False)
+    _, plain = meta_grads(net, hyper, lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, hyper=hyper)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _, ours = meta_grads(net, hyper, lambda: step(support, query))
+        _, again = meta_grads(net, hyper, lambda: step(support, query))
+    assert not [w for w in said if "compile_meta_step" in str(w.message)]  # no fallback, once
+    assert step.eager_reason is None
+    assert relative(ours, plain) < 1e-10
+    assert relative(again, ours) < 1e-14
+    assert len(step.compile_seconds) == 1 and next(iter(step.compile_seconds.values())) > 0
+    more_support, more_query = sinusoid(tasks=5, seed=2)
+    with pytest.warns(UserWarning, match="compiles again for a new kind of input"):
+        step(more_support, more_query)
+    assert len(step.compile_seconds) == 2
+
+
+class Branching(nn.Module):
+    """A forward that branches on a tensor's value: vmap refuses it, so the step cannot be
+    one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_what_cannot_be_compiled_runs_eagerly_with_the_same_numbers_and_says_why():
+    torch.manual_seed(0)
+    net = Branching().to(DTYPE)
+    fmodel = fm.functional_model(net, task_chunk=None)
+    support, query = sinusoid()
+    opt = fm.optim.sgd(lr=0.1)
+    reference = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, compile=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # task batching's own note that the model runs per task
+        _, plain = meta_grads(net, [], lambda: reference(support, query))
+        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1)
+        with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
+            _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert step.eager_reason is not None
+    assert relative(ours, plain) == 0.0
+
+
+def test_bad_calls_are_named():
+    net, fmodel, opt, *_ = setup("sgd")
+    with pytest.raises(TypeError, match=r"\['checkpoint_steps'\] are not compiled"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, checkpoint_steps=True)
+    with pytest.raises(ValueError, match="steps"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=0)
+    with pytest.raises(TypeError, match=r"hyper\[0\] is a float"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, hyper=[0.1])
+    with pytest.raises(TypeError, match="expects a FunctionalModel"):
+        fm.compile_meta_step(net, F.mse_loss, opt, steps=1)
+    checkpointed = fm.functional_model(mlp(), checkpoint_layers="sequential")
+    with pytest.raises(ValueError, match="does not compile per-layer checkpointing"):
+        fm.compile_meta_step(checkpointed, F.mse_loss, opt, steps=1)
+    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, compile=False)
+    support, _ = sinusoid(tasks=4)
+    _, query = sinusoid(tasks=3)
+    with pytest.raises(ValueError, match="support holds 4 tasks and query 3"):
+        step(support, query)
