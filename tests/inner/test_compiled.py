@@ -139,7 +139,7 @@ def test_the_graphs_computation_gives_the_plain_paths_meta_gradients(name):
 
 def test_the_plain_path_is_the_per_task_loop():
     """The reference itself: fm.adapt per task, the mean of the query losses."""
-    net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup("adam-per-layer-rates")
+    net, fmodel, opt, hyper, _, loss_fn, (support, query) = setup("adam-per-layer-rates")
     step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, hyper=hyper, compile=False)
     _, plain = meta_grads(net, hyper, lambda: step(support, query))
 
@@ -192,7 +192,7 @@ def test_compiled_once_per_kind_of_input_with_the_plain_paths_meta_gradients():
     """torch.compile for real (a small model: compiling takes seconds): Adam with learnable
     per-layer rates, float64, to 1e-10; the first call's time reported; the same shapes reuse
     the graph; new shapes compile again and say so."""
-    net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup("adam-per-layer-rates")
+    net, fmodel, opt, hyper, _, loss_fn, (support, query) = setup("adam-per-layer-rates")
     reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, hyper=hyper, compile=False)
     _, plain = meta_grads(net, hyper, lambda: reference(support, query))
     step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, hyper=hyper)
