@@ -17,7 +17,7 @@ the largest entry. JAX's parameters are the torch model's, so its meta-gradient 
 too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core).
 
     python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
-        [--repeats 20] [--device cpu|cuda] [--threads 1]
+        [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax]
 """
 
 from __future__ import annotations
@@ -148,7 +148,9 @@ def to_jax(x: torch.Tensor) -> Any:
 # ------------------------------------------------------------------ one row
 
 
-def measure(name: str, tasks: int, steps: int, repeats: int, device: str) -> dict[str, Any]:
+def measure(
+    name: str, tasks: int, steps: int, repeats: int, device: str, use_jax: bool = True
+) -> dict[str, Any]:
     net, loss_fn, support, query, lr = workload(name, tasks, device)
     opt = fm.optim.sgd(lr=lr)
     fmodel = fm.functional_model(net, task_chunk=None)
@@ -173,13 +175,16 @@ def measure(name: str, tasks: int, steps: int, repeats: int, device: str) -> dic
     compiled = grads_of(net, lambda: step(support, query))
     sync(device)
     first = time.perf_counter() - started
+    print(
+        f"  {name} T={tasks} K={steps}: compiled step's first call {first:.1f} s", file=sys.stderr
+    )
     ways: dict[str, Callable[[], Any]] = {
         "loop": loop,
         "adapt_tasks": batched,
         "compiled": lambda: step(support, query),
     }
     agree = {"loop": grads_of(net, loop), "compiled": compiled}
-    if jax is not None and device == "cpu":
+    if use_jax and jax is not None and device == "cpu":
         params = {k: to_jax(v) for k, v in net.named_parameters()}
         data = [to_jax(t) for t in (*support, *query)]
         jgrad = jax_step(name, net, lr, steps)
@@ -225,6 +230,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--no-jax", action="store_true", help="leave JAX out (its conv4 is slow on a CPU)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     jax_version = jax.__version__ if jax is not None else "not installed"
@@ -241,7 +249,7 @@ def main() -> None:
     for name in args.workloads:
         for tasks in args.tasks:
             for steps in args.steps:
-                r = measure(name, tasks, steps, args.repeats, args.device)
+                r = measure(name, tasks, steps, args.repeats, args.device, not args.no_jax)
                 ms = r["ms"]
                 jax_ms = ms.get("jax")
                 jax_cell = f"{jax_ms:.2f}" if jax_ms is not None else "-"
