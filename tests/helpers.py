@@ -137,3 +137,20 @@ def profiled(fn: Callable[[], object]) -> int:
     ):
         fn()
     return sequence_tasks.peak_allocated(prof, "window")
+
+
+def flip_stored_bit(
+    path: Path, member: str, *, at: int = 0, bit: int = 0x10, out: Path | None = None
+) -> Path:
+    """Flip one bit of the ``at``-th stored byte of zip record ``member`` of ``path``, written
+    to ``out`` (default: ``path`` itself); returns the file written."""
+    raw = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(member)
+    off = info.header_offset
+    name_len = int.from_bytes(raw[off + 26 : off + 28], "little")
+    extra_len = int.from_bytes(raw[off + 28 : off + 30], "little")
+    raw[off + 30 + name_len + extra_len + at] ^= bit
+    target = path if out is None else out
+    target.write_bytes(bytes(raw))
+    return target

@@ -10,6 +10,7 @@ import zipfile
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import flip_stored_bit
 from torch import nn
 
 import funcmeta as fm
@@ -151,19 +152,6 @@ def _same(a, b):
     )
 
 
-def _flip(path, out, member):
-    """A copy of ``path`` with one bit of ``member``'s stored bytes flipped."""
-    raw = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as z:
-        info = z.getinfo(member)
-    off = info.header_offset
-    name_len = int.from_bytes(raw[off + 26 : off + 28], "little")
-    extra_len = int.from_bytes(raw[off + 28 : off + 30], "little")
-    raw[off + 30 + name_len + extra_len] ^= 0x10
-    out.write_bytes(bytes(raw))
-    return out
-
-
 def test_a_flipped_bit_in_any_stored_tensor_is_refused_and_restores_nothing(tmp_path):
     net, opt, gen = _training_state()
     path = tmp_path / "state.pt"
@@ -176,7 +164,7 @@ def test_a_flipped_bit_in_any_stored_tensor_is_refused_and_restores_nothing(tmp_
     other = _training_state(seed=1)
     before = _values(*other)
     for member in records:
-        bad = _flip(path, tmp_path / "bad.pt", member)
+        bad = flip_stored_bit(path, member, out=tmp_path / "bad.pt")
         with pytest.raises(
             fm.snapshot.SnapshotError,
             match=r"bad\.pt is corrupt: its data does not match the checksums",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import flip_stored_bit
 
 import funcmeta as fm
 
@@ -278,20 +279,6 @@ def test_checksums_are_those_of_the_bytes_as_before(tmp_path):
     assert _digest_tensor(z.conj()) == before(z.conj().resolve_conj())
 
 
-def _flip_record(path, member, at=0):
-    """Flip one bit of the ``at``-th stored byte of the record ``member`` in place."""
-    import zipfile
-
-    raw = bytearray(path.read_bytes())
-    with zipfile.ZipFile(path) as z:
-        info = z.getinfo(member)
-    off = info.header_offset
-    name_len = int.from_bytes(raw[off + 26 : off + 28], "little")
-    extra_len = int.from_bytes(raw[off + 28 : off + 30], "little")
-    raw[off + 30 + name_len + extra_len + at] ^= 0x01
-    path.write_bytes(bytes(raw))
-
-
 def _member(path, suffix):
     import zipfile
 
@@ -303,7 +290,7 @@ def test_a_damaged_structure_record_is_refused_before_it_is_unpickled(tmp_path):
     net = torch.nn.Linear(3, 2)
     path = tmp_path / "s.pt"
     fm.snapshot.save(path, step=5, modules={"net": net}, extra={"note": "x" * 50})
-    _flip_record(path, _member(path, "data.pkl"), at=40)
+    flip_stored_bit(path, _member(path, "data.pkl"), at=40, bit=0x01)
     with pytest.raises(
         fm.snapshot.SnapshotError, match=r"s\.pt is corrupt: .*the numbers and structure"
     ):
@@ -322,7 +309,7 @@ def test_saves_store_crcs_even_when_torch_is_told_not_to(tmp_path):
         torch.serialization.set_crc32_options(True)
     check = check_records(tmp_path / "s.pt")
     assert check.has_crcs and check.bad == []
-    _flip_record(tmp_path / "s.pt", _member(tmp_path / "s.pt", "data/0"))
+    flip_stored_bit(tmp_path / "s.pt", _member(tmp_path / "s.pt", "data/0"), bit=0x01)
     assert check_records(tmp_path / "s.pt").bad == [_member(tmp_path / "s.pt", "data/0")]
 
 
@@ -370,7 +357,7 @@ def test_format_3_files_load_and_their_sha256_checksums_are_checked(tmp_path):
         torch.save(payload, bad)
     finally:
         torch.serialization.set_crc32_options(True)
-    _flip_record(bad, _member(bad, "data/0"))
+    flip_stored_bit(bad, _member(bad, "data/0"), bit=0x01)
     with pytest.raises(fm.snapshot.SnapshotError, match=r"bad\.pt is corrupt: .*\['net'\]"):
         fm.snapshot.load(bad, modules={"net": other})
 

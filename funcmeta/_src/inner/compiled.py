@@ -261,16 +261,14 @@ class MetaStep:
             self.fmodel, result.params, self.loss_fn, query, buffers=result.buffers
         )
         loss = losses.mean()
-        wrt = [
-            t
-            for t in [*params.values(), *(v for h in hyper for v in h.values())]
-            if t.requires_grad
-        ]
-        if loss.requires_grad and wrt:
-            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
-            for t, g in zip(wrt, grads, strict=True):
-                if g is not None:
-                    t.grad = g if t.grad is None else t.grad + g
+        groups = [{k: t for k, t in g.items() if t.requires_grad} for g in (params, *hyper)]
+        wrt = [t for g in groups for t in g.values()]
+        if loss.requires_grad and wrt:  # one backward for all of them
+            grads = iter(torch.autograd.grad(loss, wrt, allow_unused=True))
+            for g in groups:
+                # zip takes this group's names first: it stops before the next group's grads
+                found = {k: d for k, d in zip(g, grads, strict=False) if d is not None}
+                _accumulate({k: g[k] for k in found}, found)
         return loss.detach()
 
 
