@@ -2,7 +2,7 @@
 
 Settings: ``none``; ``per-layer`` (``functional_model(checkpoint_layers="sequential")``);
 ``self`` (the same layers checkpointed by the model's own ``forward`` with
-``torch.utils.checkpoint.checkpoint``, which funcmeta rematerialises itself); ``step`` (``adapt(checkpoint_steps=True)``); ``both``; and ``fomaml``: a first-order
+``torch.utils.checkpoint.checkpoint``, which funcmeta recomputes itself); ``step`` (``adapt(checkpoint_steps=True)``); ``both``; and ``fomaml``: a first-order
 iteration with per-layer checkpointing, the floor that second order is compared with.
 
 Workloads (SGD inner loop with learnable per-layer softplus rates, fp32):

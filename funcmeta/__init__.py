@@ -18,6 +18,7 @@ Example:
 """
 
 from funcmeta import (
+    checkpoint,
     data,
     distributed,
     heads,
@@ -28,7 +29,6 @@ from funcmeta import (
     models,
     optim,
     recipes,
-    remat,
     snapshot,
     tree,
 )
@@ -86,7 +86,7 @@ __all__ = [
     "optim",
     "recipes",
     "recomputing",
-    "remat",
+    "checkpoint",
     "snapshot",
     "takes_options",
     "task_losses",

@@ -6,7 +6,7 @@ two packages of one row never import each other::
     0  _src.core                       tree, checks, types, the torch fence, kernels, replay
     1  _src.optim                      the optimizers as pure (init, update) pairs
     2  _src.module                     FunctionalModel, the shadow base, the executor protocol
-    3  _src.remat | _src.batching      rematerialisation | the task executor
+    3  _src.checkpoint | _src.batching  checkpointing | the task executor
     4  _src.inner                      the batch, forward, the loop, adapt and adapt_tasks
     5  the public modules and packages (everything outside _src)
     6  the facade (funcmeta/__init__.py)
@@ -32,7 +32,7 @@ ROWS: list[list[str]] = [
     ["_src.core"],
     ["_src.optim"],
     ["_src.module"],
-    ["_src.remat", "_src.batching"],
+    ["_src.checkpoint", "_src.batching"],
     ["_src.inner"],
     ["public"],
     ["__init__"],

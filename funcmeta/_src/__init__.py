@@ -8,6 +8,6 @@ Packages, lowest first; a module imports from its own package or from lower rows
     core                tree, checks, types, the torch fence, vmap levels, kernels, replay
     optim               the optimizers as pure (init, update) pairs
     module              FunctionalModel (swap + run), the shadow base, the executor protocol
-    remat | batching    rematerialisation | the task executor (never each other)
+    checkpoint | batching   per-layer checkpointing | the task executor (never each other)
     inner               the batch and its task axis, forward, the loop, adapt and adapt_tasks
 """

@@ -24,11 +24,13 @@ def test_the_package_keeps_its_layers_and_its_fence():
 
 def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_path):
     package = tmp_path / "funcmeta"
-    for folder in ("_src/core", "_src/inner", "_src/remat", "_src/batching"):
+    for folder in ("_src/core", "_src/inner", "_src/checkpoint", "_src/batching"):
         (package / folder).mkdir(parents=True)
     (package / "_src/inner/tasks.py").write_text("X = 1\n")
     (package / "_src/core/tree.py").write_text("from funcmeta._src.inner.tasks import X\n")
-    (package / "_src/remat/engine.py").write_text("from funcmeta._src.batching.layers import Y\n")
+    (package / "_src/checkpoint/engine.py").write_text(
+        "from funcmeta._src.batching.layers import Y\n"
+    )
     (package / "_src/batching/layers.py").write_text("Y = 1\n")
     (package / "_src/core/kernels.py").write_text(
         'import torch\n"""torch._C in a docstring is words"""\nflag = torch._C._get_math_sdp_enabled\n'
@@ -39,7 +41,7 @@ def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_pa
         and "an upward import" in v
         for v in found
     ), found
-    assert any("_src.remat.engine" in v and "a sideways import" in v for v in found), found
+    assert any("_src.checkpoint.engine" in v and "a sideways import" in v for v in found), found
     assert any("kernels.py:3: touches private internals" in v for v in found), found
     assert not any("kernels.py:2" in v for v in found), found
 
@@ -71,10 +73,10 @@ def test_vmap_refusals_are_recognised_on_this_torch():
         "funcmeta._src.core",
         "funcmeta._src.optim",
         "funcmeta._src.module",
-        "funcmeta._src.remat",
+        "funcmeta._src.checkpoint",
         "funcmeta._src.batching",
         "funcmeta._src.inner",
-        "funcmeta.remat",
+        "funcmeta.checkpoint",
         "funcmeta.optim",
         "funcmeta.implicit",
         "funcmeta.learned",

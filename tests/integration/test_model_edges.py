@@ -130,13 +130,13 @@ def test_recomputation_in_outer_backward_uses_the_forward_kernels():
 
 def test_twice_differentiable_restores_the_choice():
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        with fm.remat.kernels.twice_differentiable():
+        with fm.checkpoint.kernels.twice_differentiable():
             assert not torch.backends.cuda.flash_sdp_enabled()
             assert torch.backends.cuda.math_sdp_enabled()
-            assert fm.remat.kernels.in_twice_differentiable()
+            assert fm.checkpoint.kernels.in_twice_differentiable()
         assert torch.backends.cuda.flash_sdp_enabled()
         assert not torch.backends.cuda.math_sdp_enabled()
-    assert not fm.remat.kernels.in_twice_differentiable()
+    assert not fm.checkpoint.kernels.in_twice_differentiable()
 
 
 def test_imaml_on_attention():

@@ -13,7 +13,7 @@ What it owns:
 - ``intercept``: the torch-function mode that keeps a task axis where vmap would not;
 - ``fallback``: which layer refused ``vmap`` and why.
 
-It imports the core and the module package, never rematerialisation: the task runner with
+It imports the core and the module package, never checkpointing: the task runner with
 its checkpointed layers is built by :mod:`funcmeta._src.inner.model`.
 
 Example:

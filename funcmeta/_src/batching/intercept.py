@@ -19,7 +19,7 @@ call finds out). It changes three things, each exactly what a loop over the task
 - **Marking a batched tensor as requiring grad.** ``t.requires_grad_()`` on a task-batched
   tensor is refused under ``vmap``. HuggingFace calls it on the input embeddings' output
   when gradient checkpointing is enabled (``enable_input_require_grads``), so that torch's
-  reentrant checkpoint passes gradients on. funcmeta's rematerialisation of those
+  reentrant checkpoint passes gradients on. funcmeta's checkpointing of those
   checkpoints needs no such mark, and marking changes no parameter's gradient: the call
   returns the tensor as it is.
 - **Packed sequences.** ``pack_padded_sequence`` on task-batched tensors, whose tasks' packed

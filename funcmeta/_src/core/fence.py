@@ -18,9 +18,9 @@ on and fails with the torch version and the missing name. What each is for:
   them), its hook dictionaries (does a call run hooks?), and a convolution's
   ``_conv_forward`` and ``_reversed_padding_repeated_twice``.
 - **``torch.utils.checkpoint.checkpoint``'s code**: while funcmeta runs a model or
-  rematerialises a layer, calls of ``torch.utils.checkpoint.checkpoint`` (however the caller
+  recomputes a layer, calls of ``torch.utils.checkpoint.checkpoint`` (however the caller
   imported it: HuggingFace binds it in a ``functools.partial``) reach funcmeta's dispatcher
-  instead (:mod:`funcmeta._src.remat.takeover`); the function's code is swapped for a trampoline
+  instead (:mod:`funcmeta._src.checkpoint.takeover`); the function's code is swapped for a trampoline
   and put back when the last such block ends. Calls from other threads, or outside those
   blocks, run torch's own code.
 - **vmap's refusals**: which ``RuntimeError`` texts mean "vmap cannot batch this" (torch has

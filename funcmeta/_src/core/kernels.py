@@ -25,7 +25,7 @@ Example:
     >>> import torch, funcmeta as fm
     >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     >>> x = torch.randn(2, 5, 8)
-    >>> with fm.remat.kernels.twice_differentiable():
+    >>> with fm.checkpoint.kernels.twice_differentiable():
     ...     out = attn(x, x, x, need_weights=False)[0]
     ...     g = torch.autograd.grad(out.pow(2).sum(), attn.in_proj_weight, create_graph=True)[0]
     >>> hvp = torch.autograd.grad(g.sum(), attn.in_proj_weight)[0]   # second order works

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from funcmeta._src.checkpoint.engine import graph_input
 from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.checks import retold
 from funcmeta._src.core.tree import Filter, Tree
@@ -38,7 +39,6 @@ from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.base import step as optim_step
 from funcmeta._src.optim.clip import clip_grads_by_global_norm
-from funcmeta._src.remat.engine import graph_input
 
 __all__ = [
     "Forward",

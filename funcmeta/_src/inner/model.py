@@ -1,5 +1,5 @@
 """Where a module becomes a :class:`~funcmeta._src.module.functional.FunctionalModel`: the
-checkpointed layers chosen (:mod:`funcmeta._src.remat`) and the task executor given
+checkpointed layers chosen (:mod:`funcmeta._src.checkpoint`) and the task executor given
 (:mod:`funcmeta._src.batching`); the one place that knows both.
 
 Example:
@@ -17,9 +17,9 @@ from torch import nn
 
 from funcmeta._src.batching.executor import TaskExecutor
 from funcmeta._src.batching.recurrent import recurrent_layers
+from funcmeta._src.checkpoint import takeover
+from funcmeta._src.checkpoint.layers import CheckpointSpec, checkpointed_runner, select
 from funcmeta._src.module.functional import FunctionalModel, check_layers
-from funcmeta._src.remat import takeover
-from funcmeta._src.remat.layers import CheckpointSpec, checkpointed_runner, select
 
 __all__ = ["functional_model"]
 
@@ -37,7 +37,7 @@ def functional_model(
     """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
     ``checkpoint_layers`` chooses layers to run under per-layer activation checkpointing
-    (see :mod:`funcmeta.remat`): ``None``; a preset name (``"sequential"``: the
+    (see :mod:`funcmeta.checkpoint`): ``None``; a preset name (``"sequential"``: the
     children of every ``nn.Sequential``/``nn.ModuleList``; ``"leaves"``); a list of
     submodule names; or a predicate ``(name, module) -> bool``. A checkpointed layer keeps its
     inputs instead of its activations, in first and in second order (the graph of a

@@ -1,13 +1,13 @@
 """Where a call of ``torch.utils.checkpoint.checkpoint`` happens: inside a functional model's
-run, inside one of funcmeta's rematerialised functions, or elsewhere.
+run, inside one of funcmeta's checkpointed functions, or elsewhere.
 
 A model may checkpoint its own layers (``checkpoint(block, x)`` in its ``forward``, or
 HuggingFace's ``gradient_checkpointing_enable()``). torch recomputes such a block during the
 backward, with whatever tensors the block holds then: after a functional model's run, that is
 the module's own parameters, not the ones the run was given. So while a functional model runs
-(:func:`model_run`) and while funcmeta runs a rematerialised function (:func:`remat_body`),
+(:func:`model_run`) and while funcmeta runs a checkpointed function (:func:`checkpoint_body`),
 ``checkpoint`` calls are redirected (:func:`funcmeta._src.core.fence.checkpoint_redirected`) to
-:mod:`funcmeta._src.remat.takeover`, which asks :func:`current` what to do. The state is per
+:mod:`funcmeta._src.checkpoint.takeover`, which asks :func:`current` what to do. The state is per
 thread: a call in another thread runs torch's own ``checkpoint``.
 
 Example:
@@ -31,13 +31,13 @@ from torch import nn
 
 from funcmeta._src.core.fence import checkpoint_redirected
 
-__all__ = ["Scope", "current", "model_run", "remat_body"]
+__all__ = ["Scope", "current", "model_run", "checkpoint_body"]
 
 
 @dataclass(frozen=True)
 class Scope:
     """``kind`` is ``"run"`` (a functional model's run of ``root``, the module tree that runs)
-    or ``"remat"`` (the body of a rematerialised function: its recomputations replay it)."""
+    or ``"checkpoint"`` (the body of a checkpointed function: its recomputations replay it)."""
 
     kind: str
     root: nn.Module | None = None
@@ -64,14 +64,14 @@ def _entered(scope: Scope) -> Iterator[None]:
 
 def model_run(root: nn.Module) -> contextlib.AbstractContextManager[None]:
     """The block runs the module tree ``root`` as a functional model: ``checkpoint`` calls in
-    it are rematerialised by funcmeta with the tensors the run was given."""
+    it are checkpointed by funcmeta with the tensors the run was given."""
     return _entered(Scope("run", root))
 
 
-_REMAT = Scope("remat")
+_CHECKPOINT = Scope("checkpoint")
 
 
-def remat_body() -> contextlib.AbstractContextManager[None]:
-    """The block is the body of a rematerialised function: ``checkpoint`` calls in it run
-    their function as it is (the enclosing rematerialisation already keeps only inputs)."""
-    return _entered(_REMAT)
+def checkpoint_body() -> contextlib.AbstractContextManager[None]:
+    """The block is the body of a checkpointed function: ``checkpoint`` calls in it run
+    their function as it is (the enclosing checkpointing already keeps only inputs)."""
+    return _entered(_CHECKPOINT)

@@ -1,17 +1,17 @@
-"""Rematerialisation that composes with double backward: the engine of per-layer checkpointing.
+"""Checkpointing that composes with double backward: the engine of per-layer checkpointing.
 
 ``torch.utils.checkpoint`` (non-reentrant) supports ``autograd.grad(create_graph=True)``, but
 only by recording the recomputed layer and its backward into the graph being built: in a
 second-order inner loop every checkpointed layer is recomputed, and its activations stay alive
 until the outer backward. Per-layer checkpointing then saves nothing in second order.
 
-:func:`remat` does what ``jax.checkpoint`` does under grad-of-grad, with two autograd
+:func:`checkpoint` does what ``jax.checkpoint`` does under grad-of-grad, with two autograd
 Functions:
 
-- ``_Remat`` runs the function and keeps only its input tensors. Its backward recomputes the
+- ``_Checkpoint`` runs the function and keeps only its input tensors. Its backward recomputes the
   function and takes the vector-Jacobian product (VJP).
 - When that backward is itself recorded (``create_graph=True``, the inner loop of
-  second-order MAML), it returns the VJP through ``_RematVJP`` instead: computed the same
+  second-order MAML), it returns the VJP through ``_CheckpointVJP`` instead: computed the same
   way, but recorded as one node that keeps the function's inputs and the incoming gradients,
   nothing of the function's insides. A backward through that node (the outer backward)
   recomputes the function, its VJP with a graph, and differentiates that, one layer at a
@@ -24,9 +24,9 @@ under the autocast state in force when it was first computed.
 
 Example:
     >>> import torch
-    >>> from funcmeta._src.remat.engine import remat
+    >>> from funcmeta._src.checkpoint.engine import checkpoint
     >>> x = torch.randn(5, requires_grad=True)
-    >>> y = remat(lambda t: torch.tanh(t) * t, x)
+    >>> y = checkpoint(lambda t: torch.tanh(t) * t, x)
     >>> (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)   # recomputed, recorded
     >>> torch.allclose(g, torch.tanh(x) + x * (1 - torch.tanh(x) ** 2))
     True
@@ -45,7 +45,7 @@ from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.module import scope
 
-__all__ = ["OpenFunctionError", "graph_input", "remat", "remat_closed"]
+__all__ = ["OpenFunctionError", "graph_input", "checkpoint", "checkpoint_closed"]
 
 _TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
 
@@ -108,7 +108,7 @@ def _same(t: Tensor) -> Tensor:
 
 
 def _unpack_nothing(_: None) -> Tensor:  # pragma: no cover - never called
-    raise RuntimeError("funcmeta: a tensor of a rematerialised forward was used in backward")
+    raise RuntimeError("funcmeta: a tensor of a checkpointed forward was used in backward")
 
 
 def _differentiable(t: Tensor) -> bool:
@@ -130,7 +130,7 @@ def _alias(t: Tensor) -> Tensor:
 
 
 class _Run:
-    """One call of :func:`remat`: the function, the structure of its arguments and outputs,
+    """One call of :func:`checkpoint`: the function, the structure of its arguments and outputs,
     and the state its recomputations replay. Lives as long as the graph that holds it."""
 
     __slots__ = (
@@ -172,7 +172,7 @@ class _Run:
         for i, t in zip(self.slots, tensors, strict=True):
             leaves[i] = t
         args, kwargs = tree.unflatten_registered(leaves, self.args_spec)
-        with scope.remat_body():
+        with scope.checkpoint_body():
             return self.fn(*args, **kwargs)
 
     def first(self, tensors: tuple[Tensor, ...]) -> list[Tensor]:
@@ -233,7 +233,7 @@ class _Run:
 
 
 class OpenFunctionError(RuntimeError):
-    """A rematerialised function's outputs depend, through autograd, on a tensor that is not
+    """A checkpointed function's outputs depend, through autograd, on a tensor that is not
     among its arguments: recomputed apart from that tensor, it would give that dependency
     no gradient."""
 
@@ -292,7 +292,7 @@ def _views(tensors: Any) -> list[Tensor]:
     return [t.view_as(t) if t.requires_grad else t for t in tensors]
 
 
-class _Remat(torch.autograd.Function):
+class _Checkpoint(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _Run, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.run = run
@@ -317,7 +317,7 @@ class _Remat(torch.autograd.Function):
         if torch.is_grad_enabled():
             # This backward is recorded (create_graph): one node that keeps the inputs and
             # the gradients, not the function's activations.
-            vjps = _RematVJP.apply(run, wanted, picked, len(tensors), *tensors, *given)
+            vjps = _CheckpointVJP.apply(run, wanted, picked, len(tensors), *tensors, *given)
         else:
             vjps = run.vjp(wanted, picked, _leaves(tensors), given, create_graph=False)
         for i, g in zip(wanted, vjps, strict=True):
@@ -325,8 +325,8 @@ class _Remat(torch.autograd.Function):
         return tuple(result)
 
 
-class _RematVJP(torch.autograd.Function):
-    """The VJP of a :class:`_Remat` function, recorded as one node (see the module
+class _CheckpointVJP(torch.autograd.Function):
+    """The VJP of a :class:`_Checkpoint` function, recorded as one node (see the module
     docstring). Inputs: the function's input tensors, then the gradients of its outputs."""
 
     @staticmethod
@@ -373,13 +373,13 @@ class _RematVJP(torch.autograd.Function):
         return tuple(result)
 
 
-def _rematerialised(
+def _checkpointed(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     closed: Callable[[], str] | None,
 ) -> Any:
-    """:func:`remat` and :func:`remat_closed`: the first run checked when ``closed``."""
+    """:func:`checkpoint` and :func:`checkpoint_closed`: the first run checked when ``closed``."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     run = _Run(fn, args, kwargs, closed=closed)
@@ -392,19 +392,21 @@ def _rematerialised(
         out = fn(*args, **kwargs)
         _check_closed(tree.leaves_registered(out), [], mark, closed)
         return out
-    outs = _Remat.apply(run, *tensors)
+    outs = _Checkpoint.apply(run, *tensors)
     return run.output(outs)
 
 
-def remat_closed(what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """:func:`remat` for a function that is not known to be pure in its arguments (one a
+def checkpoint_closed(
+    what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """:func:`checkpoint` for a function that is not known to be pure in its arguments (one a
     model checkpoints itself): its first run is checked to depend, through autograd, on
     nothing that requires grad but its arguments; else :class:`OpenFunctionError`, whose
     message begins with ``what()``."""
-    return _rematerialised(fn, args, kwargs, what)
+    return _checkpointed(fn, args, kwargs, what)
 
 
-def remat(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, keeping only the tensors among the arguments for backward.
 
     Tensors may sit anywhere in the arguments (nested in lists, dicts, registered pytrees);
@@ -414,4 +416,4 @@ def remat(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     goes through the graph of a recorded one). Without grad mode, or without an input that
     requires grad, it is just ``fn(*args, **kwargs)``.
     """
-    return _rematerialised(fn, args, kwargs, None)
+    return _checkpointed(fn, args, kwargs, None)

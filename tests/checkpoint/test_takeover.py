@@ -11,18 +11,18 @@ import threading
 import warnings
 
 import pytest
-import test_remat
+import test_engine
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 import zoo
 from helpers import DTYPE
-from test_remat import Residual
+from test_engine import Residual
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import funcmeta as fm
-from funcmeta._src.remat.engine import OpenFunctionError
+from funcmeta._src.checkpoint.engine import OpenFunctionError
 
 T, N, W = 3, 10, 6  # tasks, examples per task, width
 
@@ -178,7 +178,7 @@ def test_with_checkpoint_layers_too_each_block_is_checkpointed_once():
 
 
 def test_recomputed_as_often_as_funcmeta_checkpointed_layers():
-    """The model's own checkpoints are funcmeta's rematerialisation (torch's checkpoint would
+    """The model's own checkpoints are funcmeta's checkpointing (torch's checkpoint would
     recompute each block once in the inner backward and keep it)."""
     counts = []
     for how, layers in (("none", "sequential"), ("non-reentrant", None)):
@@ -203,7 +203,7 @@ class ResidualNet(nn.Module):
 
 def test_second_order_memory_as_funcmeta_checkpoint_layers(monkeypatch):
     """What the graph keeps between the inner loop and the outer backward (the measurement of
-    ``test_remat``): the self-checkpointed model at most 1.1x the same model under
+    ``test_engine``): the self-checkpointed model at most 1.1x the same model under
     ``checkpoint_layers``, with the same meta-gradients."""
 
     def net_with(self_checkpoint):
@@ -219,8 +219,8 @@ def test_second_order_memory_as_funcmeta_checkpoint_layers(monkeypatch):
         ("layers", False, ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]),
         ("self", True, None),
     ):
-        monkeypatch.setattr(test_remat.nn, "Sequential", net_with(self_ck))
-        results[name] = test_remat.kept_bytes(layers)
+        monkeypatch.setattr(test_engine.nn, "Sequential", net_with(self_ck))
+        results[name] = test_engine.kept_bytes(layers)
     (plain, reference), (layers, _), (ours, grads) = (
         results["plain"],
         results["layers"],
@@ -478,7 +478,7 @@ def test_other_threads_get_torchs_own_checkpoint_during_a_run():
 @pytest.mark.parametrize("batched", [False, True], ids=["adapt", "adapt_tasks"])
 @pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
 def test_cuda_self_checkpointed_model_gives_the_unchecked_meta_gradients(how, batched, monkeypatch):
-    """float64 on CUDA: the model's own checkpoints, rematerialised by funcmeta, give the
+    """float64 on CUDA: the model's own checkpoints, checkpointed by funcmeta, give the
     unchecked model's meta-gradients (the CUDA backward runs recomputations on autograd's
     device threads)."""
     cpu_data = task_data

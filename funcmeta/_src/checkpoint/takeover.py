@@ -1,4 +1,4 @@
-"""Checkpoints a model takes itself, run by funcmeta's rematerialisation.
+"""Checkpoints a model takes itself, run by funcmeta's checkpointing.
 
 A model may checkpoint its own layers: ``torch.utils.checkpoint.checkpoint(block, x)`` in its
 ``forward`` (either ``use_reentrant``), ``checkpoint_sequential``, or HuggingFace's
@@ -9,16 +9,16 @@ wrong (or torch refuses the recomputation). And torch's recomputation is recorde
 ``create_graph`` backward, so second order saves no memory.
 
 While a functional model runs (:func:`funcmeta._src.module.scope.model_run`), every such call is
-sent here (:func:`dispatch`) and run by :func:`funcmeta._src.remat.engine.remat_closed` as a pure
+sent here (:func:`dispatch`) and run by :func:`funcmeta._src.checkpoint.engine.checkpoint_closed` as a pure
 function of the tensors it reads: its arguments (those bound in a ``functools.partial``
 included) and the parameters and buffers of the modules it was given (the function itself,
 a bound method's module, modules among its arguments or in its closure; the whole model when
 none is found), as the run holds them. Its recomputations put those tensors back in place,
 replay the random number generators (the same dropout masks) and the autocast state, and keep
 only inputs, in second order too. The first run is checked to depend on nothing else that
-requires grad (:class:`funcmeta._src.remat.engine.OpenFunctionError` otherwise).
+requires grad (:class:`funcmeta._src.checkpoint.engine.OpenFunctionError` otherwise).
 
-Inside a rematerialised function (a layer of ``checkpoint_layers``, or a block taken over
+Inside a checkpointed function (a layer of ``checkpoint_layers``, or a block taken over
 here) a ``checkpoint`` call runs its function as it is: it is checkpointed once. Elsewhere,
 and in other threads, torch's own ``checkpoint`` runs.
 
@@ -49,6 +49,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.utils.checkpoint import noop_context_fn
 
+from funcmeta._src.checkpoint.engine import checkpoint_closed
+from funcmeta._src.checkpoint.layers import is_checkpointed_layer
 from funcmeta._src.core.fence import (
     buffer_dict,
     original_checkpoint,
@@ -57,8 +59,6 @@ from funcmeta._src.core.fence import (
 )
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
 from funcmeta._src.module import scope
-from funcmeta._src.remat.engine import remat_closed
-from funcmeta._src.remat.layers import is_checkpointed_layer
 
 __all__ = ["dispatch"]
 
@@ -75,17 +75,17 @@ _OPTIONS = (
 
 def dispatch(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A call ``torch.utils.checkpoint.checkpoint(function, *args, **kwargs)`` (redirected
-    here while funcmeta runs a model or a rematerialised function)."""
+    here while funcmeta runs a model or a checkpointed function)."""
     where = scope.current()
     if where is None:
         return original_checkpoint(function, *args, **kwargs)
     kwargs = dict(kwargs)
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     _check_call(function, options, kwargs)
-    if where.kind == "remat" or is_checkpointed_layer(function):
+    if where.kind == "checkpoint" or is_checkpointed_layer(function):
         return function(*args, **kwargs)
     assert where.root is not None
-    return _rematerialise(where.root, function, args, kwargs)
+    return _recompute(where.root, function, args, kwargs)
 
 
 def _check_call(function: Any, options: dict[str, Any], kwargs: dict[str, Any]) -> None:
@@ -103,7 +103,7 @@ def _check_call(function: Any, options: dict[str, Any], kwargs: dict[str, Any]) 
     elif context_fn is not noop_context_fn:
         raise ValueError(
             f"checkpoint({_name_of(function)}, ..., context_fn=...) inside a functional model: "
-            "funcmeta rematerialises the checkpoints a model takes itself (exact with the "
+            "funcmeta recomputes the checkpoints a model takes itself (exact with the "
             "adapted parameters, in second order too) and cannot run them under a context "
             "of torch's checkpoint, such as a selective-checkpointing policy. Drop context_fn "
             "while the model runs under funcmeta, or leave the layer unchecked and choose it "
@@ -194,10 +194,10 @@ class _Slots:
                 d[key] = old
 
 
-def _rematerialise(
+def _recompute(
     root: nn.Module, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``function(*args, **kwargs)`` rematerialised as a pure function of its arguments and
+    """``function(*args, **kwargs)`` checkpointed as a pure function of its arguments and
     the tensors of its modules as the run holds them (see the module docstring)."""
     func, args, kwargs = _unpartial(function, args, kwargs)
     modules = _modules_of(func, args, kwargs) or [root]
@@ -222,14 +222,14 @@ def _rematerialise(
     snapshots = [b.clone() for b in btensors]
     inputs = (*ptensors, *snapshots, *args)
     if any_batched(inputs, kwargs):
-        # under task batching: rematerialise vmap(body) outside the vmap level
+        # under task batching: recompute vmap(body) outside the vmap level
         return call_outside_vmap(
-            lambda f, flat: remat_closed(what, f, *flat),
+            lambda f, flat: checkpoint_closed(what, f, *flat),
             body,
             (inputs, kwargs),
             extra=(list(btensors),),
         )
-    return remat_closed(what, lambda inp, kw: body(inp, kw, btensors), inputs, kwargs)
+    return checkpoint_closed(what, lambda inp, kw: body(inp, kw, btensors), inputs, kwargs)
 
 
 def _name_of(function: Any) -> str:

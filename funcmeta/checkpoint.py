@@ -1,23 +1,23 @@
-"""Rematerialisation: per-layer activation checkpointing that composes with double backward.
+"""Checkpointing: per-layer activation checkpointing that composes with double backward.
 
 Public names: :func:`select` and :data:`PRESETS` choose layers
 (``fm.functional_model(..., checkpoint_layers=...)``), :data:`CheckpointSpec` is what
 ``checkpoint_layers`` takes, and :mod:`kernels` the kernels a twice-differentiated step runs
-on (``fm.remat.kernels.twice_differentiable()``). Whether a run is a recomputation:
+on (``fm.checkpoint.kernels.twice_differentiable()``). Whether a run is a recomputation:
 :func:`funcmeta.recomputing`. Step-level checkpointing is the inner loop's option
 ``checkpoint_steps`` (:class:`funcmeta.AdaptOptions`). The engine lives in
-``funcmeta/_src/remat/`` (``docs/design.md``).
+``funcmeta/_src/checkpoint/`` (``docs/design.md``).
 
 Example:
     >>> import torch, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    >>> fm.remat.select(net, "sequential")
+    >>> fm.checkpoint.select(net, "sequential")
     ['0', '2']
 """
 
+from funcmeta._src.checkpoint import layers as _layers
+from funcmeta._src.checkpoint.layers import select
 from funcmeta._src.core import kernels
-from funcmeta._src.remat import layers as _layers
-from funcmeta._src.remat.layers import select
 
 PRESETS = _layers.PRESETS
 """Named layer choices. ``"sequential"`` selects every child, with parameters or buffers, of

@@ -3,13 +3,13 @@
 :func:`funcmeta.functional_model` takes ``checkpoint_layers=`` to choose layers. Each chosen
 layer runs as a pure function of its parameters, buffers and inputs (the layer called through
 ``torch.func.functional_call`` with exactly those tensors), under
-:func:`funcmeta._src.remat.engine.remat`:
+:func:`funcmeta._src.checkpoint.engine.checkpoint`:
 
 - the forward keeps only those tensors, not the layer's activations;
 - a backward recomputes the layer and takes its vector-Jacobian product;
 - a backward that is itself recorded (``autograd.grad(create_graph=True)``, the inner loop of
   second-order MAML) keeps one node per layer holding the layer's inputs and incoming
-  gradients; the outer backward rematerialises the layer, its backward and the derivative of
+  gradients; the outer backward recomputes the layer, its backward and the derivative of
   that, one layer at a time. So per-layer checkpointing saves memory in second order too,
   as ``jax.checkpoint`` does under grad-of-grad.
 
@@ -28,7 +28,7 @@ checkpointed layer are shallow copies, and the chosen layers are stand-ins.
 Example:
     >>> import torch, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    >>> fm.remat.select(net, "sequential")
+    >>> fm.checkpoint.select(net, "sequential")
     ['0', '2']
     >>> fmodel = fm.functional_model(net, checkpoint_layers="sequential")
     >>> x = torch.randn(4, 2)
@@ -44,10 +44,10 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from funcmeta._src.checkpoint.engine import checkpoint
 from funcmeta._src.core.tree import Predicate
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
 from funcmeta._src.module.shadow import LayerTensors, Standin, ancestors, relative, shadow, within
-from funcmeta._src.remat.engine import remat
 
 __all__ = ["PRESETS", "CheckpointSpec", "checkpointed_runner", "is_checkpointed_layer", "select"]
 
@@ -167,14 +167,14 @@ class _Checkpointed(Standin):
         snapshots = [b.clone() for b in btensors]
         inputs = (*ptensors, *snapshots, *args)
         if any_batched(inputs, kwargs):
-            # Under task batching (vmap): remat(vmap(layer)) outside the vmap level.
+            # Under task batching (vmap): checkpoint(vmap(layer)) outside the vmap level.
             return call_outside_vmap(
-                lambda f, flat: remat(f, *flat),
+                lambda f, flat: checkpoint(f, *flat),
                 layer_fn,
                 (inputs, kwargs),
                 extra=(list(btensors),),
             )
-        return remat(lambda inp, kw: layer_fn(inp, kw, btensors), inputs, kwargs)
+        return checkpoint(lambda inp, kw: layer_fn(inp, kw, btensors), inputs, kwargs)
 
 
 def is_checkpointed_layer(function: Any) -> bool:

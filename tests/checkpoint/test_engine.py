@@ -1,5 +1,5 @@
 """Per-layer checkpointing in second order: how often layers are recomputed (so that the
-second-order rematerialisation cannot silently turn off), what the graph keeps between the
+second-order checkpointing cannot silently turn off), what the graph keeps between the
 inner loop and the outer backward, and the function underneath on its own."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from helpers import DTYPE
 from torch import nn
 
 import funcmeta as fm
-from funcmeta._src.remat.engine import remat
+from funcmeta._src.checkpoint.engine import checkpoint
 
 
 class Counting(nn.Module):
@@ -40,7 +40,7 @@ def test_recomputations_per_phase(first_order):
     """One inner step, then the query pass and the outer backward. Each checkpointed layer
     runs: once in the inner forward; once more in the inner backward (recompute and VJP);
     once in the query forward. The outer backward recomputes each layer for the query pass
-    and for the inner forward and, in second order only, rematerialises the recorded VJP
+    and for the inner forward and, in second order only, recomputes the recorded VJP
     once more: 3 recomputations there (a checkpoint that kept the recomputed activations of
     the inner backward would show 2)."""
     net = counting_net()
@@ -127,10 +127,10 @@ def test_second_order_graph_keeps_layer_inputs_not_activations():
     assert ours < 0.25 * plain, (ours, plain)
 
 
-# --- remat on its own -----------------------------------------------------------------
+# --- the engine on its own -----------------------------------------------------------------
 
 
-def test_remat_gradcheck_and_gradgradcheck():
+def test_engine_gradcheck_and_gradgradcheck():
     def f(x, pair, scale):
         w, b = pair["w"], pair["b"]
         h = torch.tanh(x @ w + b) * scale
@@ -141,7 +141,7 @@ def test_remat_gradcheck_and_gradgradcheck():
     b = torch.randn(2, dtype=DTYPE, requires_grad=True)
 
     def run(x, w, b):
-        out = remat(f, x, {"w": w, "b": b}, scale=2.0)
+        out = checkpoint(f, x, {"w": w, "b": b}, scale=2.0)
         assert out["n"] == 3
         return out["h"], out["s"]
 
@@ -149,13 +149,13 @@ def test_remat_gradcheck_and_gradgradcheck():
     torch.autograd.gradgradcheck(run, (x, w, b))
 
 
-def test_remat_replays_dropout_and_handles_integer_outputs_and_unused_outputs():
+def test_engine_replays_dropout_and_handles_integer_outputs_and_unused_outputs():
     def f(x):
         return F.dropout(x, 0.5, training=True), x.argmax(-1), x * 2
 
     x = torch.randn(6, 5, dtype=DTYPE, requires_grad=True)
     torch.manual_seed(0)
-    d, idx, _ = remat(f, x)
+    d, idx, _ = checkpoint(f, x)
     assert idx.dtype == torch.int64 and not idx.requires_grad
     (g,) = torch.autograd.grad(d.sum(), x, create_graph=True)
     torch.manual_seed(0)
@@ -164,17 +164,17 @@ def test_remat_replays_dropout_and_handles_integer_outputs_and_unused_outputs():
     torch.testing.assert_close(g, g2, rtol=0, atol=0)  # the same mask in the recomputation
 
 
-def test_remat_input_written_in_place_raises():
+def test_engine_input_written_in_place_raises():
     def f(x):
         x.mul_(2)
         return x.sin()
 
     x = torch.randn(3, dtype=DTYPE, requires_grad=True) * 1
     with pytest.raises(RuntimeError, match="in-place"):
-        remat(f, x)
+        checkpoint(f, x)
 
 
-def test_remat_third_derivative_equals_the_plain_function():
+def test_engine_third_derivative_equals_the_plain_function():
     """A backward through the recorded VJP that is itself recorded (third order) keeps its
     graph and stays exact."""
 
@@ -188,7 +188,7 @@ def test_remat_third_derivative_equals_the_plain_function():
         (g2,) = torch.autograd.grad(g1.sum(), x, create_graph=True)
         return torch.autograd.grad(g2.sum(), [x, w])
 
-    ours = third(lambda x, w: remat(f, x, w))
+    ours = third(lambda x, w: checkpoint(f, x, w))
     plain = third(f)
     for a, b in zip(ours, plain, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

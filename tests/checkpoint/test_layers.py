@@ -31,14 +31,14 @@ def blocks_net(dtype=DTYPE, dropout=0.2, batchnorm=True, seed=0):
 
 def test_presets_names_and_predicates():
     net = blocks_net()
-    assert fm.remat.select(net, "sequential") == ["0", "1", "2", "3"]
-    assert fm.remat.select(net, "leaves")[:3] == ["0.0", "0.1", "1.0"]
-    assert fm.remat.select(net, ["1", "2"]) == ["1", "2"]
-    linear = fm.remat.select(net, lambda name, m: isinstance(m, nn.Linear))
+    assert fm.checkpoint.select(net, "sequential") == ["0", "1", "2", "3"]
+    assert fm.checkpoint.select(net, "leaves")[:3] == ["0.0", "0.1", "1.0"]
+    assert fm.checkpoint.select(net, ["1", "2"]) == ["1", "2"]
+    linear = fm.checkpoint.select(net, lambda name, m: isinstance(m, nn.Linear))
     assert linear == ["0.0", "1.0", "2.0", "3"]
     # a predicate matching nested modules keeps the outermost
-    assert fm.remat.select(net, lambda name, m: name in ("1", "1.0")) == ["1"]
-    assert fm.remat.select(net, None) == []
+    assert fm.checkpoint.select(net, lambda name, m: name in ("1", "1.0")) == ["1"]
+    assert fm.checkpoint.select(net, None) == []
 
 
 @pytest.mark.parametrize(
