@@ -391,7 +391,7 @@ def main() -> None:
                         times[k].append(timed(calls[k], params)[0])
                 med = {k: statistics.median(v) for k, v in times.items()}
                 ok = all(agree(grads[k], grads["loop"]) for k in impls)
-                mode = "loop" if impls["batched"].task_loop else "batched"
+                mode = "per task" if impls["batched"].per_task else "batched"
                 tuned_ms = f"{med['tuned']:9.1f}" if "tuned" in med else "        -"
                 tuned_ratio = (
                     f"{med['loop'] / med['tuned']:10.2f}" if "tuned" in med else "         -"

@@ -5,9 +5,8 @@ PyTorch allocates CPU tensors with the C library's ``malloc``. glibc serves a la
 the system on free, and it trims the top of its heap whenever more than a few MiB lie free
 there. The next tensor of that size then starts on pages the kernel must fault in and zero,
 one 4 KiB page at a time, at every step of a training loop. Task batching makes tensors T
-times larger, so it pays this most: second-order MAML through conv4 with 4 tasks at once
-took 58,800 page faults per meta-iteration and 684 ms, against 564 ms with none (heap
-kept), and the batched GPT-2 path at 32 tasks 199,000 faults and 4.2 s against 3.2 s.
+times larger, so it pays this most (``benchmarks/RESULTS.md``, "Keeping freed memory on a CPU":
+second-order MAML through conv4 and a batched GPT-2 path).
 
 :func:`keep_freed_memory` turns both off for the rest of the process: every block comes
 from the heap, and freed memory stays there for the next tensor, as a GPU caching allocator

@@ -29,11 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from funcmeta._src.core.checks import check_choice, check_real
 from funcmeta.implicit import CG, Solver, root
 
 __all__ = ["RidgeHead", "ridge"]
 
 Method = Literal["exact", "implicit"]
+_METHODS = ("exact", "implicit")
 
 
 def _solve(features: Tensor, targets: Tensor, lam: Tensor) -> Tensor:
@@ -94,15 +96,14 @@ def ridge(
             f"targets must be {tuple(features.shape[:-1])} + (c,) to match the features "
             f"{tuple(features.shape)}, got {got}"
         )
-    if method not in ("exact", "implicit"):
-        raise ValueError(f"method must be 'exact' or 'implicit', got {method!r}")
+    check_choice(method, "method", _METHODS)
     if isinstance(lam, Tensor):
         if lam.dim() > 1 or (lam.dim() == 1 and (features.dim() != 3 or len(lam) != len(features))):
             raise ValueError(
                 f"lam must be a number, a 0-d tensor or one value per task, got {tuple(lam.shape)}"
             )
-    elif not (isinstance(lam, int | float) and lam > 0 and math.isfinite(lam)):
-        raise ValueError(f"lam must be positive, got {lam!r}")
+    else:
+        check_real(lam, "lam", low=0.0, low_open=True)
     lam = torch.as_tensor(lam, dtype=features.dtype, device=features.device)
     if features.dim() == 3:
         lam = lam.expand(features.shape[0])
@@ -149,10 +150,8 @@ class RidgeHead(nn.Module):
         solver: Solver | None = None,
     ) -> None:
         super().__init__()
-        if not (lam > 0 and math.isfinite(lam)):
-            raise ValueError(f"lam must be positive, got {lam!r}")
-        if method not in ("exact", "implicit"):
-            raise ValueError(f"method must be 'exact' or 'implicit', got {method!r}")
+        lam = check_real(lam, "lam", low=0.0, low_open=True)
+        check_choice(method, "method", _METHODS)
         self.log_lam = nn.Parameter(torch.tensor(math.log(lam)), requires_grad=learn)
         self.scale = nn.Parameter(torch.tensor(float(scale)), requires_grad=learn)
         self.bias = nn.Parameter(torch.tensor(float(bias)), requires_grad=learn)

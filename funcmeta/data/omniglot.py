@@ -37,7 +37,7 @@ from typing import IO, cast
 import torch
 from torch import Tensor
 
-from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.checks import check_choice, check_int
 from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta.data._files import check_sha256, safe_members
 from funcmeta.data.episodes import EpisodeBatch
@@ -61,9 +61,7 @@ way, and their 28x28 pixels differ from the Lanczos ones by up to 0.11."""
 
 
 def _check_resample(resample: str) -> str:
-    if resample not in RESAMPLE:
-        raise ValueError(f"resample must be one of {list(RESAMPLE)}, got {resample!r}")
-    return resample
+    return check_choice(resample, "resample", RESAMPLE)
 
 
 def _fetched(root: Path, name: str, download: bool, what: str, url: str) -> Path | None:
@@ -184,8 +182,7 @@ def load_omniglot(
         raise ValueError(f"{source} is one split's archive; pass a folder to load {splits}")
     if not source.is_file():
         for s in splits:
-            if s not in SPLITS:
-                raise ValueError(f"split must be one of {sorted(SPLITS)}, got {s!r}")
+            check_choice(s, "split", sorted(SPLITS))
     decoded: dict[str, Tensor] = {}
     found_in: dict[str, str] = {}
     wheres = []

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.checks import check_int, check_real
 
 __all__ = ["Sinusoid", "SinusoidBatch"]
 
@@ -42,7 +42,8 @@ class SinusoidBatch(NamedTuple):
 
 
 def _check_range(name: str, lo_hi: tuple[float, float]) -> tuple[float, float]:
-    lo, hi = (float(v) for v in lo_hi)
+    low, high = lo_hi
+    lo, hi = check_real(low, f"{name}[0] (low)"), check_real(high, f"{name}[1] (high)")
     if not lo <= hi:
         raise ValueError(f"{name} must be (low, high) with low <= high, got {lo_hi!r}")
     return lo, hi

@@ -33,6 +33,7 @@ is its gradient; the implicit gradient with respect to ``lam`` equals the closed
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
-from funcmeta._src.core.fence import peek_interpreter_stack
+from funcmeta._src.core.checks import check_choice, check_real
+from funcmeta._src.core.fence import inside_transform
 from funcmeta._src.core.tree import Tree
 from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
 
@@ -261,7 +263,7 @@ def root(
     Call it outside ``torch.func`` transforms; for many tasks, give them a leading axis and
     ``batch_dims=1``.
     """
-    if peek_interpreter_stack is not None and peek_interpreter_stack() is not None:
+    if inside_transform():
         raise RuntimeError(
             "fm.implicit.root runs outside torch.func transforms (vmap, grad): give the tasks "
             "a leading axis and pass batch_dims=1 instead"
@@ -272,15 +274,13 @@ def root(
         solver = CG()
     if not isinstance(solver, Solver):
         raise TypeError(f"solver must be a CG, NormalCG or Neumann, got {type(solver).__name__}")
-    if on_unsolved not in ("raise", "warn", "ignore"):
-        raise ValueError(f"on_unsolved must be 'raise', 'warn' or 'ignore', got {on_unsolved!r}")
-    if max_residual is not None and not max_residual > 0:
-        raise ValueError(f"max_residual must be positive or None, got {max_residual}")
+    check_choice(on_unsolved, "on_unsolved", ("raise", "warn", "ignore"))
+    if max_residual is not None and max_residual != math.inf:  # inf: no limit, as None
+        check_real(max_residual, "max_residual", low=0.0, low_open=True)
     x, x_spec = tree.flatten(solution)
     if not x or not all(isinstance(t, Tensor) and t.is_floating_point() for t in x):
         raise TypeError("the solution must be a non-empty tree of floating-point tensors")
-    if batch_dims not in (0, 1):
-        raise ValueError(f"batch_dims must be 0 or 1, got {batch_dims!r}")
+    check_choice(batch_dims, "batch_dims", (0, 1))
     if batch_dims and len({t.shape[0] if t.dim() else None for t in x}) != 1:
         raise ValueError(
             "batch_dims=1 needs every leaf of the solution to share its leading (task) axis; "

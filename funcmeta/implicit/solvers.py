@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
-from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.checks import check_choice, check_int, check_real
 from funcmeta._src.core.tree import Tree
 
 __all__ = ["CG", "ConvergenceWarning", "Neumann", "NormalCG", "Solution", "Solver"]
@@ -100,8 +100,7 @@ def leaves_like(out: Tree, spec: Any, like: list[Tensor], what: str) -> list[Ten
 
 
 def _check_damping(damping: float) -> None:
-    if not damping >= 0:
-        raise ValueError(f"damping must be >= 0, got {damping}")
+    check_real(damping, "damping", low=0.0)
 
 
 def _check_steps(steps: int) -> None:
@@ -112,8 +111,7 @@ class _System:
     """The flattened right-hand side and the damped operator, on leaf lists."""
 
     def __init__(self, matvec: MatVec, b: Tree, damping: float, batch_dims: int) -> None:
-        if batch_dims not in (0, 1):
-            raise ValueError(f"batch_dims must be 0 or 1, got {batch_dims!r}")
+        check_choice(batch_dims, "batch_dims", (0, 1))
         self.leaves, self.spec = tree.flatten(b)
         if not self.leaves or not all(isinstance(v, Tensor) for v in self.leaves):
             raise TypeError("the right-hand side must be a non-empty tree of tensors")
@@ -162,8 +160,7 @@ class _Krylov(Solver):
     def __post_init__(self) -> None:
         _check_steps(self.steps)
         _check_damping(self.damping)
-        if not self.tol >= 0:
-            raise ValueError(f"tol must be >= 0, got {self.tol}")
+        check_real(self.tol, "tol", low=0.0)
 
 
 @dataclass(frozen=True)
@@ -285,8 +282,7 @@ class Neumann(Solver):
     def __post_init__(self) -> None:
         _check_steps(self.steps)
         _check_damping(self.damping)
-        if not self.alpha > 0:
-            raise ValueError(f"alpha must be positive, got {self.alpha}")
+        check_real(self.alpha, "alpha", low=0.0, low_open=True)
 
     def __call__(
         self, matvec: MatVec, b: Tree, rmatvec: MatVec | None = None, batch_dims: int = 0

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcmeta._src.core import tree
-from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.checks import check_int, check_real
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, safe_sqrt
 
@@ -59,11 +59,8 @@ class LearnedOptimizerState(NamedTuple):
     nu: Tree
 
 
-def _check_decays(values: Sequence[float], name: str) -> tuple[float, ...]:
-    values = tuple(float(v) for v in values)
-    if not all(0 <= v < 1 for v in values):
-        raise ValueError(f"{name} must lie in [0, 1), got {values}")
-    return values
+def _check_decay(value: float, name: str) -> float:
+    return check_real(value, name, low=0.0, high=1.0, high_open=True)
 
 
 class LearnedOptimizer(nn.Module):
@@ -104,18 +101,16 @@ class LearnedOptimizer(nn.Module):
         super().__init__()
         for name, v in (("hidden", hidden), ("layers", layers)):
             check_int(v, name, low=1, what="a positive int")
-        self.decays = _check_decays(decays, "decays")
-        (self.beta2,) = _check_decays([beta2], "beta2")
-        self.time_scales = tuple(float(s) for s in time_scales)
-        if not all(s > 0 for s in self.time_scales):
-            raise ValueError(f"time_scales must be positive, got {self.time_scales}")
-        if not (scale > 0 and eps > 0 and max_gain > 1 and math.isfinite(lr)):
-            raise ValueError(
-                "scale and eps must be positive, max_gain above 1 and lr finite: "
-                f"scale={scale}, eps={eps}, max_gain={max_gain}, lr={lr}"
-            )
-        self.scale, self.eps = float(scale), float(eps)
-        self.log_gain = math.log(max_gain)
+        self.decays = tuple(_check_decay(v, f"decays[{i}]") for i, v in enumerate(decays))
+        self.beta2 = _check_decay(beta2, "beta2")
+        self.time_scales = tuple(
+            check_real(s, f"time_scales[{i}]", low=0.0, low_open=True)
+            for i, s in enumerate(time_scales)
+        )
+        self.scale = check_real(scale, "scale", low=0.0, low_open=True)
+        self.eps = check_real(eps, "eps", low=0.0, low_open=True)
+        self.log_gain = math.log(check_real(max_gain, "max_gain", low=1.0, low_open=True))
+        lr = check_real(lr, "lr")
         features = 1 + len(self.decays) + 1 + 1 + len(self.time_scales)
         widths = [features] + [hidden] * layers
         self.net = nn.Sequential()
@@ -126,7 +121,7 @@ class LearnedOptimizer(nn.Module):
         nn.init.zeros_(last.weight)
         nn.init.zeros_(last.bias)
         self.net.append(last)
-        self.lr = nn.Parameter(torch.tensor(float(lr)))
+        self.lr = nn.Parameter(torch.tensor(lr))
 
     @property
     def num_features(self) -> int:

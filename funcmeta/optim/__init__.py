@@ -5,7 +5,7 @@ as their ``torch.optim`` namesakes with the same arguments, and are differentiab
 gradients, the parameters, the state and every hyperparameter. :func:`from_torch` converts a
 configured ``torch.optim`` optimizer, parameter groups included. A hyperparameter may be a
 number, a tensor, a tree of tensors that is a prefix of the parameter tree (per layer, per
-tensor, per element) or a per-step schedule; see :mod:`funcmeta._src.optim.values`.
+tensor, per element) or a per-step schedule; see :mod:`funcmeta._src.optim.hyper`.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -40,6 +40,7 @@ from funcmeta._src.optim.clip import (
     global_norm,
 )
 from funcmeta._src.optim.from_torch import from_torch
+from funcmeta._src.optim.hyper import Hyperparameter
 from funcmeta._src.optim.primitives import (
     AddDecayedWeightsState,
     AddProximalState,
@@ -52,7 +53,6 @@ from funcmeta._src.optim.primitives import (
 )
 from funcmeta._src.optim.rmsprop import ScaleByRmsState, rmsprop, scale_by_rms
 from funcmeta._src.optim.sgd import sgd
-from funcmeta._src.optim.values import Hyperparameter
 
 __all__ = [
     "AddDecayedWeightsState",

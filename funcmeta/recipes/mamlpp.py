@@ -43,8 +43,9 @@ def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
     last decay by ``1/(steps * msl_epochs)`` down to ``0.03/steps``, and the last weight grows
     to match. From epoch ``msl_epochs`` on, almost all weight is on the last step.
     """
-    if steps < 1 or msl_epochs < 1 or epoch < 0:
-        raise ValueError("need steps >= 1, msl_epochs >= 1 and epoch >= 0")
+    check_int(steps, "steps", low=1)
+    check_int(msl_epochs, "msl_epochs", low=1)
+    check_int(epoch, "epoch", low=0)
     decay = 1.0 / steps / msl_epochs
     floor = 0.03 / steps
     weights = torch.full((steps,), 1.0 / steps, dtype=torch.float64)

@@ -95,7 +95,7 @@ def test_the_model_stays_batched(steps):
             fmodel, fmodel.params, F.cross_entropy, support, fm.optim.sgd(lr=0.1), steps=1
         )
         fm.task_losses(fmodel, result.params, F.cross_entropy, query)
-    assert fmodel.task_loop is False and fmodel.task_loop_layers == {}
+    assert fmodel.per_task is False and fmodel.per_task_layers == {}
     assert steps
 
 

@@ -88,7 +88,7 @@ def test_values_every_task_agrees_on_run_batched_and_exact(strict_warnings):
     y = torch.randn(T, 5, 1, dtype=DTYPE)
     fmodel = fm.functional_model(Branchy())
     batched = _grads(fmodel, F.mse_loss, x, y, True)
-    assert fmodel.task_loop is False
+    assert fmodel.per_task is False
     _assert_same(batched, _grads(fmodel, F.mse_loss, x, y, False))
 
 
@@ -103,8 +103,8 @@ def test_values_the_tasks_disagree_on_run_once_per_task(odd):
     fmodel = fm.functional_model(Branchy())
     with pytest.warns(UserWarning, match="cannot run under vmap .*data-dependent control flow"):
         out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
-    assert fmodel.task_loop is True
-    assert list(fmodel.task_loop_layers) == [""]
+    assert fmodel.per_task is True
+    assert list(fmodel.per_task_layers) == [""]
     for t in range(T):
         torch.testing.assert_close(
             out[t], fmodel(fmodel.params, x[t]), rtol=0, atol=0, equal_nan=True
@@ -175,7 +175,7 @@ def test_attention_runs_with_the_tasks_in_the_batch(mask, causal, first_order, m
         warnings.simplefilter("error", UserWarning)  # no per-example fallback from torch
         batched = _grads(fmodel, loss_fn, inputs, y, True, first_order=first_order)
     assert calls, "attention did not take the merged path"
-    assert fmodel.task_loop is False
+    assert fmodel.per_task is False
     _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
 
 
@@ -283,7 +283,7 @@ def test_multihead_attention_layer_on_the_fused_kernel(
     calls = _count_attention(monkeypatch)
     batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
     assert calls, "the attention did not run on the kernel with the tasks in its batch"
-    assert fmodel.task_loop is False
+    assert fmodel.per_task is False
     _assert_same(batched, _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order))
 
 
@@ -300,7 +300,7 @@ def test_multihead_attention_weights_as_the_loop(
     fmodel = fm.functional_model(SelfAttention(batch_first, mask, True, average))
     inputs, y = _mha_data()
     batched = _grads(fmodel, F.mse_loss, inputs, y, True, first_order=first_order)
-    assert fmodel.task_loop is False
+    assert fmodel.per_task is False
     # atol: the key bias's exact gradient is 0 (a softmax ignores a shift of its scores), and
     # both sides round it to a few 1e-12
     loop = _grads(fmodel, F.mse_loss, inputs, y, False, first_order=first_order)
@@ -336,7 +336,7 @@ def test_multihead_attention_other_query_key_value(
     y = torch.randn(T, 4, 8, dtype=DTYPE)
     calls = _count_attention(monkeypatch)
     batched = _grads(fmodel, F.mse_loss, data, y, True)
-    assert bool(calls) != need_weights and fmodel.task_loop is False
+    assert bool(calls) != need_weights and fmodel.per_task is False
     _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False), atol=1e-11)
 
 
@@ -369,7 +369,7 @@ def test_multihead_attention_steps_aside_exactly(kind, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # torch's own note on mixed masks
         batched = _grads(fmodel, F.mse_loss, data, y, True)
-        assert not calls and fmodel.task_loop is False
+        assert not calls and fmodel.per_task is False
         _assert_same(batched, _grads(fmodel, F.mse_loss, data, y, False))
 
 
@@ -469,7 +469,7 @@ def test_transformer_encoder_decoder_on_the_fused_kernel(strict_warnings, monkey
         batched = _grads(fmodel, loss_fn, inputs, y, True, first_order=first_order, steps=1)
         loop = _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order, steps=1)
         _assert_same(batched, loop)
-    assert len(calls) >= 3 and fmodel.task_loop is False  # three attentions a forward
+    assert len(calls) >= 3 and fmodel.per_task is False  # three attentions a forward
 
 
 def test_transformer_encoder_layer_evaluation_with_dropout(strict_warnings, monkeypatch):
@@ -482,7 +482,7 @@ def test_transformer_encoder_layer_evaluation_with_dropout(strict_warnings, monk
     x = torch.randn(T, 4, 5, 8, dtype=DTYPE)
     calls = _count_attention(monkeypatch)
     out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
-    assert calls and fmodel.task_loop is False
+    assert calls and fmodel.per_task is False
     for t in range(T):
         torch.testing.assert_close(out[t], layer(x[t]), rtol=1e-10, atol=1e-12)
 
@@ -504,7 +504,7 @@ def test_multihead_attention_dropout_per_task_and_recomputed(need_weights, monke
     calls = _count_attention(monkeypatch)
     out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
     assert not torch.allclose(out[0], out[1])  # each task its own masks
-    assert fmodel.task_loop is False and bool(calls) != need_weights
+    assert fmodel.per_task is False and bool(calls) != need_weights
     if need_weights:
         of_weights = fm.functional_model(Around(net, lambda mha, x: mha(x, x, x)[1]))
         weights, _ = fm.apply_tasks(of_weights, of_weights.params, x)
@@ -625,7 +625,7 @@ def test_huggingface_models_run_batched_and_exact(name, first_order, strict_warn
     fmodel = fm.functional_model(_hf(name).to(DTYPE))
     inputs, y, loss_fn = _hf_batch(name)
     batched = _grads(fmodel, loss_fn, inputs, y, True, first_order=first_order)
-    assert fmodel.task_loop is False, fmodel.task_loop_layers
+    assert fmodel.per_task is False, fmodel.per_task_layers
     _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False, first_order=first_order))
 
 
@@ -649,8 +649,8 @@ def test_a_task_without_padding_runs_the_model_once_per_task():
     inputs, y, loss_fn = _hf_batch("bert", unpadded_task=1)
     with pytest.warns(UserWarning, match="once per task"):
         batched = _grads(fmodel, loss_fn, inputs, y, True)
-    assert fmodel.task_loop is True
-    assert "data-dependent control flow" in "".join(fmodel.task_loop_layers.values())
+    assert fmodel.per_task is True
+    assert "data-dependent control flow" in "".join(fmodel.per_task_layers.values())
     _assert_same(batched, _grads(fmodel, loss_fn, inputs, y, False))
 
 
@@ -697,7 +697,7 @@ def test_attention_dropout_runs_batched_and_recomputes_its_masks():
         torch.manual_seed(1)
         opt = fm.optim.sgd(lr=0.3)
         r = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, (inputs, y), opt, steps=2, **kw)
-        assert fmodel.task_loop is False, fmodel.task_loop_layers
+        assert fmodel.per_task is False, fmodel.per_task_layers
         return torch.autograd.grad(r.losses.sum(), list(fmodel.params.values()), allow_unused=True)
 
     plain = run()

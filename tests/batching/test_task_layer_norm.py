@@ -172,7 +172,7 @@ def test_the_model_stays_batched(first_order, calls):
             first_order=first_order,
         )
         fm.task_losses(fmodel, result.params, F.cross_entropy, query)
-    assert fmodel.task_loop is False and fmodel.task_loop_layers == {}
+    assert fmodel.per_task is False and fmodel.per_task_layers == {}
     assert calls
 
 

@@ -88,7 +88,7 @@ def _once_per_task(fmodel, x, lengths, y, match: str, reference=None) -> None:
     _, ref = _meta_grads(reference or fmodel, x, y, False, extra=(lengths,))
     with pytest.warns(UserWarning, match=match):
         _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
-    assert fmodel.task_loop is True
+    assert fmodel.per_task is True
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
@@ -109,7 +109,7 @@ def test_packed_layers_equal_the_per_task_loop_in_second_order(config, passes):
     net = Reader(_layer(kind, **config)).to(DTYPE)
     x, lengths, y = _data(config["batch_first"])
     fmodel = _compare(net, x, (lengths,), y)
-    assert fmodel.task_loop is False and not fmodel.task_loop_layers
+    assert fmodel.per_task is False and not fmodel.per_task_layers
     assert len(passes) >= 3  # two inner steps and the query pass, all tasks at once
 
 
@@ -205,7 +205,7 @@ def test_reading_the_packed_data_runs_once_per_task():
     x, lengths, y = _data(False, 8)
     fmodel = fm.functional_model(net)
     _once_per_task(fmodel, x, lengths, y, "once per task.*packed sequence")
-    assert "packed sequence" in next(iter(fmodel.task_loop_layers.values()))
+    assert "packed sequence" in next(iter(fmodel.per_task_layers.values()))
 
 
 def test_hooks_run_each_task_on_its_own_packed_sequence(passes):
@@ -220,7 +220,7 @@ def test_hooks_run_each_task_on_its_own_packed_sequence(passes):
     _, ref = _meta_grads(fmodel, x, y, False, extra=(lengths,))
     with pytest.warns(UserWarning, match="once per task: it has hooks"):
         _, ours = _meta_grads(fmodel, x, y, True, extra=(lengths,))
-    assert fmodel.task_loop is False and "rnn" in fmodel.task_loop_layers
+    assert fmodel.per_task is False and "rnn" in fmodel.per_task_layers
     assert set(seen) == {torch.nn.utils.rnn.PackedSequence}
     assert not passes
     for a, b in zip(ours, ref, strict=True):
@@ -262,7 +262,7 @@ def test_a_zero_length_gives_torchs_error():
     with pytest.raises(RuntimeError) as ours:
         _meta_grads(fmodel, x, y, True, extra=(lengths,))
     assert str(ours.value) == str(loop.value)
-    assert fmodel.task_loop is not True
+    assert fmodel.per_task is not True
 
 
 def test_a_length_beyond_the_input_is_an_error_naming_the_task():
@@ -283,7 +283,7 @@ def test_unsorted_lengths_with_enforce_sorted_give_torchs_error():
     with pytest.raises(RuntimeError, match="sorted") as ours:
         fm.apply_tasks(fmodel, fmodel.params, (x, lengths))
     assert "sorted" in str(ours.value)
-    assert fmodel.task_loop is not True
+    assert fmodel.per_task is not True
 
 
 def test_nothing_else_is_refused_for_a_model_without_packing():
@@ -345,7 +345,7 @@ def test_a_packed_sequence_as_the_output_runs_once_per_task():
     lengths = torch.tensor([[4, 3, 3, 2], [4, 4, 2, 2], [4, 2, 3, 3]])  # 12 steps, 4 at most
     with pytest.warns(UserWarning, match="packed sequence in the model's output"):
         out, _ = fm.apply_tasks(fmodel, fmodel.params, (x, lengths))
-    assert fmodel.task_loop is True
+    assert fmodel.per_task is True
     for t in range(T):
         want = net(x[t], lengths[t])
         torch.testing.assert_close(out.data[t], want.data, rtol=1e-13, atol=1e-14)

@@ -91,7 +91,7 @@ def _counting(monkeypatch, name: str) -> list[int]:
 @pytest.fixture
 def passes(monkeypatch):
     """Counts the one-pass computations of the recurrent stand-in."""
-    return _counting(monkeypatch, "_run")
+    return _counting(monkeypatch, "_one_pass")
 
 
 @pytest.fixture
@@ -126,8 +126,8 @@ def test_one_pass_equals_the_loop_in_second_order(config, passes):
         warnings.simplefilter("error")  # neither a step-aside nor torch's per-example fallback
         loss_b, grads_b = _meta_grads(fmodel, x, y, batched=True)
     assert passes, "the recurrent layer did not take the one-pass path"
-    assert fmodel.task_loop is False
-    assert fmodel.task_loop_layers == {}
+    assert fmodel.per_task is False
+    assert fmodel.per_task_layers == {}
     loss_l, grads_l = _meta_grads(fmodel, x, y, batched=False)
     torch.testing.assert_close(loss_b, loss_l, rtol=1e-12, atol=0)
     for b, ref in zip(grads_b, grads_l, strict=True):
@@ -311,9 +311,9 @@ def test_dropout_in_training_steps_aside_once_and_says_why(passes):
         warnings.simplefilter("error")  # said once
         fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (x, y), opt, steps=1)
     assert not passes
-    assert fmodel.task_loop is False  # the rest of the model runs batched
-    assert list(fmodel.task_loop_layers) == ["rnn"]
-    assert "dropout" in fmodel.task_loop_layers["rnn"]
+    assert fmodel.per_task is False  # the rest of the model runs batched
+    assert list(fmodel.per_task_layers) == ["rnn"]
+    assert "dropout" in fmodel.per_task_layers["rnn"]
 
 
 def test_hooks_step_aside_and_run_once_per_task(passes):
@@ -326,7 +326,7 @@ def test_hooks_step_aside_and_run_once_per_task(passes):
     with pytest.warns(UserWarning, match="GRU layer 'rnn' once per task: it has hooks"):
         out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
     assert not passes
-    assert fmodel.task_loop_layers == {
+    assert fmodel.per_task_layers == {
         "rnn": "GRU: it has hooks, which run once per call of the layer"
     }
     assert len(seen) == T
@@ -343,7 +343,7 @@ def test_a_subclass_runs_once_per_task():
     from funcmeta._src.batching.layers import task_standins
 
     kinds = {k: v.__name__ for k, v in task_standins(Head(Scaled(IN, HID))).items()}
-    assert kinds["rnn"] == "TaskLoop"
+    assert kinds["rnn"] == "PerTask"
 
 
 def _classifier(kind: str, dtype: torch.dtype) -> fm.FunctionalModel:
@@ -369,7 +369,7 @@ def test_float32_kernel_choice_is_exact_both_ways(kind, passes):
             torch.testing.assert_close(b, ref, rtol=1e-4, atol=1e-5)
         fused = kind == "lstm" and first_order and torch.backends.mkldnn.is_available()
         assert one_pass != fused, (kind, first_order, one_pass)
-    assert fmodel.task_loop_layers == {}
+    assert fmodel.per_task_layers == {}
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
@@ -458,7 +458,7 @@ def test_two_task_axes_without_a_graph_stay_batched(kind, merged):
         warnings.simplefilter("error")
         out = torch.func.vmap(torch.func.vmap(lambda xt: fmodel(fmodel.params, xt)[0]))(x)
     assert not merged
-    assert fmodel.task_loop is False and fmodel.task_loop_layers == {}
+    assert fmodel.per_task is False and fmodel.per_task_layers == {}
     for i in range(2):
         for t in range(T):
             torch.testing.assert_close(out[i, t], rnn(x[i, t])[0], rtol=1e-12, atol=1e-14)

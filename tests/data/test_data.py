@@ -222,7 +222,9 @@ def test_omniglot_several_splits_keep_a_shared_character_once(tmp_path):
     Image.new("L", (105, 105), 0).save(png)
     with pytest.raises(ValueError, match=r"Alphabet_1/character02 is in the splits 'background'"):
         fm.data.load_omniglot(tmp_path, ["background", "background_small1"])
-    with pytest.raises(ValueError, match="split must be one of"):
+    with pytest.raises(
+        ValueError, match=r"split must be 'background', .* or 'evaluation', got 'nope'"
+    ):
         fm.data.load_omniglot(tmp_path, ["background", "nope"])
     with pytest.raises(TypeError, match="split must be a split's name or a list"):
         fm.data.load_omniglot(tmp_path, [])
@@ -239,5 +241,7 @@ def test_omniglot_resize_filter_is_pillows_by_name(tmp_path):
     torch.testing.assert_close(bicubic.flatten(), expected, rtol=0, atol=0)
     lanczos, _, _ = fm.data.load_omniglot(tmp_path, size=28, invert=False)
     assert not torch.equal(lanczos, bicubic)
-    with pytest.raises(ValueError, match="resample must be one of"):
+    with pytest.raises(
+        ValueError, match=r"resample must be 'lanczos', .* or 'nearest', got 'cubic'"
+    ):
         fm.data.load_omniglot(tmp_path, resample="cubic")

@@ -76,7 +76,7 @@ def test_task_batched_ridge_equals_the_loop(method, per_task):
 
 def test_ridge_errors():
     x, y = data(4, 3)
-    with pytest.raises(ValueError, match="lam must be positive"):
+    with pytest.raises(ValueError, match=r"lam must be > 0\.0, got 0\.0"):
         fm.heads.ridge(x, y, 0.0)
     with pytest.raises(ValueError, match="targets must be"):
         fm.heads.ridge(x, y[:3], 1.0)
@@ -88,7 +88,7 @@ def test_ridge_errors():
         fm.heads.ridge(x, y, torch.ones(4))
     with pytest.raises(TypeError, match="floating-point"):
         fm.heads.ridge(x.long(), y, 1.0)
-    with pytest.raises(ValueError, match="lam must be positive"):
+    with pytest.raises(ValueError, match=r"lam must be > 0\.0, got -1\.0"):
         fm.heads.RidgeHead(lam=-1.0)
 
 

@@ -244,7 +244,7 @@ def test_solver_errors():
         fm.implicit.CG(steps=0)
     with pytest.raises(ValueError, match="damping must be >= 0"):
         fm.implicit.Neumann(damping=-1.0)
-    with pytest.raises(ValueError, match="alpha must be positive"):
+    with pytest.raises(ValueError, match=r"alpha must be > 0\.0, got 0\.0"):
         fm.implicit.Neumann(alpha=0.0)
     with pytest.raises(TypeError, match="NormalCG needs rmatvec"):
         fm.implicit.NormalCG()(lambda v: v, torch.ones(2))

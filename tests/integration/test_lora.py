@@ -106,7 +106,7 @@ def test_adapting_only_the_adapters_equals_a_hand_unroll(first_order):
     )
     batched = fm.task_losses(fmodel, r.params, next_token_loss, ({"input_ids": query}, query))[0]
     assert relative(torch.autograd.grad(batched.mean(), wrt), ours) < 1e-7
-    assert fmodel.task_loop is False  # peft's layers ran batched, no per-task fallback
+    assert fmodel.per_task is False  # peft's layers ran batched, no per-task fallback
 
 
 def test_bf16_lora_decoder_runs_task_batched_with_finite_meta_gradients():

@@ -249,7 +249,7 @@ def test_recurrent_layers_under_adapt_tasks_match_loop():
             torch.testing.assert_close(result.params[k][t], v, rtol=1e-10, atol=1e-12)
 
 
-def test_task_loop_fallback_is_reported():
+def test_per_task_fallback_is_reported():
     class DataDependent(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -261,12 +261,12 @@ def test_task_loop_fallback_is_reported():
             return -self.lin(x)
 
     fmodel = fm.functional_model(DataDependent())
-    assert fmodel.task_loop is None
+    assert fmodel.per_task is None
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
     with pytest.warns(UserWarning, match="once per task: the model's forward cannot run under"):
         losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y))
-    assert fmodel.task_loop is True
-    assert fmodel.task_loop_layers == {
+    assert fmodel.per_task is True
+    assert fmodel.per_task_layers == {
         "": "DataDependent: its forward branches on tensor values (data-dependent control flow)"
     }
     with warnings.catch_warnings():
@@ -277,7 +277,7 @@ def test_task_loop_fallback_is_reported():
         torch.testing.assert_close(losses[t], want)
 
 
-def test_task_loop_fallback_names_the_nested_layer_that_refused():
+def test_per_task_fallback_names_the_nested_layer_that_refused():
     class Gate(nn.Module):
         def forward(self, x):
             return x * 2 if x.max().item() > 0 else x  # .item(): no vmap
@@ -287,7 +287,7 @@ def test_task_loop_fallback_names_the_nested_layer_that_refused():
     x = torch.randn(3, 4, 3, dtype=DTYPE)
     with pytest.warns(UserWarning, match=r"layer '1\.1' cannot run under vmap \(Gate: "):
         out, _ = fm.apply_tasks(fmodel, fmodel.params, x)
-    assert list(fmodel.task_loop_layers) == ["1.1"]
+    assert list(fmodel.per_task_layers) == ["1.1"]
     for t in range(3):
         torch.testing.assert_close(out[t], fmodel(fmodel.params, x[t]), rtol=0, atol=0)
 
@@ -307,12 +307,12 @@ class GradOnlyBranch(nn.Module):
         return out
 
 
-def test_task_loop_after_probe_passes_and_real_run_cannot_batch():
+def test_per_task_after_probe_passes_and_real_run_cannot_batch():
     fmodel = fm.functional_model(GradOnlyBranch())
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
     opt = fm.optim.sgd(lr=0.1)
     result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2)
-    assert fmodel.task_loop is True
+    assert fmodel.per_task is True
     for t in range(3):
         one = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x[t], y[t]), opt, steps=2)
         for k, v in one.params.items():
@@ -345,13 +345,13 @@ def test_probe_inside_a_step_checkpoint_leaves_the_dropout_masks_alone():
         fmodel = fm.functional_model(net)
         if warm:
             fm.apply_tasks(fmodel, fmodel.params, x)
-            assert fmodel.task_loop is True
+            assert fmodel.per_task is True
         torch.manual_seed(1)
         opt = fm.optim.sgd(lr=0.1)
         result = fm.adapt_tasks(
             fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, checkpoint_steps=True
         )
-        assert fmodel.task_loop is True
+        assert fmodel.per_task is True
         loss = result.losses.sum()
         return torch.autograd.grad(loss, list(fmodel.params.values()))
 

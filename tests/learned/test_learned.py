@@ -329,7 +329,7 @@ def test_learned_rule_errors():
     lopt = fm.learned.LearnedOptimizer()
     with pytest.raises(ValueError, match="reads the parameters"):
         lopt.transform().update(params, lopt.transform().init(params))
-    with pytest.raises(ValueError, match="decays must lie in"):
+    with pytest.raises(ValueError, match=r"decays\[1\] must be >= 0\.0 and < 1\.0, got 1\.0"):
         fm.learned.LearnedOptimizer(decays=(0.5, 1.0))
     with pytest.raises(ValueError, match="hidden must be a positive int"):
         fm.learned.LearnedOptimizer(hidden=0)

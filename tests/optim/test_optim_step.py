@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import funcmeta as fm
-from funcmeta._src.optim.values import LeafResolver
+from funcmeta._src.optim.hyper import LeafResolver
 
 DTYPE = torch.float64
 

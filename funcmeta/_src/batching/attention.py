@@ -42,7 +42,7 @@ Example:
     >>> fmodel = fm.functional_model(Encoder())
     >>> x, y = torch.randn(3, 4, 5, 8), torch.randn(3, 4, 8)     # 3 tasks
     >>> r = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)
-    >>> fmodel.task_loop
+    >>> fmodel.per_task
     False
 """
 

@@ -19,7 +19,7 @@ Example:
     >>> cell = torch.nn.LSTMCell(3, 4)
     >>> fmodel = fm.functional_model(cell)
     >>> h, c = fm.apply_tasks(fmodel, fmodel.params, torch.randn(5, 2, 3))[0]  # 5 tasks
-    >>> h.shape, fmodel.task_loop
+    >>> h.shape, fmodel.per_task
     (torch.Size([5, 2, 4]), False)
 """
 
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.batching.recurrent import _per_task, _project, _tasks, _Weight
-from funcmeta._src.core.fence import add_batch_dim, has_hooks
+from funcmeta._src.core.fence import add_batch_dim, autocast_enabled, has_hooks
 from funcmeta._src.core.vmap import any_batched, is_batched, maybe_get_level
 from funcmeta._src.module.shadow import Standin
 
@@ -47,12 +47,7 @@ class TaskLSTMCell(Standin):
         m = cast(nn.LSTMCell, self.original)
         weights = (m.weight_ih, m.weight_hh, m.bias_ih, m.bias_hh)
         states = () if hx is None else tuple(hx)
-        if (
-            has_hooks(m)
-            or not any_batched(input, *states, *weights)
-            or torch.is_autocast_enabled()
-            or torch.is_autocast_enabled("cpu")
-        ):
+        if has_hooks(m) or not any_batched(input, *states, *weights) or autocast_enabled():
             return m(input, hx)
         values = [v for v in (input, *states, *weights) if v is not None]
         levels = {maybe_get_level(v) for v in values if is_batched(v)}

@@ -9,11 +9,11 @@ under ``vmap``; it owns the chunk choice and the report of which layers ran once
 Example:
     >>> import torch, funcmeta as fm
     >>> fmodel = fm.functional_model(torch.nn.Linear(3, 1), task_chunk=None)
-    >>> type(fmodel.executor).__name__, fmodel.task_loop
+    >>> type(fmodel.executor).__name__, fmodel.per_task
     ('TaskExecutor', None)
     >>> p = {k: v.expand(4, *v.shape) for k, v in fmodel.params.items()}
     >>> out = torch.func.vmap(fmodel)(p, torch.randn(4, 5, 3))
-    >>> fmodel.task_loop
+    >>> fmodel.per_task
     False
 """
 
@@ -62,12 +62,14 @@ class TaskExecutor:
     def __init__(
         self, module: nn.Module, build_runner: RunnerBuilder, task_chunk: int | str | None
     ) -> None:
-        self._loop_layers: dict[str, str] = {}
-        self.runner, self.copies = build_runner(reporting(task_standins(module), self._loop_layers))
+        self._per_task_layers: dict[str, str] = {}
+        self.runner, self.copies = build_runner(
+            reporting(task_standins(module), self._per_task_layers)
+        )
         self.swap = Swap(module, self.runner)
         self.module = module
         self.task_chunk = task_chunk
-        self._loop: bool | None = None
+        self._per_task: bool | None = None
         self._task_mode = False  # run task-batched forwards under a TaskMode
         # layers with torch's inference fast path, which task batching must keep off
         self._fast_path_layers = any(isinstance(m, _FAST_PATH_LAYERS) for m in module.modules())
@@ -93,12 +95,12 @@ class TaskExecutor:
         return {k: dict(v) for k, v in self.tuner.choices.items()}
 
     @property
-    def loop(self) -> bool | None:
-        return self._loop
+    def per_task(self) -> bool | None:
+        return self._per_task
 
     @property
-    def loop_layers(self) -> dict[str, str]:
-        return dict(self._loop_layers)
+    def per_task_layers(self) -> dict[str, str]:
+        return dict(self._per_task_layers)
 
     def run(
         self,
@@ -125,19 +127,19 @@ class TaskExecutor:
         a run without a graph and with the random number generators restored, so that a
         checkpoint around this call sees one forward)."""
         task_run = (self.runner, self.copies, self.swap)
-        if self._loop is None:
+        if self._per_task is None:
             refusal = self._vmaps(task_run, params, buffers, args, kwargs)
-            self._loop = refusal is not None
+            self._per_task = refusal is not None
             if refusal is not None:
                 self._report(refusal)
-        if not self._loop:
+        if not self._per_task:
             try:
                 with task_mode() if self._task_mode else contextlib.nullcontext():
                     return packed.check_output(execute(*task_run, params, buffers, args, kwargs))
             except RuntimeError as error:
                 if not is_vmap_refusal(error):
                     raise
-                self._loop = True
+                self._per_task = True
                 self._report(error)
 
         def one_task(p: Any, b: Any, a: Any, kw: Any) -> tuple[Any, dict[str, Tensor]]:
@@ -157,12 +159,12 @@ class TaskExecutor:
     def _report(self, refusal: RuntimeError) -> None:
         """Record and say once which layer refused vmap, and why."""
         name, why = describe_refusal(refusal, [self.runner, self.module])
-        self._loop_layers[name] = why
+        self._per_task_layers[name] = why
         where = f"layer {name!r}" if name else "the model's forward"
         warnings.warn(
             f"task batching runs this model once per task: {where} cannot run under vmap "
             f"({why}). The results are exact; the batched speed-up is lost "
-            "(fmodel.task_loop_layers)",
+            "(fmodel.per_task_layers)",
             stacklevel=6,
         )
 

@@ -4,7 +4,7 @@ When part of a model's forward cannot run under ``vmap`` (it branches on tensor 
 calls an operator without a batching rule), task batching runs the whole model once per
 task. :func:`describe_refusal` turns ``vmap``'s error into a sentence naming the innermost
 submodule whose forward raised it, found in the error's traceback, so that the fallback is
-said once and :attr:`funcmeta.FunctionalModel.task_loop_layers` can report it.
+said once and :attr:`funcmeta.FunctionalModel.per_task_layers` can report it.
 
 Example:
     >>> import torch

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcmeta._src.core.fence import add_batch_dim, has_hooks
+from funcmeta._src.core.fence import add_batch_dim, autocast_enabled, has_hooks
 from funcmeta._src.core.kernels import in_twice_differentiable
 from funcmeta._src.core.vmap import is_batched, maybe_get_level, physical
 from funcmeta._src.module.shadow import Standin
@@ -171,8 +171,7 @@ class TaskLayerNorm(Standin):
             or w is None
             or not (is_batched(x) and is_batched(w))
             or in_twice_differentiable()
-            or torch.is_autocast_enabled()
-            or torch.is_autocast_enabled("cpu")
+            or autocast_enabled()
         ):
             return m(x)
         level = maybe_get_level(w)

@@ -34,7 +34,7 @@ Example:
     >>> lengths = torch.randint(1, 8, (5, 6))                          # ragged across tasks
     >>> r = fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, ((x, lengths), y),
     ...                    fm.optim.sgd(lr=0.1), steps=2)
-    >>> r.losses.shape, fmodel.task_loop
+    >>> r.losses.shape, fmodel.per_task
     (torch.Size([2, 5]), False)
 """
 
@@ -52,8 +52,8 @@ from torch.nn.utils.rnn import PackedSequence
 from funcmeta._src.core import tree
 from funcmeta._src.core.fence import (
     add_batch_dim,
+    frame_executes,
     frame_local,
-    frame_runs,
     pack_padded_op,
     pad_packed_op,
 )
@@ -278,7 +278,7 @@ def on_token(
 
 
 def _is_pad(frame: FrameType | None) -> bool:
-    return frame_runs(frame, rnn_utils.pad_packed_sequence)
+    return frame_executes(frame, rnn_utils.pad_packed_sequence)
 
 
 def _pad(

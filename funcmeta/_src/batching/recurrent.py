@@ -14,15 +14,14 @@ kernel (and never cuDNN's, which has no double backward).
 When it runs: in second-order steps (:func:`funcmeta._src.core.kernels.twice_differentiable`),
 where torch's own kernels run op by op too, and wherever torch has no fused kernel for the
 layer (``nn.GRU`` and ``nn.RNN`` on CPU, float64). Where torch has one (cuDNN on CUDA, oneDNN's
-LSTM on CPU in float32), first-order steps and query passes run it once per task instead:
-on CPU, an LSTM classifier's first-order meta-iteration at T = 16 took 0.34 s in one pass
-against 0.26 s in the fused per-task loop. A call that builds no graph (evaluation) with
+LSTM on CPU in float32), first-order steps and query passes run it once per task instead,
+which measured faster than one op-by-op pass (``benchmarks/sequence_tasks.py``). A call that builds no graph (evaluation) with
 weights all tasks share runs the layer once, as torch computes it, on the tasks joined to
 its batch (``benchmarks/recurrent_evaluation.py``).
 
 Covered: any ``num_layers``, ``bidirectional``, ``batch_first`` either way, ``bias=False``,
 ``proj_size``, inputs with or without a batch dimension, ``hx`` given or not, per task or
-shared, weights per task or shared. It steps aside to the per-task loop (:class:`TaskLoop`,
+shared, weights per task or shared. It steps aside to the per-task loop (:class:`PerTask`,
 which runs the layer once per task outside the vmap level, and runs subclasses of
 ``nn.RNNBase``, which may compute something else),
 saying once why, for what it cannot compute exactly: a ``PackedSequence`` built by hand (one
@@ -43,7 +42,7 @@ Example:
     >>> fmodel = fm.functional_model(Tagger())
     >>> x, y = torch.randn(5, 6, 7, 3), torch.randint(0, 2, (5, 6))   # 5 tasks
     >>> r = fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (x, y), fm.optim.sgd(lr=0.1), steps=2)
-    >>> r.losses.shape, fmodel.task_loop
+    >>> r.losses.shape, fmodel.per_task
     (torch.Size([2, 5]), False)
 """
 
@@ -80,7 +79,14 @@ from funcmeta._src.core.vmap import (
 )
 from funcmeta._src.module.shadow import LayerTensors, Standin, within
 
-__all__ = ["TaskLoop", "TaskRecurrent", "recurrent_layers", "recurrent_standins", "reporting"]
+__all__ = [
+    "PerTask",
+    "TaskRecurrent",
+    "per_task",
+    "recurrent_layers",
+    "recurrent_standins",
+    "reporting",
+]
 
 _PACK = pack_padded_op
 _PAD = pad_packed_op
@@ -93,29 +99,34 @@ def _rnn_kernels() -> contextlib.AbstractContextManager:
     return cudnn_disabled() if in_twice_differentiable() else contextlib.nullcontext()
 
 
-class TaskLoop(Standin):
-    """Stands in for a recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), which has no vmap
-    batching rule: under task batching it runs once per task outside the vmap level, with
-    that task's parameters, buffers and inputs, and its outputs are stacked. Unbatched calls
-    run the layer as it is. Inside :func:`funcmeta._src.core.kernels.twice_differentiable` it runs
-    without cuDNN, whose RNN kernels have no double backward."""
+def per_task(original: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) called once per task: under
+    task batching it runs once per task outside the vmap level, with that task's parameters,
+    buffers and inputs, and its outputs are stacked; an unbatched call runs the layer as it
+    is. Inside :func:`funcmeta._src.core.kernels.twice_differentiable` it runs without cuDNN,
+    whose RNN kernels have no double backward."""
+    if args and packed_of(args[0]) is not None:
+        return _per_task_packed(original, args[0], args[1:], kwargs)
+    layer, params, buffers = LayerTensors.of(original)
+    tensors = params + buffers
+    with _rnn_kernels():
+        if not any_batched(tensors, args, kwargs):
+            return original(*args, **kwargs)
+
+        def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+            return layer.call(original, ts[: len(params)], ts[len(params) :], a, kw)
+
+        return call_outside_vmap(
+            lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
+        )
+
+
+class PerTask(Standin):
+    """Stands in for a recurrent layer, which has no vmap batching rule, by calling it once
+    per task (:func:`per_task`)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        original = self.original
-        if args and packed_of(args[0]) is not None:
-            return _per_task_packed(original, args[0], args[1:], kwargs)
-        layer, params, buffers = LayerTensors.of(original)
-        tensors = params + buffers
-        with _rnn_kernels():
-            if not any_batched(tensors, args, kwargs):
-                return original(*args, **kwargs)
-
-            def one_task(ts: list[Tensor], a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-                return layer.call(original, ts[: len(params)], ts[len(params) :], a, kw)
-
-            return call_outside_vmap(
-                lambda f, flat: f(*flat), one_task, (tensors, args, kwargs), per_task=True
-            )
+        return per_task(self.original, args, kwargs)
 
 
 def _per_task_packed(
@@ -153,11 +164,11 @@ def _per_task_packed(
 
 
 def recurrent_layers(module: nn.Module) -> dict[str, type[Standin]]:
-    """The recurrent layers of ``module`` (outermost), each to be run by :class:`TaskLoop`."""
+    """The recurrent layers of ``module`` (outermost), each to be run by :class:`PerTask`."""
     out: dict[str, type[Standin]] = {}
     for name, m in module.named_modules():
         if isinstance(m, nn.RNNBase) and not any(within(name, n) for n in out):
-            out[name] = TaskLoop
+            out[name] = PerTask
     return out
 
 
@@ -223,7 +234,7 @@ def _project(x: Tensor, w: _Weight, b: _Weight | None) -> Tensor:
     return torch.baddbmm(b.bias().expand(x.shape[0], 1, -1), x, w.t())
 
 
-class TaskRecurrent(TaskLoop):
+class TaskRecurrent(Standin):
     """Stands in for ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` under task batching: the layer for
     all tasks in one pass (see the module docstring), or once per task where that cannot be
     exact, said once per layer."""
@@ -237,11 +248,11 @@ class TaskRecurrent(TaskLoop):
             return self._packed(input, packed, hx, hxs, weights)
         values = [input if isinstance(input, Tensor) else None, *hxs, *weights.values()]
         if not any(v is not None and is_batched(v) for v in values):
-            return super().forward(input, hx)
+            return per_task(m, (input, hx), {})
         why = _why_not(m, input, hxs, values)
         if why is not None:
             self._tell(why)
-            return super().forward(input, hx)
+            return per_task(m, (input, hx), {})
         level = innermost_level(values)
         assert level is not None
         merge = (
@@ -253,13 +264,13 @@ class TaskRecurrent(TaskLoop):
             )
         )  # tensors batched at an outer level too would reach torch's kernel, which has no rule
         if not in_twice_differentiable() and not merge and fused_rnn(m.mode, input):
-            return super().forward(input, hx)  # the fused kernel, per task, is faster
+            return per_task(m, (input, hx), {})  # the fused kernel, per task, is faster
         _check_call(m, input, hx)
         tasks = _tasks(values, level)
         if merge:
             return _merged(m, input, hxs, level, tasks)
         layer = {k: _Weight(v, level) for k, v in weights.items()}
-        out, final = _run(m, input, hxs, layer, level, tasks)
+        out, final = _one_pass(m, input, hxs, layer, level, tasks)
         wrapped = [add_batch_dim(t, 0, level) for t in final]
         state = (wrapped[0], wrapped[1]) if m.mode == "LSTM" else wrapped[0]
         return add_batch_dim(out, 0, level), state
@@ -274,18 +285,17 @@ class TaskRecurrent(TaskLoop):
     ) -> Any:
         """The layer on a task-batched packed sequence: one pass with each sequence's later
         steps masked, or once per task (each task's own packed sequence) on cuDNN's kernel,
-        or where one pass cannot be exact. On CPU torch runs packed sequences op by op: a
-        packed LSTM classifier's first-order meta-iteration at T = 16 took 370 ms in one
-        pass against 570 ms per task (benchmarks/sequence_tasks.py, float32)."""
+        or where one pass cannot be exact. On CPU torch runs packed sequences op by op, so one
+        pass measured faster than once per task there (``benchmarks/sequence_tasks.py``)."""
         m = cast(nn.RNNBase, self.original)
         level = packed.level
         why = _why_not(m, seq, hxs, [*hxs, *weights.values()], packed)
         if why is not None:
             self._tell(why)
-            return super().forward(seq, hx)
+            return per_task(m, (seq, hx), {})
         one = packed.empty(packed.shape[1:])  # one task's steps, for the checks
         if not in_twice_differentiable() and fused_rnn(m.mode, one, packed=True):
-            return super().forward(seq, hx)  # cuDNN, per task
+            return per_task(m, (seq, hx), {})  # cuDNN, per task
         _check_call(m, one.transpose(0, 1) if m.batch_first else one, hx)
         tasks = packed.shape[0]
         order, unorder = seq.sorted_indices, seq.unsorted_indices
@@ -311,7 +321,7 @@ class TaskRecurrent(TaskLoop):
             warnings.warn(
                 f"task batching runs {type(self.original).__name__} layer {name!r} once per "
                 f"task: {why}. The results are exact; the batched speed-up is lost for this "
-                "layer (fmodel.task_loop_layers)",
+                "layer (fmodel.per_task_layers)",
                 stacklevel=4,
             )
 
@@ -366,8 +376,8 @@ def _merged(m: nn.RNNBase, given: Tensor, hxs: list[Any], level: int, tasks: int
     where it has one), in one call with the tasks joined to the batch axis: ``(L, T * N, I)``
     (``(T * N, L, I)`` batch first), the states ``(layers * dirs, T * N, H)``; one sequence
     per task becomes a batch of T. Only for calls that build no graph: with gradients, an
-    LSTM's ANIL meta-iteration at T = 16 ran 157 ms this way against 135 ms per task on the
-    fused kernel (CPU, float32)."""
+    LSTM's ANIL meta-iteration measured slower this way than once per task on the fused
+    kernel (``benchmarks/recurrent_evaluation.py``)."""
     x = _per_task(given, level, tasks)
     assert x is not None
     unbatched = given.dim() == 2
@@ -429,7 +439,7 @@ def _weight_names(m: nn.RNNBase) -> list[str]:
     return names
 
 
-def _run(
+def _one_pass(
     m: nn.RNNBase,
     given: Tensor,
     hxs: list[Tensor | None],
@@ -663,7 +673,7 @@ def _recur(acc: Tensor, h: Tensor, w: _Weight) -> Tensor:
 
 def recurrent_standins(module: nn.Module) -> dict[str, type[Standin]]:
     """The recurrent layers of ``module`` (outermost): :class:`TaskRecurrent` for exact
-    ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU``, :class:`TaskLoop` (once per task) for other
+    ``nn.RNN``, ``nn.LSTM`` and ``nn.GRU``, :class:`PerTask` (once per task) for other
     ``nn.RNNBase`` subclasses, which may compute something else."""
     out: dict[str, type[Standin]] = {}
     for name, cls in recurrent_layers(module).items():

@@ -42,40 +42,13 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import kernels, tree
+from funcmeta._src.core.fence import AutocastState
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.module import scope
 
 __all__ = ["OpenFunctionError", "graph_input", "checkpoint", "checkpoint_closed"]
 
 _TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
-
-
-class _Autocast:
-    """The autocast state in force now (CPU, and CUDA if ``cuda``), to be put back later."""
-
-    __slots__ = ("cache", "states")
-
-    def __init__(self, cuda: bool) -> None:
-        types = ("cpu", "cuda") if cuda else ("cpu",)
-        self.states = [
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
-        ]
-        self.cache = torch.is_autocast_cache_enabled()
-
-    def enter(self, stack: contextlib.ExitStack) -> None:
-        for device_type, enabled, dtype in self.states:
-            if enabled or torch.is_autocast_enabled(device_type):
-                stack.enter_context(
-                    torch.autocast(
-                        device_type, enabled=enabled, dtype=dtype, cache_enabled=self.cache
-                    )
-                )
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            self.enter(stack)
-            yield
 
 
 class _Replay:
@@ -88,7 +61,7 @@ class _Replay:
         self.devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
         self.cpu_rng = torch.get_rng_state()
         self.device_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
-        self.autocast = _Autocast(bool(self.devices))
+        self.autocast = AutocastState(bool(self.devices))
         self.kernel_state = kernels.capture()
 
     @contextlib.contextmanager
@@ -129,7 +102,7 @@ def _alias(t: Tensor) -> Tensor:
     return graph_input(t) if t.requires_grad else t.detach()
 
 
-class _Run:
+class _Call:
     """One call of :func:`checkpoint`: the function, the structure of its arguments and outputs,
     and the state its recomputations replay. Lives as long as the graph that holds it."""
 
@@ -294,7 +267,7 @@ def _views(tensors: Any) -> list[Tensor]:
 
 class _Checkpoint(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, run: _Run, *tensors: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, run: _Call, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.run = run
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
@@ -306,7 +279,7 @@ class _Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        run: _Run = ctx.run
+        run: _Call = ctx.run
         tensors = ctx.saved_tensors
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
         picked = [i for i, g in enumerate(grads) if g is not None and not run.constant[i]]
@@ -331,10 +304,10 @@ class _CheckpointVJP(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, run: _Run, wanted: list[int], picked: list[int], n: int, *saved: Tensor
+        ctx: Any, run: _Call, wanted: list[int], picked: list[int], n: int, *saved: Tensor
     ) -> tuple[Tensor | None, ...]:
         ctx.meta = (run, wanted, picked, n)
-        ctx.autocast = _Autocast(bool(run.replay.devices) if run.replay else False)
+        ctx.autocast = AutocastState(bool(run.replay.devices) if run.replay else False)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*saved)
         inputs = _leaves(saved[:n])
@@ -382,7 +355,7 @@ def _checkpointed(
     """:func:`checkpoint` and :func:`checkpoint_closed`: the first run checked when ``closed``."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    run = _Run(fn, args, kwargs, closed=closed)
+    run = _Call(fn, args, kwargs, closed=closed)
     tensors = run.tensors(args, kwargs)
     if not any(t.requires_grad for t in tensors):
         if closed is None:

@@ -1,14 +1,17 @@
-"""The argument checks shared across the package: whole numbers, finite real numbers, and
-dicts of tensors against a module's names and shapes (with or without a task axis).
+"""The argument checks shared across the package: whole numbers, finite real numbers, a value
+among fixed choices, and dicts of tensors against a module's names and shapes (with or without
+a task axis).
 
 Each raises ``TypeError`` for a value of the wrong kind and ``ValueError`` for one out of
 range, naming the argument, what it got and what it takes. NaN and infinities are refused by
 name: ``nan < 0`` is False, so a bare range check lets them through.
 
 Example:
-    >>> from funcmeta._src.core.checks import check_int, check_real
+    >>> from funcmeta._src.core.checks import check_choice, check_int, check_real
     >>> check_int(3, "steps", low=1)
     3
+    >>> check_choice("skip", "on_nonfinite", (None, "raise", "skip"))
+    'skip'
     >>> check_real(float("nan"), "lr", low=0.0)
     Traceback (most recent call last):
       ...
@@ -18,13 +21,30 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from numbers import Integral, Real
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
+from torch import Tensor
 
-__all__ = ["NotAnIntError", "check_int", "check_keys", "check_real", "check_tree", "retold"]
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+__all__ = [
+    "NotAnIntError",
+    "check_choice",
+    "check_int",
+    "check_keys",
+    "check_max_norm",
+    "check_number",
+    "check_real",
+    "check_tree",
+    "is_number",
+    "retold",
+]
+
+T = TypeVar("T")
 
 
 class NotAnIntError(TypeError, ValueError):
@@ -77,6 +97,21 @@ def check_real(
     return float(value)
 
 
+def check_choice(value: Any, name: str, choices: Collection[T]) -> T:
+    """``value`` if it is one of ``choices``; else a ``ValueError`` listing them, as in
+    ``"{name} must be 'a', 'b' or 'c', got 'x'"`` (each choice by its ``repr``). Membership
+    is ``in``'s: ``1.0`` is among ``(0, 1)``."""
+    try:
+        found = value in choices
+    except (TypeError, ValueError, RuntimeError):  # unhashable, or a tensor's ambiguous ==
+        found = False
+    if found:
+        return cast(T, value)
+    names = [repr(c) for c in choices]
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    raise ValueError(f"{name} must be {listed}, got {value!r}")
+
+
 def check_keys(given: Any, expected: Mapping[str, Any], what: str) -> None:
     """Raise ``TypeError``/``ValueError`` naming the keys unless ``given`` is a mapping with
     exactly the keys of ``expected``."""
@@ -124,6 +159,51 @@ def check_tree(
                 f"(shared by all tasks) or {(tasks, *shape)} (one per task, task axis first)"
             )
     return dims
+
+
+def is_number(value: Any) -> TypeIs[float]:
+    """A Python real number (bools excluded)."""
+    kind = type(value)
+    if kind is float or kind is int:  # the hot path: skip the ABC machinery
+        return True
+    return isinstance(value, Real) and kind is not bool
+
+
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float = 0.0,
+    high: float | None = None,
+    include_high: bool = False,
+    if_not_finite: str = "",
+) -> None:
+    """Range check for a hyperparameter given as a Python number (NaN and infinities are
+    refused); tensors are not inspected (that would cost a device sync per call)."""
+    if isinstance(value, bool) or value is None or isinstance(value, str | bytes):
+        raise TypeError(
+            f"{name} must be a number, a tensor, a tree of tensors or a schedule, got {value!r}"
+        )
+    if not is_number(value):
+        return
+    if not math.isfinite(value):
+        raise ValueError(f"invalid {name}: {value} (must be a finite number{if_not_finite})")
+    if value < low or (high is not None and (value > high if include_high else value >= high)):
+        limit = "" if high is None else f" and {'<=' if include_high else '<'} {high}"
+        raise ValueError(f"invalid {name}: {value} (must be >= {low}{limit})")
+
+
+def check_max_norm(max_norm: Any, name: str = "max_norm") -> None:
+    """A clipping norm: a finite number (>= 0) or a 0-d tensor."""
+    if isinstance(max_norm, Tensor):
+        if max_norm.dim() != 0:
+            raise ValueError(
+                f"{name} must be a number or a 0-d tensor, got shape {tuple(max_norm.shape)}"
+            )
+    elif is_number(max_norm):
+        check_number(max_norm, name, if_not_finite="; None means no clipping")
+    else:
+        raise TypeError(f"{name} must be a number or a 0-d tensor, got {type(max_norm).__name__}")
 
 
 def _bounds(low: int | None, high: int | None) -> str:

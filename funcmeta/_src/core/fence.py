@@ -62,7 +62,7 @@ __all__ = [
     "compiling",
     "conv_forward",
     "frame_local",
-    "frame_runs",
+    "frame_executes",
     "conv_padding",
     "cudnn_disabled",
     "dispatch_checkpoint",
@@ -77,6 +77,9 @@ __all__ = [
     "module_dict",
     "parameter_dict",
     "peek_interpreter_stack",
+    "inside_transform",
+    "autocast_enabled",
+    "AutocastState",
     "pop_dynamic_layer_stack",
     "prepare_vmap",
     "push_dynamic_layer_stack",
@@ -141,6 +144,47 @@ pack_padded_op: Any = getattr(torch._C._VariableFunctions, "_pack_padded_sequenc
 pad_packed_op: Any = getattr(torch._C._VariableFunctions, "_pad_packed_sequence", None)
 
 _PREPARED = [False]
+
+
+def inside_transform() -> bool | None:
+    """Whether a ``torch.func`` transform (vmap, grad, ...) is running now; ``None`` where
+    this torch cannot tell (no ``peek_interpreter_stack``)."""
+    if peek_interpreter_stack is None:
+        return None
+    return peek_interpreter_stack() is not None
+
+
+def autocast_enabled() -> bool:
+    """Whether autocast is on now, for CPU or CUDA."""
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
+class AutocastState:
+    """The autocast state in force now (CPU, and CUDA if ``cuda``), to be put back later."""
+
+    __slots__ = ("cache", "states")
+
+    def __init__(self, cuda: bool) -> None:
+        types = ("cpu", "cuda") if cuda else ("cpu",)
+        self.states = [
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
+        ]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        for device_type, enabled, dtype in self.states:
+            if enabled or torch.is_autocast_enabled(device_type):
+                stack.enter_context(
+                    torch.autocast(
+                        device_type, enabled=enabled, dtype=dtype, cache_enabled=self.cache
+                    )
+                )
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            self.enter(stack)
+            yield
 
 
 def prepare_vmap() -> None:
@@ -325,7 +369,7 @@ def frame_local(frame: types.FrameType | None, name: str, default: Any = None) -
     return default if frame is None else frame.f_locals.get(name, default)
 
 
-def frame_runs(frame: types.FrameType | None, function: Callable[..., Any]) -> bool:
+def frame_executes(frame: types.FrameType | None, function: Callable[..., Any]) -> bool:
     """Whether ``frame`` runs ``function``'s code."""
     code = getattr(function, "__code__", None)
     return frame is not None and code is not None and frame.f_code is code

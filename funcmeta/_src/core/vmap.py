@@ -9,7 +9,7 @@ into ordinary tensors with a task axis, steps out of that level, runs ``checkpoi
 on them and wraps the outputs back into the level. Autograd sees ordinary tensors throughout,
 so second-order gradients flow as without vmap. With ``per_task=True`` it runs ``fn`` once per
 task instead of vmapping it: for layers without a vmap batching rule
-(:class:`funcmeta._src.batching.recurrent.TaskLoop`).
+(:class:`funcmeta._src.batching.recurrent.PerTask`).
 
 The primitives come from functorch (``torch._C._functorch``), through
 :mod:`funcmeta._src.core.fence`. If a torch release lacks them, :func:`call_outside_vmap`
@@ -17,10 +17,10 @@ raises an error that says so, and :func:`fast_vmap` falls back to ``torch.func.v
 
 Example:
     >>> import torch
-    >>> from funcmeta._src.core.vmap import per_task_run, vmap_flat
+    >>> from funcmeta._src.core.vmap import per_task_call, vmap_flat
     >>> x, w = torch.randn(3, 4), torch.randn(4)
     >>> batched = vmap_flat(lambda x, w: x * w, (x, w), (0, None))
-    >>> torch.equal(batched, per_task_run(lambda x, w: x * w, (x, w), (0, None), 3))
+    >>> torch.equal(batched, per_task_call(lambda x, w: x * w, (x, w), (0, None), 3))
     True
 """
 
@@ -36,6 +36,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.fence import (
     add_batch_dim,
+    inside_transform,
     is_batchedtensor,
     maybe_get_level,
     peek_interpreter_stack,
@@ -58,7 +59,7 @@ __all__ = [
     "is_batched",
     "map_tensors",
     "outside_level",
-    "per_task_run",
+    "per_task_call",
     "physical",
     "uniform_value",
 ]
@@ -116,7 +117,7 @@ def any_batched(*values: Any) -> bool:
     """Whether a tensor among ``values`` (tensors, mappings and sequences of them, or any pytrees) is
     batched by an enclosing vmap. Tensors, mapping values and sequence items are looked at directly, since this
     runs on every call of a model."""
-    if peek_interpreter_stack is not None and peek_interpreter_stack() is None:
+    if inside_transform() is False:
         return False  # no vmap (nor any other torch.func transform) is running
     for value in values:
         if isinstance(value, Tensor):
@@ -178,7 +179,7 @@ def concat_outputs(outs: list[Any]) -> Any:
     return _join_outputs(outs, torch.cat)
 
 
-def per_task_run(
+def per_task_call(
     fn: Callable[..., Any], flat_args: tuple[Any, ...], in_dims: tuple[int | None, ...], size: int
 ) -> Any:
     """The per-task runner: ``fn`` once per task on that task's slice of each argument batched
@@ -201,7 +202,7 @@ def vmap_flat(
     """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims`` (0 or None), the trees passed flat:
     vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
     of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
-    time without vmap for 1: :func:`per_task_run`) and the outputs are concatenated."""
+    time without vmap for 1: :func:`per_task_call`) and the outputs are concatenated."""
     # None is a leaf of both (an absent input, ``targets=None``): it passes through unbatched
     flat, spec = tree.flatten(trees, none_is_leaf=True)
     flat_dims = tuple(tree.flatten(dims, none_is_leaf=True)[0])
@@ -215,7 +216,7 @@ def vmap_flat(
     if chunk is None or chunk >= size:
         return fast_vmap(unflat, tuple(flat), flat_dims, size)
     if chunk == 1:
-        return per_task_run(unflat, tuple(flat), flat_dims, size)
+        return per_task_call(unflat, tuple(flat), flat_dims, size)
     # split, not narrow per chunk: one backward for all the chunks (as unbind above)
     parts = [None if d is None else x.split(chunk, d) for x, d in zip(flat, flat_dims, strict=True)]
     outs = []
@@ -278,7 +279,7 @@ def call_outside_vmap(
         every = (*xs, *flat_extra)
         if not per_task:
             return fast_vmap(unflat_fn, every, tuple(dims), size, randomness)
-        return per_task_run(unflat_fn, every, tuple(dims), size)
+        return per_task_call(unflat_fn, every, tuple(dims), size)
 
     assert level is not None  # a leaf is batched, else `size` above found no batched axis
     with outside_level(level):

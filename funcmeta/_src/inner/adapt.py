@@ -25,7 +25,7 @@ from funcmeta._src.core.checks import retold
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
-from funcmeta._src.inner.loop import run_inner_loop, split_adapted
+from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptOptions, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -87,7 +87,7 @@ def adapt(
     forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     try:
-        return run_inner_loop(
+        return inner_loop(
             adapted,
             fixed,
             opt,

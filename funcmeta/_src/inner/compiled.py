@@ -195,12 +195,12 @@ class MetaStep:
         params = self.fmodel.params
         hyper: list[dict[str, Tensor]] = [dict(m.named_parameters()) for m in self.hyper]
         if self._compiled is not None and self.eager_reason is None:
-            done = self._run_compiled(params, hyper, s, q, tasks)
+            done = self._compiled_step(params, hyper, s, q, tasks)
             if done is not None:
                 return done
-        return self._run_eager(support, query, params, hyper)
+        return self._eager_step(support, query, params, hyper)
 
-    def _run_compiled(
+    def _compiled_step(
         self,
         params: dict[str, Tensor],
         hyper: list[dict[str, Tensor]],
@@ -240,7 +240,7 @@ class MetaStep:
             _accumulate(h, g)
         return loss.detach()
 
-    def _run_eager(
+    def _eager_step(
         self,
         support: tuple[Any, Any],
         query: tuple[Any, Any],

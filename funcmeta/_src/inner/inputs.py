@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_tree
+from funcmeta._src.core.fence import autocast_enabled
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -331,17 +332,13 @@ def check_dtypes(
         )
 
 
-def _autocast() -> bool:
-    return any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
-
-
 def check_batch(batch: tuple[CallInputs, Any], params: Mapping[str, Tensor]) -> None:
     """Raise ``ValueError``/``TypeError`` naming the tensor for an empty batch tensor, or a
     floating-point input whose dtype differs from the parameters' (outside autocast)."""
     (args, kwargs), targets = batch
     leaves = [x for x in tree.leaves((args, kwargs, targets)) if isinstance(x, Tensor)]
     dtypes = {v.dtype for v in params.values() if isinstance(v, Tensor) and v.is_floating_point()}
-    dtype = next(iter(dtypes)) if len(dtypes) == 1 and not _autocast() else None
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 and not autocast_enabled() else None
     if all(
         x.numel() and (dtype is None or not x.is_floating_point() or x.dtype == dtype)
         for x in leaves

@@ -7,7 +7,7 @@ Three layers, bottom up:
   :class:`StepMode` (graph or not, second order or not, offloaded or not);
 - :func:`checkpointed_step`: that step under a step checkpoint (``checkpoint_steps=True``),
   or as it is;
-- :func:`run_inner_loop`: the inner loop on the adapted parameters (split off by
+- :func:`inner_loop`: the inner loop on the adapted parameters (split off by
   :func:`split_adapted`): initialise the optimizer, take the steps (truncation, kernel
   choice), collect the losses.
 
@@ -45,7 +45,7 @@ __all__ = [
     "InnerLoop",
     "StepMode",
     "checkpointed_step",
-    "run_inner_loop",
+    "inner_loop",
     "split_adapted",
 ]
 
@@ -300,7 +300,7 @@ def checkpointed_step(
         )
 
 
-def run_inner_loop(
+def inner_loop(
     adapted: Tree,
     fixed: Tree | None,
     opt: GradientTransformation,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, cast
@@ -29,9 +28,8 @@ from typing import Any, Literal, TypeVar, cast
 from torch import Tensor
 from torch.amp import GradScaler
 
-from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.checks import check_choice, check_int, check_max_norm, check_real
 from funcmeta._src.core.tree import Filter
-from funcmeta._src.optim.values import check_max_norm
 
 __all__ = ["AdaptOptions", "takes_options"]
 
@@ -97,24 +95,15 @@ class AdaptOptions:
         truncate = self.truncate
         check_int(truncate, "truncate", what="a non-negative int")
         scale = self.loss_scale
-        if (
-            scale is not None
-            and not isinstance(scale, GradScaler)
-            and (
-                isinstance(scale, bool)
-                or not isinstance(scale, int | float)
-                or not math.isfinite(scale)
-                or scale <= 0
-            )
-        ):
-            raise ValueError(
-                "loss_scale must be a finite positive number or a torch.amp.GradScaler, got "
-                f"{scale!r}"
-            )
-        if self.on_nonfinite not in (None, "raise", "skip"):
-            raise ValueError(
-                f"on_nonfinite must be None, 'raise' or 'skip', got {self.on_nonfinite!r}"
-            )
+        if scale is not None and not isinstance(scale, GradScaler):
+            try:
+                check_real(scale, "loss_scale", low=0.0, low_open=True)
+            except (TypeError, ValueError) as error:  # the message names the GradScaler too
+                raise ValueError(
+                    "loss_scale must be a finite positive number or a torch.amp.GradScaler, "
+                    f"got {scale!r}"
+                ) from error
+        check_choice(self.on_nonfinite, "on_nonfinite", (None, "raise", "skip"))
         if self.clip_grad_norm is not None:
             check_max_norm(self.clip_grad_norm, "clip_grad_norm")
 
@@ -156,8 +145,7 @@ class AdaptOptions:
     def check_steps(self, steps: Any) -> None:
         """Check ``steps`` and that ``truncate`` does not exceed it."""
         check_int(steps, "steps", what="a non-negative int")
-        if self.truncate > steps:
-            raise ValueError(f"truncate must be an int in [0, steps={steps}], got {self.truncate}")
+        check_int(self.truncate, "truncate", high=steps, what=f"an int in [0, steps={steps}]")
 
 
 @functools.cache

@@ -39,13 +39,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta._src.batching.chunks import ChunkTuner, Trial
 from funcmeta._src.batching.executor import TaskExecutor
 from funcmeta._src.core import tree
-from funcmeta._src.core.fence import peek_interpreter_stack
+from funcmeta._src.core.fence import inside_transform
 from funcmeta._src.core.types import AdaptResult, LossFn
 from funcmeta._src.inner.forward import task_losses_of, task_outputs_of
 from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
-from funcmeta._src.inner.loop import run_inner_loop, split_adapted
+from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptOptions, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -163,7 +164,7 @@ def adapt_tasks(
     )
     tasks, dims = checked.tasks, checked.param_dims
     assert tasks is not None and dims is not None  # task-batched: both are set
-    tuner, chunk, trial = _chunk_trial(fmodel, checked, params, steps, opts)
+    chunk, timed = _chunk_trial(fmodel, checked, params, steps, opts)
     marked: list[str] = []  # the adapted parameters whose backward the trial times
 
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
@@ -175,7 +176,8 @@ def adapt_tasks(
             k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
             for k, v in adapted.items()
         }
-        if trial is not None and trial.expect_backward:
+        if timed is not None and timed[1].expect_backward:
+            tuner, trial = timed
             for k, v in adapted.items():
                 if v is not None and v.requires_grad:
                     adapted[k] = v.view_as(v)  # a tensor of this call's own to hook
@@ -186,7 +188,7 @@ def adapt_tasks(
     forward = functools.partial(
         task_losses_of, fmodel, loss_fn, checked.batch, step_dims, chunk=chunk
     )
-    result = run_inner_loop(
+    result = inner_loop(
         adapted,
         fixed,
         opt,
@@ -198,8 +200,9 @@ def adapt_tasks(
         tasks=tasks,
         state=state,
     )
-    if trial is None:  # not timed
+    if timed is None:  # not timed
         return result
+    tuner, trial = timed
     tuner.finish_forward(trial)
     for k in marked:  # tensors of this call's own: the inner loop's results, or the views above
         if result.params[k].requires_grad:
@@ -213,13 +216,13 @@ def _following(
     """``run()``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`); under
     ``task_chunk="auto"``, timed as part of the measured call it follows, if any (the query
     pass after :func:`adapt_tasks`, on the same chunk; see :mod:`funcmeta._src.batching.chunks`)."""
-    if fmodel.task_chunk != "auto" or peek_interpreter_stack is None:
+    if fmodel.task_chunk != "auto" or inside_transform() is not False:
         return run()
     executor = fmodel.executor
     if not isinstance(executor, TaskExecutor):  # only a TaskExecutor takes "auto"
         return run()
     tuner = executor.tuner
-    trial = tuner.following() if peek_interpreter_stack() is None else None
+    trial = tuner.following()
     if trial is None:
         return run()
     started = time.perf_counter()
@@ -242,16 +245,16 @@ def _chunk_trial(
     params: Mapping[str, Tensor],
     steps: int,
     opts: AdaptOptions,
-) -> tuple[Any, int | None, Any]:
-    """``(tuner, chunk, trial)``: the model's chunk tuner, this call's chunk, and its
-    :class:`~funcmeta._src.batching.chunks.Trial` when the call is timed (else ``None``)."""
+) -> tuple[int | None, tuple[ChunkTuner, Trial] | None]:
+    """``(chunk, timed)``: this call's chunk and, when the call is timed, the model's chunk
+    tuner with its :class:`~funcmeta._src.batching.chunks.Trial` (else ``None``)."""
     if fmodel.task_chunk != "auto":
-        return None, fmodel.chunk_now(), None
-    if peek_interpreter_stack is None or peek_interpreter_stack() is not None:
-        return None, None, None  # inside a torch.func transform: all at once, not timed
+        return fmodel.chunk_now(), None
+    if inside_transform() is not False:
+        return None, None  # inside a torch.func transform: all at once, not timed
     executor = fmodel.executor
     if not isinstance(executor, TaskExecutor):  # only a TaskExecutor takes "auto"
-        return None, fmodel.chunk_now(), None
+        return fmodel.chunk_now(), None
     tuner = executor.tuner
     # checked by check_adapt_call(task_batched=True): both are set
     assert checked.tasks is not None and checked.param_dims is not None
@@ -275,4 +278,4 @@ def _chunk_trial(
         f"{'with' if expect_backward else 'without'} backward, {device}"
     )
     trial = tuner.start(key, label, checked.tasks, device, expect_backward)
-    return tuner, trial.chunk, (trial if tuner.timed(trial) else None)
+    return trial.chunk, ((tuner, trial) if tuner.timed(trial) else None)

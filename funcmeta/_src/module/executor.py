@@ -9,7 +9,7 @@ gives it; without one, a model under ``vmap`` runs on vmap's own rules.
 Example:
     >>> from funcmeta._src.module.executor import Executor
     >>> sorted(name for name in vars(Executor) if not name.startswith("_"))
-    ['choices', 'chunk_now', 'loop', 'loop_layers', 'run', 'task_chunk']
+    ['choices', 'chunk_now', 'per_task', 'per_task_layers', 'run', 'task_chunk']
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ class Executor(Protocol):
         ...
 
     @property
-    def loop(self) -> bool | None:
+    def per_task(self) -> bool | None:
         """Whether the model runs once per task (``None`` until the first call finds out)."""
         ...
 
     @property
-    def loop_layers(self) -> dict[str, str]:
+    def per_task_layers(self) -> dict[str, str]:
         """The layers run once per task so far, by name, each with why."""
         ...
 

@@ -128,21 +128,21 @@ class FunctionalModel:
         return [k for k, p in self._own_params.items() if not p.requires_grad]
 
     @property
-    def task_loop(self) -> bool | None:
+    def per_task(self) -> bool | None:
         """Whether task batching runs this model once per task, because part of its forward
         cannot run under ``vmap`` (data-dependent control flow, as in HuggingFace's attention
         mask code, or an operator without a batching rule). ``None`` until the first
-        task-batched call finds out. :attr:`task_loop_layers` says which layer and why."""
-        return None if self.executor is None else self.executor.loop
+        task-batched call finds out. :attr:`per_task_layers` says which layer and why."""
+        return None if self.executor is None else self.executor.per_task
 
     @property
-    def task_loop_layers(self) -> dict[str, str]:
+    def per_task_layers(self) -> dict[str, str]:
         """The layers task batching has run once per task so far, by name (``""`` for the
         model's own forward), each with why: the layer whose forward refused ``vmap`` when
-        :attr:`task_loop` is True, and recurrent layers that stepped aside from their
+        :attr:`per_task` is True, and recurrent layers that stepped aside from their
         one-pass path. Empty when everything ran batched. Each entry is also said once, as a
         warning, when it is first found."""
-        return {} if self.executor is None else self.executor.loop_layers
+        return {} if self.executor is None else self.executor.per_task_layers
 
     def __call__(self, params: Mapping[str, Tensor], *args: Any, **kwargs: Any) -> Any:
         """The module's output with ``params`` and the module's buffers (left unmutated)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from funcmeta._src.optim.values import is_number
+from funcmeta._src.core.checks import is_number
 
 __all__ = ["ema", "ema_sq"]
 

@@ -15,14 +15,15 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_number, is_number
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, chain, safe_sqrt
+from funcmeta._src.optim.hyper import Hyperparameter, is_zero, per_leaf
 from funcmeta._src.optim.primitives import (
     add_decayed_weights,
     check_hyperparameter,
     scale_by_learning_rate,
 )
-from funcmeta._src.optim.values import Hyperparameter, check_number, is_number, is_zero, per_leaf
 
 __all__ = ["ScaleByAdagradState", "adagrad", "scale_by_adagrad"]
 

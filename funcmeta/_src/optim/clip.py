@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_max_norm
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, safe_sqrt
-from funcmeta._src.optim.values import check_max_norm
 
 __all__ = ["ClipState", "clip_by_global_norm", "clip_grads_by_global_norm", "global_norm"]
 

@@ -20,16 +20,10 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_number, is_number
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, same_dtype, with_descend
-from funcmeta._src.optim.values import (
-    Hyperparameter,
-    LeafResolver,
-    check_number,
-    is_number,
-    is_zero,
-    per_leaf,
-)
+from funcmeta._src.optim.hyper import Hyperparameter, LeafResolver, is_zero, per_leaf
 
 __all__ = [
     "AddDecayedWeightsState",

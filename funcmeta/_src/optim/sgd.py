@@ -12,12 +12,12 @@ Example:
 from __future__ import annotations
 
 from funcmeta._src.optim.base import GradientTransformation, chain
+from funcmeta._src.optim.hyper import Hyperparameter, is_zero
 from funcmeta._src.optim.primitives import (
     add_decayed_weights,
     momentum_trace,
     scale_by_learning_rate,
 )
-from funcmeta._src.optim.values import Hyperparameter, is_zero
 
 __all__ = ["sgd"]
 
@@ -34,7 +34,7 @@ def sgd(
     Per step: ``g += weight_decay * p``; with momentum ``buf = momentum * buf +
     (1 - dampening) * g`` (``buf = g`` on the first step) and ``g = buf`` (or
     ``g + momentum * buf`` with ``nesterov``); ``p -= lr * g``. Any hyperparameter may be a
-    tensor, a tree of tensors or a schedule (see :mod:`funcmeta._src.optim.values`).
+    tensor, a tree of tensors or a schedule (see :mod:`funcmeta._src.optim.hyper`).
     """
     parts = []
     if not is_zero(weight_decay):
