@@ -40,7 +40,7 @@ ROWS: list[list[str]] = [
 
 FENCE = "_src.core.fence"
 PRIVATE = re.compile(
-    r"torch\._C\b|torch\.utils\._|torch\._functorch|\._parameters\b|\._buffers\b|\._modules\b|"
+    r"torch\._C\b|torch\.utils\._|torch\._functorch|torch\._inductor|torch\._dynamo|\._parameters\b|\._buffers\b|\._modules\b|"
     r"_(?:forward|backward)(?:_pre)?_hooks\b|_conv_forward\b|_reversed_padding_repeated_twice|"
     r"cudnn\.enabled\b|_is_fastpath_enabled|_qkv_same_embed_dim|sys\._getframe|"
     r"\.__code__\b|\.f_locals\b|\.f_back\b|\.co_\w+|__dict__\[\"_(?:parameters|buffers|modules)\"\]"

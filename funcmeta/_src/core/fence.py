@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -60,6 +61,7 @@ __all__ = [
     "buffer_dict",
     "caller_frame",
     "compiling",
+    "inductor_graph_pass",
     "conv_forward",
     "frame_local",
     "frame_executes",
@@ -332,6 +334,34 @@ def has_hooks(module: nn.Module) -> bool:
         or hooks._global_backward_hooks
         or hooks._global_backward_pre_hooks
     )
+
+
+@functools.cache
+def _graph_pass_base() -> type | None:
+    try:  # inductor is imported only when a compiled step is built
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:  # a torch without custom graph passes
+        return None
+    return CustomGraphPass
+
+
+def inductor_graph_pass(fn: Callable[[Any], object], key: str) -> Any | None:
+    """``fn`` (a rewrite of a post-grad FX graph, in place) as an inductor
+    ``post_grad_custom_post_pass``, with ``key`` for inductor's compile cache (the hash of
+    the pass's code); ``None`` where this torch has no custom graph passes (the graph is
+    then compiled without it). An optional access: it is not in :data:`ACCESSES`."""
+    base = _graph_pass_base()
+    if base is None:
+        return None
+
+    class _Pass(base):  # type: ignore[misc, valid-type]
+        def __call__(self, graph: Any) -> None:
+            fn(graph)
+
+        def uuid(self) -> str:
+            return key
+
+    return _Pass()
 
 
 def compiling() -> bool:

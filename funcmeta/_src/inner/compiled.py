@@ -52,6 +52,7 @@ from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import split_batch, task_count
 from funcmeta._src.inner.loop import split_adapted
 from funcmeta._src.inner.options import AdaptOptions
+from funcmeta._src.inner.passes import cpu_passes
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -96,9 +97,12 @@ class MetaStep:
         if compile:
             on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
             # on a CPU the graph is a few hundred small kernels: inductor's C++ wrapper
-            # launches them without a Python call each (design.md, point 45)
+            # launches them without a Python call each (design.md, point 45), and its
+            # batched products are turned to the orientation torch's CPU kernel runs fast
             how: dict[str, Any] = (
-                {"options": {"cpp_wrapper": True}} if mode is None and on_cpu else {"mode": mode}
+                {"options": {"cpp_wrapper": True, **cpu_passes()}}
+                if mode is None and on_cpu
+                else {"mode": mode}
             )
             self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False, **how)
 
