@@ -14,10 +14,11 @@ For each workload, number of tasks T and inner steps K: the median milliseconds 
 (interleaved rounds, after a warm-up), the compiled step's first call (compile and run), and
 the largest difference of each way's meta-gradients from ``fm.adapt_tasks``'s, relative to
 the largest entry. JAX's parameters are the torch model's, so its meta-gradient is compared
-too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core).
+too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core);
+``--keep-freed-memory`` calls :func:`funcmeta.keep_freed_memory` first (``docs/tasks.md``).
 
     python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
-        [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax]
+        [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax] [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -233,13 +234,19 @@ def main() -> None:
     parser.add_argument(
         "--no-jax", action="store_true", help="leave JAX out (its conv4 is slow on a CPU)"
     )
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="fm.keep_freed_memory() first: large tensors stop costing page faults",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kept = args.keep_freed_memory and fm.keep_freed_memory()
     jax_version = jax.__version__ if jax is not None else "not installed"
     print(
         f"compiled meta-step; torch {torch.__version__}, JAX {jax_version}, Python "
         f"{platform.python_version()}, {args.device}, {args.threads} thread(s); "
-        f"median of {args.repeats} ms; float32"
+        f"median of {args.repeats} ms; float32; freed memory kept: {bool(kept)}"
     )
     print(
         "| workload | T | K | loop ms | adapt_tasks ms | compiled ms | JAX ms | compile s | "
