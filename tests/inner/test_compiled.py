@@ -91,19 +91,12 @@ def relative(a, b) -> float:
 
 
 def traced(step, support, query):
-    """The graph's computation (grad_and_value of the meta-loss), run without compiling,
-    its gradients added to .grad as the compiled step does."""
+    """The graph's computation (grad_and_value of the meta-loss), run without compiling over
+    the step's chunks of tasks, its gradients added to .grad as the compiled step does."""
     params = step.fmodel.params
     hyper = [dict(m.named_parameters()) for m in step.hyper]
     s, q = split_batch(support), split_batch(query)
-    (gp, gh), loss = step._uncompiled(
-        {k: v.detach() for k, v in params.items()},
-        [{k: v.detach() for k, v in h.items()} for h in hyper],
-        {k: v.detach() for k, v in step.fmodel.buffers.items()},
-        s,
-        q,
-        support[0].shape[0],
-    )
+    (gp, gh), loss = step.run_graph(step._uncompiled, params, hyper, s, q, support[0].shape[0])
     for tensors, grads in [(params, gp), *zip(hyper, gh, strict=True)]:
         for k, t in tensors.items():
             if t.requires_grad:
@@ -122,13 +115,18 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("chunk", [None, 1, 3])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_the_graphs_computation_gives_the_plain_paths_meta_gradients(name):
+def test_the_graphs_computation_gives_the_plain_paths_meta_gradients(name, chunk):
+    """Every configuration, all tasks in one graph or ``task_chunk`` at a time (with 4
+    tasks and chunks of 3: chunks of two sizes)."""
     net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup(name)
     steps = 3
     step = fm.compile_meta_step(
-        fmodel, loss_fn, opt, steps=steps, hyper=hyper, compile=False, **options
+        fmodel, loss_fn, opt, steps=steps, hyper=hyper, compile=False, task_chunk=chunk, **options
     )
+    tasks = support[0].shape[0]
+    assert len(step.chunks(tasks)) == -(-tasks // (chunk or tasks))
     plain_loss, plain = meta_grads(net, hyper, lambda: step(support, query))
     ours_loss, ours = meta_grads(net, hyper, lambda: traced(step, support, query))
     assert relative(ours, plain) < 1e-10, name
@@ -211,6 +209,25 @@ def test_compiled_once_per_kind_of_input_with_the_plain_paths_meta_gradients():
     assert len(step.compile_seconds) == 2
 
 
+def test_compiled_in_chunks_of_tasks_gives_the_same_meta_gradients():
+    """task_chunk=3 on 4 tasks, compiled for real: two kinds of chunk, both compiled by the
+    first call without a warning, reused by the second; the meta-gradients of all tasks."""
+    net, fmodel, opt, hyper, _, loss_fn, (support, query) = setup("sgd")
+    reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False)
+    plain_loss, plain = meta_grads(net, hyper, lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, task_chunk=3)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        loss, ours = meta_grads(net, hyper, lambda: step(support, query))
+        _, again = meta_grads(net, hyper, lambda: step(support, query))
+    assert not [w for w in said if "compile_meta_step" in str(w.message)]
+    assert step.eager_reason is None
+    assert len(step.compile_seconds) == 2
+    assert relative(ours, plain) < 1e-10
+    assert relative(again, ours) < 1e-14
+    assert torch.allclose(loss, plain_loss, rtol=1e-12, atol=0)
+
+
 class Branching(nn.Module):
     """A forward that branches on a tensor's value: vmap refuses it, so the step cannot be
     one graph."""
@@ -247,6 +264,8 @@ def test_bad_calls_are_named():
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, checkpoint_steps=True)
     with pytest.raises(ValueError, match="steps"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=0)
+    with pytest.raises(ValueError, match="task_chunk must be a positive int or None, got 0"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, task_chunk=0)
     with pytest.raises(TypeError, match=r"hyper\[0\] is a float"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, hyper=[0.1])
     with pytest.raises(TypeError, match="expects a FunctionalModel"):

@@ -84,8 +84,11 @@ class MetaStep:
         options: dict[str, Any],
         compile: bool,
         mode: str | None,
+        task_chunk: int | None = None,
     ) -> None:
         self.fmodel, self.loss_fn, self.opt, self.steps = fmodel, loss_fn, opt, steps
+        self.task_chunk = task_chunk
+        self._calls = 0
         self.hyper = list(hyper)
         self.options = AdaptOptions.of(options)
         self.compile_seconds: dict[tuple[Any, ...], float] = {}
@@ -198,11 +201,71 @@ class MetaStep:
             )
         params = self.fmodel.params
         hyper: list[dict[str, Tensor]] = [dict(m.named_parameters()) for m in self.hyper]
+        self._calls += 1
         if self._compiled is not None and self.eager_reason is None:
             done = self._compiled_step(params, hyper, s, q, tasks)
             if done is not None:
                 return done
         return self._eager_step(support, query, params, hyper)
+
+    def chunks(self, tasks: int) -> list[tuple[int, int]]:
+        """The ``(start, stop)`` task ranges one call runs, one graph call each: all tasks
+        at once, or ``task_chunk`` at a time (the last range holds what is left)."""
+        c = tasks if self.task_chunk is None else min(self.task_chunk, tasks)
+        return [(i, min(i + c, tasks)) for i in range(0, tasks, c)]
+
+    def run_graph(
+        self,
+        graph: Callable[..., Any],
+        params: dict[str, Tensor],
+        hyper: list[dict[str, Tensor]],
+        support: Any,
+        query: Any,
+        tasks: int,
+    ) -> tuple[tuple[dict[str, Tensor], list[dict[str, Tensor]]], Tensor]:
+        """``graph`` (the compiled meta-iteration, or its computation uncompiled) over the
+        tasks in :meth:`chunks`: the meta-gradients and the mean query loss of all tasks,
+        each chunk's weighted by its share of the tasks. The tasks are independent, so this
+        is the gradient of the mean over all of them."""
+        detached = {k: v.detach() for k, v in params.items()}
+        raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
+        buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
+        ranges = self.chunks(tasks)
+        total: Any = None
+        for start, stop in ranges:
+            part = (
+                [support, query]
+                if len(ranges) == 1
+                else [_task_slice(b, start, stop) for b in (support, query)]
+            )
+            started = time.perf_counter()
+            key = self._note_kind(graph, part, detached, raw)
+            out = graph(detached, raw, buffers, *part, stop - start)
+            if key is not None:
+                self.compile_seconds[key] = time.perf_counter() - started
+            if len(ranges) == 1:
+                return out
+            share = (stop - start) / tasks
+            weighted = tree.tree_map(lambda x, w=share: x * w, out)
+            total = weighted if total is None else tree.tree_map(torch.add, total, weighted)
+        return total
+
+    def _note_kind(self, graph: Callable[..., Any], *values: Any) -> tuple[Any, ...] | None:
+        """The kind of input ``values`` are when ``graph`` is the compiled one and meets it
+        for the first time (its call compiles: time it), else ``None``; a new kind after the
+        first call says so."""
+        if graph is not self._compiled:
+            return None
+        key = _kind(*values)
+        if key in self.compile_seconds:
+            return None
+        if self._calls > 1:
+            warnings.warn(
+                f"compile_meta_step compiles again for a new kind of input ({_describe(key)}); "
+                "keep shapes fixed (the same tasks, shots and queries) to compile once",
+                stacklevel=5,
+            )
+        return key
 
     def _compiled_step(
         self,
@@ -213,21 +276,9 @@ class MetaStep:
         tasks: int,
     ) -> Tensor | None:
         assert self._compiled is not None
-        key = _kind(support, query, params, hyper)
-        first = key not in self.compile_seconds
-        if first and self.compile_seconds:
-            warnings.warn(
-                f"compile_meta_step compiles again for a new kind of input ({_describe(key)}); "
-                "keep shapes fixed (the same tasks, shots and queries) to compile once",
-                stacklevel=3,
-            )
-        started = time.perf_counter()
-        detached = {k: v.detach() for k, v in params.items()}
-        raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
-        buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
         try:
-            (g_params, g_hyper), loss = self._compiled(
-                detached, raw, buffers, support, query, tasks
+            (g_params, g_hyper), loss = self.run_graph(
+                self._compiled, params, hyper, support, query, tasks
             )
         except Exception as error:  # a graph break, an unsupported operator: run eagerly
             self.eager_reason = f"{type(error).__name__}: {_first_line(error)}"
@@ -237,8 +288,6 @@ class MetaStep:
                 stacklevel=3,
             )
             return None
-        if first:
-            self.compile_seconds[key] = time.perf_counter() - started
         _accumulate(params, g_params)
         for h, g in zip(hyper, g_hyper, strict=True):
             _accumulate(h, g)
@@ -276,6 +325,15 @@ class MetaStep:
         return loss.detach()
 
 
+def _task_slice(batch: Any, start: int, stop: int) -> Any:
+    """Tasks ``start:stop`` of a batch split by ``split_batch`` (every tensor leaf carries
+    the task axis first)."""
+    flat, spec = tree.flatten_registered(batch)
+    return tree.unflatten_registered(
+        [x[start:stop] if isinstance(x, Tensor) else x for x in flat], spec
+    )
+
+
 def _accumulate(tensors: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:
     for k, t in tensors.items():
         if t.requires_grad:
@@ -310,6 +368,7 @@ def compile_meta_step(
     hyper: Sequence[nn.Module] = (),
     compile: bool = True,
     mode: str | None = None,
+    task_chunk: int | None = None,
     **options: Any,
 ) -> MetaStep:
     """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
@@ -322,12 +381,18 @@ def compile_meta_step(
     ``TypeError`` naming them. ``compile=False`` runs the plain path eagerly (the reference
     the compiled graph is tested against); ``mode`` is ``torch.compile``'s (``None``: on a
     CPU, inductor's C++ wrapper; ``"reduce-overhead"`` for CUDA graphs on a GPU).
+    ``task_chunk=c`` runs the graph on ``c`` tasks at a time, one chunk after another, and
+    adds their meta-gradients (the same numbers, to rounding): on a CPU a conv net's
+    batched activations outgrow the caches, and one task at a time runs faster
+    (``docs/tasks.md``). ``None``, the default: all tasks in one graph.
 
     Returns a :class:`MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
     query loss to ``.grad`` and returns that loss. The support and query batches carry the
     task axis, as for :func:`funcmeta.adapt_tasks`.
     """
     check_int(steps, "steps", low=1, what="a positive int")
+    if task_chunk is not None:
+        check_int(task_chunk, "task_chunk", low=1, what="a positive int or None")
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise TypeError(
@@ -359,4 +424,5 @@ def compile_meta_step(
         options=options,
         compile=compile,
         mode=mode,
+        task_chunk=task_chunk,
     )
