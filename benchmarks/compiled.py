@@ -15,10 +15,12 @@ For each workload, number of tasks T and inner steps K: the median milliseconds 
 the largest difference of each way's meta-gradients from ``fm.adapt_tasks``'s, relative to
 the largest entry. JAX's parameters are the torch model's, so its meta-gradient is compared
 too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core);
-``--keep-freed-memory`` calls :func:`funcmeta.keep_freed_memory` first (``docs/tasks.md``).
+``--keep-freed-memory`` calls :func:`funcmeta.keep_freed_memory` first (``docs/tasks.md``);
+``--task-chunk C`` builds the compiled step with ``task_chunk=C``.
 
     python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
         [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax] [--keep-freed-memory]
+        [--task-chunk C]
 """
 
 from __future__ import annotations
@@ -150,7 +152,13 @@ def to_jax(x: torch.Tensor) -> Any:
 
 
 def measure(
-    name: str, tasks: int, steps: int, repeats: int, device: str, use_jax: bool = True
+    name: str,
+    tasks: int,
+    steps: int,
+    repeats: int,
+    device: str,
+    use_jax: bool = True,
+    task_chunk: int | None = None,
 ) -> dict[str, Any]:
     net, loss_fn, support, query, lr = workload(name, tasks, device)
     opt = fm.optim.sgd(lr=lr)
@@ -170,7 +178,7 @@ def measure(
         losses, _ = fm.task_losses(fmodel, r.params, loss_fn, query)
         losses.mean().backward()
 
-    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps)
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, task_chunk=task_chunk)
     reference = grads_of(net, batched)
     started = time.perf_counter()
     compiled = grads_of(net, lambda: step(support, query))
@@ -235,6 +243,12 @@ def main() -> None:
         "--no-jax", action="store_true", help="leave JAX out (its conv4 is slow on a CPU)"
     )
     parser.add_argument(
+        "--task-chunk",
+        type=int,
+        default=None,
+        help="the compiled step's task_chunk (default: all tasks in one graph)",
+    )
+    parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
         help="fm.keep_freed_memory() first: large tensors stop costing page faults",
@@ -246,7 +260,8 @@ def main() -> None:
     print(
         f"compiled meta-step; torch {torch.__version__}, JAX {jax_version}, Python "
         f"{platform.python_version()}, {args.device}, {args.threads} thread(s); "
-        f"median of {args.repeats} ms; float32; freed memory kept: {bool(kept)}"
+        f"median of {args.repeats} ms; float32; freed memory kept: {bool(kept)}; "
+        f"compiled task_chunk: {args.task_chunk}"
     )
     print(
         "| workload | T | K | loop ms | adapt_tasks ms | compiled ms | JAX ms | compile s | "
@@ -256,7 +271,15 @@ def main() -> None:
     for name in args.workloads:
         for tasks in args.tasks:
             for steps in args.steps:
-                r = measure(name, tasks, steps, args.repeats, args.device, not args.no_jax)
+                r = measure(
+                    name,
+                    tasks,
+                    steps,
+                    args.repeats,
+                    args.device,
+                    not args.no_jax,
+                    args.task_chunk,
+                )
                 ms = r["ms"]
                 jax_ms = ms.get("jax")
                 jax_cell = f"{jax_ms:.2f}" if jax_ms is not None else "-"

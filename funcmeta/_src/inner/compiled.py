@@ -71,6 +71,7 @@ class MetaStep:
         compile_seconds: per kind of input, the seconds its first call took (compiling and
             running once).
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
+        task_chunk: how many tasks one graph call takes (``None``: all of them).
     """
 
     def __init__(
