@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -467,3 +468,41 @@ def test_lora_maml_example_learns_adapters_that_adapt(order):
     history = example.main(argv)
     before, after = history["before"][-10:], history["after"][-10:]
     assert sum(after) / 10 < sum(before) / 10 - 0.15
+
+
+def test_omniglot_example_compiled_trains_as_the_recipes_do(tmp_path):
+    """``--compiled`` runs MAML as one compiled graph (one task per graph call): the same
+    training losses as the recipe, to float32 rounding, over the same episodes. (The other
+    compiled recipes are held to their recipes in ``tests/inner/test_compiled.py``.)"""
+    shared = shared_file("omniglot/all_runs.zip").parent
+    common = [
+        "--data",
+        str(shared),
+        "--recipes",
+        "maml",
+        "--iterations",
+        "2",
+        "--hidden",
+        "4",
+        "--meta-batch",
+        "2",
+        "--eval-episodes",
+        "2",
+        "--curve-episodes",
+        "1",
+        "--settings",
+        "shared",
+        "--no-progress",
+    ]
+    omniglot = load("omniglot")
+    runs = {}
+    for how, extra in (("plain", []), ("compiled", ["--compiled", "--task-chunk", "1"])):
+        out = [f"--out={tmp_path / how}.json", f"--plot={tmp_path / how}.png"]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            runs[how] = omniglot.main(common + extra + out)["recipes"]
+        assert not [w for w in said if "compile_meta_step" in str(w.message)], how
+    plain, compiled = runs["plain"]["maml"], runs["compiled"]["maml"]
+    assert compiled["iterations"] == plain["iterations"] == 2
+    assert compiled["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
+    assert compiled["train_query_accuracy"] is None

@@ -101,10 +101,11 @@ class MetaStep:
         if compile:
             on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
             # on a CPU the graph is a few hundred small kernels: inductor's C++ wrapper
-            # launches them without a Python call each (design.md, point 45), and its
-            # batched products are turned to the orientation torch's CPU kernel runs fast
+            # launches them without a Python call each (design.md, point 45); its batched
+            # products are turned to the orientation torch's CPU kernel runs fast (46); and
+            # convolutions keep the model's layout, so that fused kernels read it in order (48)
             how: dict[str, Any] = (
-                {"options": {"cpp_wrapper": True, **cpu_passes()}}
+                {"options": {"cpp_wrapper": True, "layout_optimization": False, **cpu_passes()}}
                 if mode is None and on_cpu
                 else {"mode": mode}
             )
