@@ -228,6 +228,26 @@ def test_compiled_in_chunks_of_tasks_gives_the_same_meta_gradients():
     assert torch.allclose(loss, plain_loss, rtol=1e-12, atol=0)
 
 
+def test_options_this_torch_lacks_fall_back_to_the_defaults(monkeypatch):
+    """An inductor option or mode that torch.compile refuses (an older torch) leaves the step
+    compiled with torch.compile's defaults, and says which and why."""
+    real = torch.compile
+    given = []
+
+    def picky(fn, **kwargs):
+        given.append(kwargs)
+        if "options" in kwargs or kwargs.get("mode"):
+            raise RuntimeError("Unexpected optimization option layout_optimization")
+        return real(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", picky)
+    _, fmodel, opt, *_ = setup("sgd")
+    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1)
+    assert step._compiled is not None and step.eager_reason is None
+    assert "Unexpected optimization option" in step.options_note
+    assert given[-1] == {"fullgraph": True, "dynamic": False}
+
+
 class Branching(nn.Module):
     """A forward that branches on a tensor's value: vmap refuses it, so the step cannot be
     one graph."""

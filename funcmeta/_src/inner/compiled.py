@@ -72,6 +72,8 @@ class MetaStep:
             running once).
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
         task_chunk: how many tasks one graph call takes (``None``: all of them).
+        options_note: why the graph is compiled with torch.compile's defaults instead of
+            the step's CPU options or ``mode`` (a torch without one of them), else ``None``.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class MetaStep:
         grad_fn = torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
         self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
         self._compiled: Callable[..., Any] | None = None
+        self.options_note: str | None = None
         if compile:
             on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
             # on a CPU the graph is a few hundred small kernels: inductor's C++ wrapper
@@ -109,7 +112,11 @@ class MetaStep:
                 if mode is None and on_cpu
                 else {"mode": mode}
             )
-            self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False, **how)
+            try:
+                self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False, **how)
+            except Exception as error:  # an inductor option or mode this torch lacks
+                self.options_note = f"{how}: {type(error).__name__}: {_first_line(error)}"
+                self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False)
 
     # ---------------------------------------------------------------- the pure function
 
