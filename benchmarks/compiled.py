@@ -178,7 +178,8 @@ def measure(
         losses, _ = fm.task_losses(fmodel, r.params, loss_fn, query)
         losses.mean().backward()
 
-    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, task_chunk=task_chunk)
+    chunk: Any = "auto" if task_chunk == 0 else task_chunk
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, task_chunk=chunk)
     reference = grads_of(net, batched)
     started = time.perf_counter()
     compiled = grads_of(net, lambda: step(support, query))
@@ -246,7 +247,7 @@ def main() -> None:
         "--task-chunk",
         type=int,
         default=None,
-        help="the compiled step's task_chunk (default: all tasks in one graph)",
+        help="the compiled step's task_chunk (default: all tasks in one graph; 0: 'auto')",
     )
     parser.add_argument(
         "--keep-freed-memory",

@@ -315,7 +315,7 @@ class Recipe:
             hyper=[] if self.rates is None else [self.rates],
             first_order=self.method == "fomaml",
             trainable="head" if self.method == "anil" else None,
-            task_chunk=self.args.task_chunk,
+            task_chunk="auto" if self.args.task_chunk is None else self.args.task_chunk,
         )
 
     def zero_head(self) -> None:
@@ -735,7 +735,8 @@ def parser() -> argparse.ArgumentParser:
         "--task-chunk",
         type=int,
         default=None,
-        help="with --compiled: tasks per graph call (1 suits a CPU; default: all)",
+        help="with --compiled: tasks per graph call (default: fm.compile_meta_step's 'auto', "
+        "1 on a CPU for conv4, all tasks on a GPU)",
     )
     p.add_argument(
         "--combine",

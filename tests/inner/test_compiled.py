@@ -248,6 +248,20 @@ def test_options_this_torch_lacks_fall_back_to_the_defaults(monkeypatch):
     assert given[-1] == {"fullgraph": True, "dynamic": False}
 
 
+def test_auto_chunks_one_task_at_a_time_for_conv_nets_on_a_cpu():
+    """``task_chunk="auto"`` (the default): one task per graph call for a model with
+    convolutions on a CPU, all tasks at once otherwise; a number or None is kept."""
+    _, conv_model, opt, *_ = setup("batchnorm")
+    _, mlp_model, *_ = setup("sgd")
+    auto = lambda fmodel, **kw: fm.compile_meta_step(  # noqa: E731
+        fmodel, F.mse_loss, opt, steps=1, compile=False, **kw
+    )
+    assert auto(conv_model).task_chunk == 1
+    assert auto(mlp_model).task_chunk is None
+    assert auto(conv_model, task_chunk=None).task_chunk is None
+    assert auto(mlp_model, task_chunk=2).task_chunk == 2
+
+
 class Branching(nn.Module):
     """A forward that branches on a tensor's value: vmap refuses it, so the step cannot be
     one graph."""
@@ -284,7 +298,9 @@ def test_bad_calls_are_named():
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, checkpoint_steps=True)
     with pytest.raises(ValueError, match="steps"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=0)
-    with pytest.raises(ValueError, match="task_chunk must be a positive int or None, got 0"):
+    with pytest.raises(
+        ValueError, match="task_chunk must be a positive int, 'auto' or None, got 0"
+    ):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, task_chunk=0)
     with pytest.raises(TypeError, match=r"hyper\[0\] is a float"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, hyper=[0.1])

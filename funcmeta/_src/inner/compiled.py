@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -71,7 +71,8 @@ class MetaStep:
         compile_seconds: per kind of input, the seconds its first call took (compiling and
             running once).
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
-        task_chunk: how many tasks one graph call takes (``None``: all of them).
+        task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
+            as ``"auto"`` chose.
         options_note: why the graph is compiled with torch.compile's defaults instead of
             the step's CPU options or ``mode`` (a torch without one of them), else ``None``.
     """
@@ -334,6 +335,25 @@ class MetaStep:
         return loss.detach()
 
 
+_CONVOLUTIONS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+
+
+def _auto_chunk(fmodel: FunctionalModel) -> int | None:
+    """``task_chunk="auto"``: one task per graph call for a model with convolutions on a CPU
+    (its batched activations outgrow the caches, and its one graph of all tasks compiles for
+    many minutes: ``docs/tasks.md``), all tasks in one graph otherwise."""
+    on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
+    convolutional = any(isinstance(m, _CONVOLUTIONS) for m in fmodel.module.modules())
+    return 1 if on_cpu and convolutional else None
+
+
 def _task_slice(batch: Any, start: int, stop: int) -> Any:
     """Tasks ``start:stop`` of a batch split by ``split_batch`` (every tensor leaf carries
     the task axis first)."""
@@ -377,7 +397,7 @@ def compile_meta_step(
     hyper: Sequence[nn.Module] = (),
     compile: bool = True,
     mode: str | None = None,
-    task_chunk: int | None = None,
+    task_chunk: int | Literal["auto"] | None = "auto",
     **options: Any,
 ) -> MetaStep:
     """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
@@ -393,15 +413,17 @@ def compile_meta_step(
     ``task_chunk=c`` runs the graph on ``c`` tasks at a time, one chunk after another, and
     adds their meta-gradients (the same numbers, to rounding): on a CPU a conv net's
     batched activations outgrow the caches, and one task at a time runs faster
-    (``docs/tasks.md``). ``None``, the default: all tasks in one graph.
+    (``docs/tasks.md``). ``None``: all tasks in one graph. ``"auto"``, the default: 1 for a
+    model with convolutions on a CPU, ``None`` otherwise (:attr:`MetaStep.task_chunk` says
+    which).
 
     Returns a :class:`MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
     query loss to ``.grad`` and returns that loss. The support and query batches carry the
     task axis, as for :func:`funcmeta.adapt_tasks`.
     """
     check_int(steps, "steps", low=1, what="a positive int")
-    if task_chunk is not None:
-        check_int(task_chunk, "task_chunk", low=1, what="a positive int or None")
+    if task_chunk is not None and task_chunk != "auto":
+        check_int(task_chunk, "task_chunk", low=1, what="a positive int, 'auto' or None")
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
         raise TypeError(
@@ -424,6 +446,8 @@ def compile_meta_step(
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"hyper[{i}] is a {type(m).__name__}; hyper takes nn.Modules")
+    if task_chunk == "auto":
+        task_chunk = _auto_chunk(fmodel)
     return MetaStep(
         fmodel,
         loss_fn,
