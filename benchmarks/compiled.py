@@ -194,7 +194,9 @@ def measure(
         "compiled": lambda: step(support, query),
     }
     agree = {"loop": grads_of(net, loop), "compiled": compiled}
-    if use_jax and jax is not None and device == "cpu":
+    # JAX on the same kind of device: its default backend ("gpu" where jax[cuda] is there)
+    jax_here = jax is not None and jax.default_backend() == ("cpu" if device == "cpu" else "gpu")
+    if use_jax and jax_here:
         params = {k: to_jax(v) for k, v in net.named_parameters()}
         data = [to_jax(t) for t in (*support, *query)]
         jgrad = jax_step(name, net, lr, steps)

@@ -44,7 +44,7 @@ run() {  # a titled section: the command's output, into the report
         $PYTHON benchmarks/memory.py --device cuda --workloads residual --steps 5 --repeats 3 \
         --plot benchmarks/out/memory_cuda.png
     run "TF32 and second order" $PYTHON benchmarks/tf32.py --tasks 8 --steps 5
-    run "The compiled meta-step against adapt_tasks (CUDA; JAX runs on the CPU only here)" \
+    run "The compiled meta-step against adapt_tasks and JAX on the GPU (where jax[cuda] is installed)" \
         $PYTHON benchmarks/compiled.py --device cuda --repeats 20
     run "Task batching against the loop" $PYTHON benchmarks/tasks.py --device cuda --repeats 5 \
         --meta-batch 32 --skip-memory
