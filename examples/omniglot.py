@@ -728,8 +728,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compiled",
         action="store_true",
-        help="meta-train MAML, FOMAML, Meta-SGD and ANIL with fm.compile_meta_step (each "
-        "compiles once, minutes for conv4 on a CPU; for long runs and GPUs)",
+        help="meta-train MAML, FOMAML, Meta-SGD and ANIL with fm.compile_meta_step: each "
+        "compiles once (tens of seconds to minutes), then runs faster; pays for budgets of "
+        "a few minutes (benchmarks/RESULTS.md)",
     )
     p.add_argument(
         "--task-chunk",
