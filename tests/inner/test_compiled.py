@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 import funcmeta as fm
@@ -290,6 +291,40 @@ def test_what_cannot_be_compiled_runs_eagerly_with_the_same_numbers_and_says_why
             _, ours = meta_grads(net, [], lambda: step(support, query))
     assert step.eager_reason is not None
     assert relative(ours, plain) == 0.0
+
+
+class SelfCheckpointing(nn.Module):
+    """A model that checkpoints part of its forward itself (torch.utils.checkpoint)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(1, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        inner = lambda t: torch.tanh(self.a(t))  # noqa: E731
+        return self.b(torch.utils.checkpoint.checkpoint(inner, x, use_reentrant=False))
+
+
+def test_a_self_checkpointing_model_runs_eagerly_and_leaves_checkpoint_working():
+    """torch.func's gradients refuse the checkpoint's saved-tensor hooks, so the graph
+    cannot be compiled; the failed compile must not leave the hooks off (torch does): the
+    eager path, and any later checkpoint of the process, still work, with the plain path's
+    numbers."""
+    torch.manual_seed(0)
+    net = SelfCheckpointing().to(DTYPE)
+    fmodel = fm.functional_model(net)
+    support, query = sinusoid()
+    opt = fm.optim.sgd(lr=0.1)
+    reference = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, compile=False)
+    _, plain = meta_grads(net, [], lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2)
+    with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
+        _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert step.eager_reason is not None
+    assert relative(ours, plain) == 0.0
+    x = torch.randn(3, 1, dtype=DTYPE, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False).sum().backward()
+    assert torch.allclose(x.grad, 1 - torch.tanh(x.detach()) ** 2)
 
 
 def test_bad_calls_are_named():

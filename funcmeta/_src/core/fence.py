@@ -61,6 +61,8 @@ __all__ = [
     "buffer_dict",
     "caller_frame",
     "compiling",
+    "saved_tensor_hooks_state",
+    "set_saved_tensor_hooks_state",
     "inductor_graph_pass",
     "conv_forward",
     "frame_local",
@@ -364,6 +366,27 @@ def inductor_graph_pass(fn: Callable[[Any], object], key: str) -> Any | None:
     return _Pass()
 
 
+def saved_tensor_hooks_state() -> str | None:
+    """Whether saved-tensor hooks are allowed now: ``None`` when they are, else the message
+    torch raises for them. ``torch.func``'s gradient transforms turn them off while they
+    run; a compile that fails inside one (inductor tracing ``torch.func.grad``) can leave
+    them off for the rest of the process, so that every later ``torch.utils.checkpoint``
+    call fails (``docs/design.md``, fact 49)."""
+    autograd: Any = torch._C._autograd
+    if autograd._saved_tensors_hooks_is_enabled():
+        return None
+    return str(autograd._saved_tensors_hooks_get_disabled_error_message())
+
+
+def set_saved_tensor_hooks_state(state: str | None) -> None:
+    """Put back what :func:`saved_tensor_hooks_state` returned."""
+    autograd: Any = torch._C._autograd
+    if state is None:
+        autograd._saved_tensors_hooks_enable()
+    else:
+        autograd._saved_tensors_hooks_disable(state)
+
+
 def compiling() -> bool:
     """Whether torch.compile is tracing this call (Python-side caches keyed by optree specs
     step aside then: the compiler cannot hash them)."""
@@ -565,6 +588,10 @@ ACCESSES: dict[str, Callable[[], bool]] = {
     ),
     "torch.utils.checkpoint.checkpoint's code (redirected while funcmeta runs a model)": (
         _redirects_checkpoint
+    ),
+    "torch._C._autograd._saved_tensors_hooks_{is_enabled,enable,disable,...}": lambda: all(
+        hasattr(torch._C._autograd, f"_saved_tensors_hooks_{n}")
+        for n in ("is_enabled", "enable", "disable", "get_disabled_error_message")
     ),
     "nn.Module _parameters/_buffers/_modules, hook dicts, Conv _conv_forward": (
         _has_module_internals

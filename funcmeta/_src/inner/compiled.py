@@ -47,7 +47,11 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
-from funcmeta._src.core.fence import reparametrized
+from funcmeta._src.core.fence import (
+    reparametrized,
+    saved_tensor_hooks_state,
+    set_saved_tensor_hooks_state,
+)
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import split_batch, task_count
 from funcmeta._src.inner.loop import split_adapted
@@ -286,11 +290,15 @@ class MetaStep:
         tasks: int,
     ) -> Tensor | None:
         assert self._compiled is not None
+        hooks = saved_tensor_hooks_state()
         try:
             (g_params, g_hyper), loss = self.run_graph(
                 self._compiled, params, hyper, support, query, tasks
             )
         except Exception as error:  # a graph break, an unsupported operator: run eagerly
+            # a compile that failed inside torch.func.grad can leave saved-tensor hooks
+            # off, which breaks every later checkpoint (the eager path's included)
+            set_saved_tensor_hooks_state(hooks)
             self.eager_reason = f"{type(error).__name__}: {_first_line(error)}"
             warnings.warn(
                 "compile_meta_step runs eagerly (fm.adapt_tasks, the same meta-gradients): "
