@@ -327,6 +327,44 @@ def test_a_self_checkpointing_model_runs_eagerly_and_leaves_checkpoint_working()
     assert torch.allclose(x.grad, 1 - torch.tanh(x.detach()) ** 2)
 
 
+class SequenceClassifier(nn.Module):
+    """An LSTM or a transformer encoder layer, then a linear head on the last step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        if kind == "lstm":
+            self.body: nn.Module = nn.LSTM(8, 8, batch_first=True)
+        else:
+            self.body = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.head((h[0] if self.kind == "lstm" else h)[:, -1])
+
+
+@pytest.mark.parametrize("kind", ["lstm", "transformer"])
+def test_real_sequence_models_fall_back_with_the_plain_paths_numbers(kind):
+    """An LSTM (no vmap rule inside a compiled graph) and a transformer encoder layer (its
+    attention kernel has no double backward on a CPU) cannot be one graph: the step says
+    why and gives the plain path's meta-gradients exactly."""
+    torch.manual_seed(0)
+    net = SequenceClassifier(kind).to(DTYPE)
+    fmodel = fm.functional_model(net)
+    g = torch.Generator().manual_seed(0)
+    support = (torch.randn(2, 4, 5, 8, generator=g, dtype=DTYPE), torch.randint(0, 3, (2, 4)))
+    query = (torch.randn(2, 4, 5, 8, generator=g, dtype=DTYPE), torch.randint(0, 3, (2, 4)))
+    opt = fm.optim.sgd(lr=0.1)
+    reference = fm.compile_meta_step(fmodel, F.cross_entropy, opt, steps=2, compile=False)
+    _, plain = meta_grads(net, [], lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, F.cross_entropy, opt, steps=2)
+    with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
+        _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert step.eager_reason is not None
+    assert relative(ours, plain) == 0.0
+
+
 def test_bad_calls_are_named():
     net, fmodel, opt, *_ = setup("sgd")
     with pytest.raises(TypeError, match=r"\['checkpoint_steps'\] are not compiled"):
