@@ -54,6 +54,7 @@ bench: setup-dev
 	$(PYTHON) benchmarks/learned_optimizer.py
 	$(PYTHON) benchmarks/snapshot.py
 	$(PYTHON) benchmarks/compiled.py
+	$(PYTHON) benchmarks/compiled_overhead.py
 
 # Every CUDA test and the CUDA benchmarks on one GPU, and the tables for benchmarks/RESULTS.md
 # (benchmarks/out/gpu_check.md); installs nothing from the network. Without a GPU it says so.
