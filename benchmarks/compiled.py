@@ -12,20 +12,25 @@ initial parameters), float32:
 
 For each workload, number of tasks T and inner steps K: the median milliseconds of each way
 (interleaved rounds, after a warm-up), the compiled step's first call (compile and run), and
-the largest difference of each way's meta-gradients from ``fm.adapt_tasks``'s, relative to
-the largest entry. JAX's parameters are the torch model's, so its meta-gradient is compared
+each way's error: the largest difference of its float32 meta-gradient from the float64 one
+(``fm.adapt_tasks`` in float64 on the CPU, from the same weights and data), relative to the
+largest entry. JAX's parameters are the torch model's, so its meta-gradient is measured
 too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core);
 ``--keep-freed-memory`` calls :func:`funcmeta.keep_freed_memory` first (``docs/tasks.md``);
-``--task-chunk C`` builds the compiled step with ``task_chunk=C``.
+``--task-chunk C`` builds the compiled step with ``task_chunk=C``; ``--block N`` calls each
+way N times in a row per round and times all but the first (as a training loop calls one way
+over and over, with its data in the caches), where the default times each call right after
+another way's.
 
     python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
         [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax] [--keep-freed-memory]
-        [--task-chunk C]
+        [--task-chunk C] [--block N]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -151,6 +156,22 @@ def to_jax(x: torch.Tensor) -> Any:
 # ------------------------------------------------------------------ one row
 
 
+def float64_truth(
+    net: nn.Module, loss_fn: Any, support: Any, query: Any, lr: float, steps: int
+) -> list[torch.Tensor]:
+    """The meta-gradient of ``fm.adapt_tasks`` in float64 on the CPU, from the same weights
+    and data: what every float32 way is measured against."""
+    net64 = copy.deepcopy(net).cpu().double()
+    up = lambda pair: tuple(t.cpu().double() if t.is_floating_point() else t.cpu() for t in pair)  # noqa: E731
+    fmodel = fm.functional_model(net64, task_chunk=None)
+    r = fm.adapt_tasks(
+        fmodel, fmodel.params, loss_fn, up(support), fm.optim.sgd(lr=lr), steps=steps
+    )
+    losses, _ = fm.task_losses(fmodel, r.params, loss_fn, up(query))
+    losses.mean().backward()
+    return [p.grad.detach() for p in net64.parameters()]
+
+
 def measure(
     name: str,
     tasks: int,
@@ -159,6 +180,7 @@ def measure(
     device: str,
     use_jax: bool = True,
     task_chunk: int | None = None,
+    block: int = 1,
 ) -> dict[str, Any]:
     net, loss_fn, support, query, lr = workload(name, tasks, device)
     opt = fm.optim.sgd(lr=lr)
@@ -180,7 +202,8 @@ def measure(
 
     chunk: Any = "auto" if task_chunk == 0 else task_chunk
     step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, task_chunk=chunk)
-    reference = grads_of(net, batched)
+    truth = float64_truth(net, loss_fn, support, query, lr, steps)
+    batched_grads = grads_of(net, batched)
     started = time.perf_counter()
     compiled = grads_of(net, lambda: step(support, query))
     sync(device)
@@ -193,7 +216,7 @@ def measure(
         "adapt_tasks": batched,
         "compiled": lambda: step(support, query),
     }
-    agree = {"loop": grads_of(net, loop), "compiled": compiled}
+    agree = {"adapt_tasks": batched_grads, "loop": grads_of(net, loop), "compiled": compiled}
     # JAX on the same kind of device: its default backend ("gpu" where jax[cuda] is there)
     jax_here = jax is not None and jax.default_backend() == ("cpu" if device == "cpu" else "gpu")
     if use_jax and jax_here:
@@ -210,17 +233,18 @@ def measure(
     for r in range(repeats + 1):
         order = list(ways) if r % 2 == 0 else list(ways)[::-1]
         for k in order:
-            for p in net.parameters():
-                p.grad = None
-            sync(device)
-            t0 = time.perf_counter()
-            ways[k]()
-            sync(device)
-            if r:
-                times[k].append((time.perf_counter() - t0) * 1e3)
-    scale = max(g.abs().max().item() for g in reference)
+            for i in range(block):  # a block's first call follows another way's: not timed
+                for p in net.parameters():
+                    p.grad = None
+                sync(device)
+                t0 = time.perf_counter()
+                ways[k]()
+                sync(device)
+                if r and (block == 1 or i > 0):
+                    times[k].append((time.perf_counter() - t0) * 1e3)
+    scale = max(g.abs().max().item() for g in truth)
     diff = {
-        k: max((a.cpu() - b.cpu()).abs().max().item() for a, b in zip(v, reference, strict=True))
+        k: max((a.cpu().double() - b).abs().max().item() for a, b in zip(v, truth, strict=True))
         / scale
         for k, v in agree.items()
     }
@@ -252,6 +276,13 @@ def main() -> None:
         help="the compiled step's task_chunk (default: all tasks in one graph; 0: 'auto')",
     )
     parser.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="calls of each way in a row per round, the first not timed (default 1: each "
+        "call follows another way's, as in the interleaved rounds)",
+    )
+    parser.add_argument(
         "--keep-freed-memory",
         action="store_true",
         help="fm.keep_freed_memory() first: large tensors stop costing page faults",
@@ -264,11 +295,12 @@ def main() -> None:
         f"compiled meta-step; torch {torch.__version__}, JAX {jax_version}, Python "
         f"{platform.python_version()}, {args.device}, {args.threads} thread(s); "
         f"median of {args.repeats} ms; float32; freed memory kept: {bool(kept)}; "
-        f"compiled task_chunk: {args.task_chunk}"
+        f"compiled task_chunk: {args.task_chunk}; calls in a row: {args.block}"
     )
     print(
         "| workload | T | K | loop ms | adapt_tasks ms | compiled ms | JAX ms | compile s | "
-        "adapt_tasks / compiled | compiled / JAX | max rel. diff (loop, compiled, JAX) |"
+        "adapt_tasks / compiled | compiled / JAX | "
+        "error vs float64 (adapt_tasks, loop, compiled, JAX) |"
     )
     print("| --- " * 11 + "|")
     for name in args.workloads:
@@ -282,13 +314,16 @@ def main() -> None:
                     args.device,
                     not args.no_jax,
                     args.task_chunk,
+                    args.block,
                 )
                 ms = r["ms"]
                 jax_ms = ms.get("jax")
                 jax_cell = f"{jax_ms:.2f}" if jax_ms is not None else "-"
                 ratio_jax = f"{ms['compiled'] / jax_ms:.2f}" if jax_ms is not None else "-"
                 diffs = ", ".join(
-                    f"{r['diff'][k]:.1e}" for k in ("loop", "compiled", "jax") if k in r["diff"]
+                    f"{r['diff'][k]:.1e}"
+                    for k in ("adapt_tasks", "loop", "compiled", "jax")
+                    if k in r["diff"]
                 )
                 note = f" (eager: {r['eager']})" if r["eager"] else ""
                 print(
