@@ -276,6 +276,29 @@ def test_options_this_torch_lacks_fall_back_to_the_defaults(monkeypatch):
     assert given[-1] == {"fullgraph": True, "dynamic": False}
 
 
+def test_a_torch_without_the_max_pooling_choice_compiles_without_it_and_says_so(monkeypatch):
+    """Where this torch lacks the names that make max pooling's backward aten's kernel, the
+    step runs its graph as inductor lowers it, with the same meta-gradients, and says so."""
+    import contextlib
+
+    import funcmeta._src.inner.compiled as compiled_module
+
+    @contextlib.contextmanager
+    def lacking():
+        yield False
+
+    monkeypatch.setattr(compiled_module, "inductor_aten_max_pool_backward", lacking)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the graph's computation
+    net, fmodel, opt, hyper, _, loss_fn, (support, query) = setup("sgd")
+    reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False)
+    _, plain = meta_grads(net, hyper, lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2)
+    _, ours = meta_grads(net, hyper, lambda: step(support, query))
+    assert step.eager_reason is None
+    assert "max pooling's backward compiles as inductor's gather" in step.options_note
+    assert relative(ours, plain) < 1e-10
+
+
 def test_auto_chunks_one_task_at_a_time_for_conv_nets_on_a_cpu():
     """``task_chunk="auto"`` (the default): one task per graph call for a model with
     convolutions on a CPU, all tasks at once otherwise; a number or None is kept."""

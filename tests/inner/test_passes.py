@@ -1,5 +1,6 @@
-"""The compiled meta-step's graph rewrite (``_src/inner/passes.py``): which products it turns,
-and that the rewritten graph computes what the original does (float64)."""
+"""The compiled meta-step's CPU choices: the graph rewrite (``_src/inner/passes.py``), which
+products it turns, and that the rewritten graph computes what the original does; max
+pooling's backward as aten's kernel, with the same values (float64)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,46 @@ def test_the_inductor_option_is_keyed_by_the_code():
     graph_pass = options["post_grad_custom_post_pass"]
     assert graph_pass.uuid() == cpu_passes()["post_grad_custom_post_pass"].uuid()
     assert graph_pass.uuid().startswith("funcmeta.orient_bmm.")
+
+
+def test_max_pool_backward_compiles_as_atens_kernel_with_the_same_values():
+    """Inside ``fence.inductor_aten_max_pool_backward`` a compiled second-order gradient
+    through max pooling (windows apart and overlapping) calls aten's backward kernel and
+    gives the eager values (float64); after it, inductor's own lowering is back."""
+    import torch._inductor.config
+    import torch.nn.functional as F
+    from torch._inductor import decomposition, lowering
+
+    from funcmeta._src.core.fence import inductor_aten_max_pool_backward
+
+    op = torch.ops.aten.max_pool2d_with_indices_backward.default
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 3, 9, 9, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 1, 1, generator=g, dtype=torch.float64)
+
+    def loss(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(torch.tanh(x * w), 2)
+        return F.max_pool2d(h, 3, stride=1).pow(2).sum()
+
+    def meta(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return loss(w - 0.1 * torch.func.grad(loss)(w, x), x)
+
+    meta_grad = torch.func.grad(meta)
+    compiled = torch.compile(meta_grad, fullgraph=True, dynamic=False)
+    with (
+        torch._inductor.config.patch(force_disable_caches=True),
+        inductor_aten_max_pool_backward() as applied,
+    ):
+        compiled(w, x)  # compiles
+    if not applied:
+        pytest.skip("this torch lacks inductor's max pooling fallback")
+    with torch.profiler.profile() as profile:
+        got = compiled(w, x)
+    assert "aten::max_pool2d_with_indices_backward" in {e.key for e in profile.key_averages()}
+    torch.testing.assert_close(got, meta_grad(w, x), rtol=1e-12, atol=1e-12)
+    assert op in decomposition.select_decomp_table()
+    assert lowering.lowerings[op] is not lowering.fallback_max_pool2d_with_indices_backward
+
+    with pytest.raises(RuntimeError, match="inside"), inductor_aten_max_pool_backward():
+        raise RuntimeError("inside")
+    assert op in decomposition.select_decomp_table()

@@ -64,6 +64,7 @@ __all__ = [
     "saved_tensor_hooks_state",
     "set_saved_tensor_hooks_state",
     "inductor_graph_pass",
+    "inductor_aten_max_pool_backward",
     "conv_forward",
     "frame_local",
     "frame_executes",
@@ -364,6 +365,50 @@ def inductor_graph_pass(fn: Callable[[Any], object], key: str) -> Any | None:
             return key
 
     return _Pass()
+
+
+@functools.cache
+def _max_pool_backward_lowering() -> tuple[Any, list[dict[Any, Any]], Any, Any] | None:
+    """``(op, decomposition tables, inductor's lowerings, aten's fallback)`` for 2-d max
+    pooling's backward, resolved once; ``None`` where this torch lacks one of them."""
+    try:  # inductor is imported only when a compiled step is built
+        from torch._inductor import decomposition, lowering
+
+        op = torch.ops.aten.max_pool2d_with_indices_backward.default
+        # the table inductor decomposes with (select_decomp_table: a cached dict) and its source
+        tables = [decomposition.decompositions, decomposition.select_decomp_table()]
+        fallback = lowering.fallback_max_pool2d_with_indices_backward
+    except (ImportError, AttributeError):
+        return None
+    if op not in lowering.lowerings:
+        return None
+    unique = list({id(t): t for t in tables}.values())
+    return op, unique, lowering.lowerings, fallback
+
+
+@contextlib.contextmanager
+def inductor_aten_max_pool_backward() -> Iterator[bool]:
+    """While inside, inductor compiles 2-d max pooling's backward
+    (``aten.max_pool2d_with_indices_backward``) as a call of aten's kernel, which scatters
+    each gradient to the index the forward kept, instead of decomposing it into a generated
+    scatter that recomputes every window's maximum (``docs/design.md``, fact 50). Yields
+    whether it could: ``False`` where this torch lacks one of the names (the graph then
+    compiles as inductor would). Process-wide while inside: a compile in another thread
+    meanwhile sees it too. An optional access: it is not in :data:`ACCESSES`."""
+    names = _max_pool_backward_lowering()
+    if names is None:
+        yield False
+        return
+    op, tables, lowerings, fallback = names
+    removed = [(t, t.pop(op)) for t in tables if op in t]
+    lowered = lowerings[op]
+    lowerings[op] = fallback
+    try:
+        yield True
+    finally:
+        lowerings[op] = lowered
+        for table, decomposed in removed:
+            table[op] = decomposed
 
 
 def saved_tensor_hooks_state() -> str | None:

@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -48,6 +49,7 @@ from torch import Tensor, nn
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import (
+    inductor_aten_max_pool_backward,
     reparametrized,
     saved_tensor_hooks_state,
     set_saved_tensor_hooks_state,
@@ -78,7 +80,8 @@ class MetaStep:
         task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
             as ``"auto"`` chose.
         options_note: why the graph is compiled with torch.compile's defaults instead of
-            the step's CPU options or ``mode`` (a torch without one of them), else ``None``.
+            the step's CPU options or ``mode`` (a torch without one of them), or without
+            one of the step's CPU choices, else ``None``.
     """
 
     def __init__(
@@ -106,17 +109,25 @@ class MetaStep:
         self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
         self._compiled: Callable[..., Any] | None = None
         self.options_note: str | None = None
+        # what a compile of the graph runs inside (inductor's choices for this device)
+        self._lowering: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        )
         if compile:
             on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
             # on a CPU the graph is a few hundred small kernels: inductor's C++ wrapper
             # launches them without a Python call each (design.md, point 45); its batched
-            # products are turned to the orientation torch's CPU kernel runs fast (46); and
-            # convolutions keep the model's layout, so that fused kernels read it in order (48)
+            # products are turned to the orientation torch's CPU kernel runs fast (46);
+            # convolutions keep the model's layout, so that fused kernels read it in order
+            # (48); and max pooling's backward is aten's kernel, not inductor's own (50)
+            cpu_options = mode is None and on_cpu
             how: dict[str, Any] = (
                 {"options": {"cpp_wrapper": True, "layout_optimization": False, **cpu_passes()}}
-                if mode is None and on_cpu
+                if cpu_options
                 else {"mode": mode}
             )
+            if cpu_options:
+                self._lowering = inductor_aten_max_pool_backward
             try:
                 self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
@@ -292,9 +303,15 @@ class MetaStep:
         assert self._compiled is not None
         hooks = saved_tensor_hooks_state()
         try:
-            (g_params, g_hyper), loss = self.run_graph(
-                self._compiled, params, hyper, support, query, tasks
-            )
+            with self._lowering() as lowered:
+                (g_params, g_hyper), loss = self.run_graph(
+                    self._compiled, params, hyper, support, query, tasks
+                )
+            if lowered is False and self.options_note is None:
+                self.options_note = (
+                    "max pooling's backward compiles as inductor's gather: this torch lacks "
+                    "the names that make it aten's kernel (the same values, slower)"
+                )
         except Exception as error:  # a graph break, an unsupported operator: run eagerly
             # a compile that failed inside torch.func.grad can leave saved-tensor hooks
             # off, which breaks every later checkpoint (the eager path's included)

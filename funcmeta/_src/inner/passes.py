@@ -67,7 +67,11 @@ def orient_bmm(graph: fx.Graph) -> int:
 @functools.cache
 def cpu_passes() -> dict[str, Any]:
     """Inductor options that install :func:`orient_bmm` (empty where this torch has no
-    custom graph passes); keyed for inductor's cache by the hash of this module."""
+    custom graph passes); keyed for inductor's cache by the hash of this module and by the
+    lowering the compiled step compiles in (aten's max pooling backward), so that a graph
+    compiled otherwise is not taken from the cache."""
     key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
-    graph_pass = inductor_graph_pass(orient_bmm, f"funcmeta.orient_bmm.{key}")
+    graph_pass = inductor_graph_pass(
+        orient_bmm, f"funcmeta.orient_bmm.{key}.aten-max-pool-backward"
+    )
     return {} if graph_pass is None else {"post_grad_custom_post_pass": graph_pass}
