@@ -210,6 +210,29 @@ def test_compiled_once_per_kind_of_input_with_the_plain_paths_meta_gradients():
     assert len(step.compile_seconds) == 2
 
 
+def test_each_step_has_its_own_recompile_limit():
+    """torch.compile stops compiling a function after its recompile limit (8 graphs); the
+    steps of a process must not share one function, or the ninth model compiled in a process
+    (a sweep over widths, a notebook) would run eagerly. With the limit at 2, three steps on
+    three models all compile."""
+    import torch._dynamo
+
+    support, query = sinusoid()
+    steps = []
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for width in (2, 3, 4):
+            torch.manual_seed(width)
+            net = nn.Sequential(nn.Linear(1, width), nn.Tanh(), nn.Linear(width, 1)).to(DTYPE)
+            step = fm.compile_meta_step(
+                fm.functional_model(net), F.mse_loss, fm.optim.sgd(lr=0.1), steps=1
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                step(support, query)
+            steps.append(step)
+    assert [s.eager_reason for s in steps] == [None, None, None]
+
+
 def test_compiled_in_chunks_of_tasks_gives_the_same_meta_gradients():
     """task_chunk=3 on 4 tasks, compiled for real: two kinds of chunk, both compiled by the
     first call without a warning, reused by the second; the meta-gradients of all tasks."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -128,11 +129,12 @@ class MetaStep:
             )
             if cpu_options:
                 self._lowering = inductor_aten_max_pool_backward
+            graph = _own_code(grad_fn)
             try:
-                self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False, **how)
+                self._compiled = torch.compile(graph, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
                 self.options_note = f"{how}: {type(error).__name__}: {_first_line(error)}"
-                self._compiled = torch.compile(grad_fn, fullgraph=True, dynamic=False)
+                self._compiled = torch.compile(graph, fullgraph=True, dynamic=False)
 
     # ---------------------------------------------------------------- the pure function
 
@@ -406,6 +408,20 @@ def _kind(*values: Any) -> tuple[Any, ...]:
 def _describe(key: tuple[Any, ...]) -> str:
     shapes = [str(k[0]) for k in key if isinstance(k, tuple)]
     return "shapes " + ", ".join(shapes[:6]) + (", ..." if len(shapes) > 6 else "")
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called from a function whose code object is this step's own. torch.compile
+    keeps its compiled graphs, and counts them against its recompile limit (8), per code
+    object; every step's ``torch.func.grad_and_value`` is the same ``functorch`` function,
+    so without this the ninth kind of input among all the steps of a process would stop
+    compiling (``docs/design.md``, fact 51)."""
+
+    def graph(*args: Any) -> Any:
+        return fn(*args)
+
+    code = graph.__code__.replace()  # equal, but a new object: a cache of its own
+    return types.FunctionType(code, graph.__globals__, "graph", None, graph.__closure__)
 
 
 def _first_line(error: BaseException) -> str:
