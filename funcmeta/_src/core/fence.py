@@ -65,6 +65,7 @@ __all__ = [
     "set_saved_tensor_hooks_state",
     "inductor_graph_pass",
     "inductor_aten_max_pool_backward",
+    "own_code",
     "conv_forward",
     "frame_local",
     "frame_executes",
@@ -409,6 +410,20 @@ def inductor_aten_max_pool_backward() -> Iterator[bool]:
         lowerings[op] = lowered
         for table, decomposed in removed:
             table[op] = decomposed
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called from a function whose code object is new. torch.compile keeps its
+    compiled graphs, and counts them against its recompile limit (8), per code object; every
+    compiled step's ``torch.func.grad_and_value`` is the same ``functorch`` function, so
+    without this the ninth model compiled in a process would stop compiling
+    (``docs/design.md``, fact 51)."""
+
+    def graph(*args: Any) -> Any:
+        return fn(*args)
+
+    code = graph.__code__.replace()  # equal, but a new object: a cache of its own
+    return types.FunctionType(code, graph.__globals__, "graph", None, graph.__closure__)
 
 
 def saved_tensor_hooks_state() -> str | None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -51,6 +50,7 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import (
     inductor_aten_max_pool_backward,
+    own_code,
     reparametrized,
     saved_tensor_hooks_state,
     set_saved_tensor_hooks_state,
@@ -129,7 +129,7 @@ class MetaStep:
             )
             if cpu_options:
                 self._lowering = inductor_aten_max_pool_backward
-            graph = _own_code(grad_fn)
+            graph = own_code(grad_fn)
             try:
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
@@ -408,20 +408,6 @@ def _kind(*values: Any) -> tuple[Any, ...]:
 def _describe(key: tuple[Any, ...]) -> str:
     shapes = [str(k[0]) for k in key if isinstance(k, tuple)]
     return "shapes " + ", ".join(shapes[:6]) + (", ..." if len(shapes) > 6 else "")
-
-
-def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` called from a function whose code object is this step's own. torch.compile
-    keeps its compiled graphs, and counts them against its recompile limit (8), per code
-    object; every step's ``torch.func.grad_and_value`` is the same ``functorch`` function,
-    so without this the ninth kind of input among all the steps of a process would stop
-    compiling (``docs/design.md``, fact 51)."""
-
-    def graph(*args: Any) -> Any:
-        return fn(*args)
-
-    code = graph.__code__.replace()  # equal, but a new object: a cache of its own
-    return types.FunctionType(code, graph.__globals__, "graph", None, graph.__closure__)
 
 
 def _first_line(error: BaseException) -> str:
