@@ -311,7 +311,7 @@ class MetaStep:
                 )
             if lowered is False and self.options_note is None:
                 self.options_note = (
-                    "max pooling's backward compiles as inductor's gather: this torch lacks "
+                    "max pooling's backward compiles as inductor's own lowering: this torch lacks "
                     "the names that make it aten's kernel (the same values, slower)"
                 )
         except Exception as error:  # a graph break, an unsupported operator: run eagerly
