@@ -219,7 +219,9 @@ def test_each_step_has_its_own_recompile_limit():
 
     support, query = sinusoid()
     steps = []
-    with torch._dynamo.config.patch(recompile_limit=2):
+    config = torch._dynamo.config  # torch 2.5 names the limit cache_size_limit
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{limit: 2}):
         for width in (2, 3, 4):
             torch.manual_seed(width)
             net = nn.Sequential(nn.Linear(1, width), nn.Tanh(), nn.Linear(width, 1)).to(DTYPE)
