@@ -107,6 +107,12 @@ def test_max_pool_backward_compiles_as_atens_kernel_with_the_same_values():
         got = compiled(w, x)
     assert "aten::max_pool2d_with_indices_backward" in {e.key for e in profile.key_averages()}
     torch.testing.assert_close(got, meta_grad(w, x), rtol=1e-12, atol=1e-12)
+    # a NaN and an infinity in a window: the kept index, so the gradient, is eager's
+    bad = x.clone()
+    bad[0, 0, 0, 0], bad[1, 2, 4, 5] = float("nan"), float("inf")
+    want = meta_grad(w, bad)
+    assert want.isnan().any()  # the NaN reaches the meta-gradient, not silently finite
+    torch.testing.assert_close(compiled(w, bad), want, rtol=1e-12, atol=1e-12, equal_nan=True)
     assert op in decomposition.select_decomp_table()
     assert lowering.lowerings[op] is not lowering.fallback_max_pool2d_with_indices_backward
 
