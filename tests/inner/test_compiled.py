@@ -91,6 +91,19 @@ def relative(a, b) -> float:
     )
 
 
+def falls_back_exactly(net, fmodel, loss_fn, support, query, steps: int) -> None:
+    """The step on a model it cannot compile: it says once that it runs eagerly, keeps why,
+    and gives the plain path's meta-gradients exactly."""
+    opt = fm.optim.sgd(lr=0.1)
+    reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, compile=False)
+    _, plain = meta_grads(net, [], lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps)
+    with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
+        _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert step.eager_reason is not None
+    assert relative(ours, plain) == 0.0
+
+
 def traced(step, support, query):
     """The graph's computation (grad_and_value of the meta-loss), run without compiling over
     the step's chunks of tasks, its gradients added to .grad as the compiled step does."""
@@ -356,16 +369,9 @@ def test_what_cannot_be_compiled_runs_eagerly_with_the_same_numbers_and_says_why
     net = Branching().to(DTYPE)
     fmodel = fm.functional_model(net, task_chunk=None)
     support, query = sinusoid()
-    opt = fm.optim.sgd(lr=0.1)
-    reference = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, compile=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # task batching's own note that the model runs per task
-        _, plain = meta_grads(net, [], lambda: reference(support, query))
-        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1)
-        with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
-            _, ours = meta_grads(net, [], lambda: step(support, query))
-    assert step.eager_reason is not None
-    assert relative(ours, plain) == 0.0
+        falls_back_exactly(net, fmodel, F.mse_loss, support, query, steps=1)
 
 
 class SelfCheckpointing(nn.Module):
@@ -389,14 +395,7 @@ def test_a_self_checkpointing_model_runs_eagerly_and_leaves_checkpoint_working()
     net = SelfCheckpointing().to(DTYPE)
     fmodel = fm.functional_model(net)
     support, query = sinusoid()
-    opt = fm.optim.sgd(lr=0.1)
-    reference = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, compile=False)
-    _, plain = meta_grads(net, [], lambda: reference(support, query))
-    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2)
-    with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
-        _, ours = meta_grads(net, [], lambda: step(support, query))
-    assert step.eager_reason is not None
-    assert relative(ours, plain) == 0.0
+    falls_back_exactly(net, fmodel, F.mse_loss, support, query, steps=2)
     x = torch.randn(3, 1, dtype=DTYPE, requires_grad=True)
     torch.utils.checkpoint.checkpoint(torch.tanh, x, use_reentrant=False).sum().backward()
     assert torch.allclose(x.grad, 1 - torch.tanh(x.detach()) ** 2)
@@ -430,14 +429,7 @@ def test_real_sequence_models_fall_back_with_the_plain_paths_numbers(kind):
     g = torch.Generator().manual_seed(0)
     support = (torch.randn(2, 4, 5, 8, generator=g, dtype=DTYPE), torch.randint(0, 3, (2, 4)))
     query = (torch.randn(2, 4, 5, 8, generator=g, dtype=DTYPE), torch.randint(0, 3, (2, 4)))
-    opt = fm.optim.sgd(lr=0.1)
-    reference = fm.compile_meta_step(fmodel, F.cross_entropy, opt, steps=2, compile=False)
-    _, plain = meta_grads(net, [], lambda: reference(support, query))
-    step = fm.compile_meta_step(fmodel, F.cross_entropy, opt, steps=2)
-    with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
-        _, ours = meta_grads(net, [], lambda: step(support, query))
-    assert step.eager_reason is not None
-    assert relative(ours, plain) == 0.0
+    falls_back_exactly(net, fmodel, F.cross_entropy, support, query, steps=2)
 
 
 def test_bad_calls_are_named():
