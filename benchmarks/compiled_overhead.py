@@ -1,7 +1,9 @@
 """The compiled meta-step's own work per call, without its graph: splitting the batch, the
 kind of input, detaching the parameters, the chunks, the saved-tensor-hooks switch, adding
 the gradients to ``.grad``. The graph is replaced by a function that returns fixed
-gradients, so what is timed is the wrapper alone (the sinusoid MLP, T = 32, K = 5).
+gradients, so what is timed is the wrapper alone (the sinusoid MLP, T = 32, K = 5). Then a
+tiny compiled ``grad_and_value`` called as it is and behind ``fence.own_code``, the frame
+that gives each step its own compiled code.
 
     python benchmarks/compiled_overhead.py [--calls 3000]
 """
@@ -38,6 +40,31 @@ def main() -> None:
         step(b.support, b.query)
         times.append(time.perf_counter() - started)
     print(f"compile_meta_step wrapper per call: {statistics.median(times[500:]) * 1e6:.1f} us")
+    own_code_row(args.calls)
+
+
+def own_code_row(calls: int) -> None:
+    """A compiled call of a tiny ``grad_and_value`` graph, compiled as it is and behind
+    ``fence.own_code`` (the step's own code object), alternating: the cost of the extra
+    frame."""
+    from funcmeta._src.core.fence import own_code
+
+    fn = torch.func.grad_and_value(lambda w, x: (w * x).sum())
+    ways = {
+        "as it is": torch.compile(fn, fullgraph=True, dynamic=False),
+        "own_code": torch.compile(own_code(fn), fullgraph=True, dynamic=False),
+    }
+    w, x = torch.ones(4), torch.ones(4)
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for f in ways.values():
+        f(w, x)  # compiles
+    for i in range(calls):
+        for name, f in ways.items() if i % 2 else reversed(ways.items()):
+            started = time.perf_counter()
+            f(w, x)
+            times[name].append(time.perf_counter() - started)
+    row = ", ".join(f"{k} {statistics.median(v[500:]) * 1e6:.1f} us" for k, v in times.items())
+    print(f"a tiny compiled grad_and_value per call: {row}")
 
 
 if __name__ == "__main__":
