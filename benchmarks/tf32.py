@@ -13,9 +13,12 @@ compared with the float64 per-task loop (the exact value), as a relative 2-norm:
   cuDNN off (torch's own convolution kernels);
 - ``float64``: the batched path in float64 (exactness of the computation itself).
 
-    python benchmarks/tf32.py [--tasks 8] [--steps 5]
+    python benchmarks/tf32.py [--tasks 8] [--steps 5] [--max-exact-error 1e-3]
 
-Without a CUDA device it says so and exits.
+With ``--max-exact-error E`` it judges ``fm.exact_float32``: its last line is ``RESULT PASS``
+when the exact row's three errors (loop, loop again, batched) are all at most ``E``, else
+``RESULT FAIL`` and exit status 1. Without a CUDA device it says so and exits (0; with
+``--max-exact-error``, ``RESULT SKIP (no CUDA device)`` and exit status 3: nothing judged).
 """
 
 from __future__ import annotations
@@ -23,13 +26,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import math
 import platform
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
 import funcmeta as fm
+
+EXACT = "exact (fm.exact_float32)"
+#: the exit status of a run that judged nothing (no CUDA device): scripts/gpu_judge.py
+NOT_JUDGED = 3
 
 
 def conv4(channels: int = 64) -> torch.nn.Module:
@@ -87,14 +96,39 @@ def setting(name: str) -> Iterator[None]:
         yield
 
 
-def main() -> None:
+def judge_exact(errors: Mapping[str, float], target: float) -> tuple[bool, str]:
+    """Whether every error of ``fm.exact_float32``'s row (relative to the float64 loop) is at
+    most ``target`` (a NaN is not), and the ``RESULT`` line that says so."""
+    values = list(errors.values())
+    ok = bool(values) and all(e <= target for e in values)
+    worst = math.nan if not values or any(math.isnan(e) for e in values) else max(values)
+    listed = ", ".join(f"{k} {e:.1e}" for k, e in errors.items())
+    verdict = "PASS" if ok else "FAIL"
+    sign = "<=" if ok else ">"
+    return ok, (
+        f"RESULT {verdict}: fm.exact_float32 vs float64, largest {worst:.1e} {sign} "
+        f"{target:.0e} ({listed})"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tasks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--max-exact-error",
+        type=float,
+        default=None,
+        metavar="E",
+        help="judge: fm.exact_float32's errors (loop and batched) at most E, else exit 1",
+    )
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("tf32.py: no CUDA device here; TF32 is a GPU matter, nothing to measure")
-        return
+        if args.max_exact_error is None:
+            return 0
+        print("RESULT SKIP (no CUDA device): fm.exact_float32 not measured, nothing judged")
+        return NOT_JUDGED
     torch.manual_seed(0)
     net = conv4().cuda()
     g = torch.Generator().manual_seed(1)
@@ -108,8 +142,8 @@ def main() -> None:
     exact = meta_gradient(copy.deepcopy(net).double(), data, False, args.steps)
     batched64 = meta_gradient(copy.deepcopy(net).double(), data, True, args.steps)
 
-    def rel(a: torch.Tensor) -> str:
-        return f"{float((a - exact).norm() / exact.norm()):.1e}"
+    def rel(a: torch.Tensor) -> float:
+        return float((a - exact).norm() / exact.norm())
 
     print(
         f"second-order MAML meta-gradient, conv4 + BatchNorm, T = {t}, {args.steps} steps, "
@@ -118,17 +152,21 @@ def main() -> None:
     )
     print("| setting | loop | loop again | batched |")
     print("| --- | --- | --- | --- |")
-    for name in (
-        "TF32 default",
-        "exact (fm.exact_float32)",
-        "exact, deterministic",
-        "exact, no cuDNN",
-    ):
+    exact_errors: dict[str, float] = {}
+    for name in ("TF32 default", EXACT, "exact, deterministic", "exact, no cuDNN"):
         with setting(name):
             row = [meta_gradient(net, data, b, args.steps) for b in (False, False, True)]
-        print(f"| {name} | " + " | ".join(rel(r) for r in row) + " |")
-    print(f"| float64, batched | | | {rel(batched64)} |")
+        errors = dict(zip(("loop", "loop again", "batched"), map(rel, row), strict=True))
+        if name == EXACT:
+            exact_errors = errors
+        print(f"| {name} | " + " | ".join(f"{e:.1e}" for e in errors.values()) + " |", flush=True)
+    print(f"| float64, batched | | | {rel(batched64):.1e} |")
+    if args.max_exact_error is None:
+        return 0
+    ok, line = judge_exact(exact_errors, args.max_exact_error)
+    print(line)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
