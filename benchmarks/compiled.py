@@ -20,23 +20,34 @@ too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of
 ``--task-chunk C`` builds the compiled step with ``task_chunk=C``; ``--block N`` calls each
 way N times in a row per round and times all but the first (as a training loop calls one way
 over and over, with its data in the caches), where the default times each call right after
-another way's.
+another way's; ``--no-loop`` leaves the per-task loop out (the slowest way, by far). The
+float64 reference runs on all the CPU cores the process may use, whatever ``--threads`` says
+(it is not timed).
+
+Targets (``make gpu-check``): with ``--max-jax-ratio R`` the compiled step's median time must be
+at most R times JAX's, with ``--max-compile-seconds S`` its first call (compiling and running
+once, :attr:`funcmeta.MetaStep.compile_seconds` printed beside it) at most S seconds, and the
+step must run compiled. A first call over S ends that row untimed. The last line is then
+``RESULT PASS``, ``RESULT FAIL`` (exit status 1) or, where JAX is missing or has no backend for
+the device and nothing failed, ``RESULT SKIP (no JAX)`` (exit status 3: not judged).
 
     python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
-        [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax] [--keep-freed-memory]
-        [--task-chunk C] [--block N]
+        [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax] [--no-loop]
+        [--keep-freed-memory] [--task-chunk C] [--block N] [--max-jax-ratio R]
+        [--max-compile-seconds S]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 THREADS = ("--threads" in sys.argv and sys.argv[sys.argv.index("--threads") + 1]) or "1"
@@ -55,8 +66,12 @@ import funcmeta as fm  # noqa: E402
 try:  # the reference, where installed (the bench extra)
     import jax
     import jax.numpy as jnp
+    import numpy as np
 except ImportError:  # pragma: no cover - depends on the environment
     jax = None
+
+#: the exit status of a run that could not judge its target (no JAX): scripts/gpu_judge.py
+NOT_JUDGED = 3
 
 
 def sinusoid_net() -> nn.Module:
@@ -156,6 +171,18 @@ def to_jax(x: torch.Tensor) -> Any:
 # ------------------------------------------------------------------ one row
 
 
+@contextlib.contextmanager
+def all_threads() -> Iterator[None]:
+    """torch on every CPU core this process may use, for the block (then as before)."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(max(before, cores or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def float64_truth(
     net: nn.Module, loss_fn: Any, support: Any, query: Any, lr: float, steps: int
 ) -> list[torch.Tensor]:
@@ -181,7 +208,15 @@ def measure(
     use_jax: bool = True,
     task_chunk: int | None = None,
     block: int = 1,
+    loop_too: bool = True,
+    max_compile_seconds: float | None = None,
 ) -> dict[str, Any]:
+    """One row: ``ms`` (each way's median milliseconds), ``compile_s`` (the compiled step's
+    first call, synchronised), ``compile_seconds`` (the step's own
+    :attr:`~funcmeta.MetaStep.compile_seconds`, summed), ``eager`` (why the step ran eagerly,
+    else ``None``), ``jax_note`` (why JAX was not timed, else ``None``) and ``diff`` (each way's
+    error against float64). A first call over ``max_compile_seconds`` returns at once, with no
+    way timed."""
     net, loss_fn, support, query, lr = workload(name, tasks, device)
     opt = fm.optim.sgd(lr=lr)
     fmodel = fm.functional_model(net, task_chunk=None)
@@ -202,32 +237,66 @@ def measure(
 
     chunk: Any = "auto" if task_chunk == 0 else task_chunk
     step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, task_chunk=chunk)
-    truth = float64_truth(net, loss_fn, support, query, lr, steps)
+    with all_threads():
+        truth = float64_truth(net, loss_fn, support, query, lr, steps)
+    scale = max(g.abs().max().item() for g in truth)
+
+    def errors(agree: dict[str, list[torch.Tensor]]) -> dict[str, float]:
+        return {
+            k: max((a.cpu().double() - b).abs().max().item() for a, b in zip(v, truth, strict=True))
+            / scale
+            for k, v in agree.items()
+        }
+
     batched_grads = grads_of(net, batched)
     started = time.perf_counter()
     compiled = grads_of(net, lambda: step(support, query))
     sync(device)
     first = time.perf_counter() - started
+    own = sum(step.compile_seconds.values())
     print(
-        f"  {name} T={tasks} K={steps}: compiled step's first call {first:.1f} s", file=sys.stderr
+        f"  {name} T={tasks} K={steps}: compiled step's first call {first:.1f} s "
+        f"(MetaStep.compile_seconds {own:.1f} s)",
+        file=sys.stderr,
+        flush=True,
     )
+    agree = {"adapt_tasks": batched_grads, "compiled": compiled}
+    result: dict[str, Any] = {
+        "ms": {},
+        "compile_s": first,
+        "compile_seconds": own,
+        "eager": step.eager_reason,
+        "jax_note": None,
+    }
+    if max_compile_seconds is not None and first > max_compile_seconds:
+        print(
+            f"  {name} T={tasks} K={steps}: first call over {max_compile_seconds:g} s, not timed",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {**result, "diff": errors(agree)}
     ways: dict[str, Callable[[], Any]] = {
-        "loop": loop,
         "adapt_tasks": batched,
         "compiled": lambda: step(support, query),
     }
-    agree = {"adapt_tasks": batched_grads, "loop": grads_of(net, loop), "compiled": compiled}
+    if loop_too:
+        ways = {"loop": loop, **ways}
+        agree["loop"] = grads_of(net, loop)
     # JAX on the same kind of device: its default backend ("gpu" where jax[cuda] is there)
-    jax_here = jax is not None and jax.default_backend() == ("cpu" if device == "cpu" else "gpu")
-    if use_jax and jax_here:
+    want = "cpu" if device == "cpu" else "gpu"
+    if not use_jax:
+        result["jax_note"] = "JAX left out"
+    elif jax is None:
+        result["jax_note"] = "no JAX"
+    elif jax.default_backend() != want:
+        result["jax_note"] = f"no JAX {want} backend"
+    else:
         params = {k: to_jax(v) for k, v in net.named_parameters()}
         data = [to_jax(t) for t in (*support, *query)]
         jgrad = jax_step(name, net, lr, steps)
         out = jgrad(params, *data)
         jax.block_until_ready(out)
-        agree["jax"] = [
-            torch.from_numpy(__import__("numpy").asarray(out[k])) for k, _ in net.named_parameters()
-        ]
+        agree["jax"] = [torch.from_numpy(np.array(out[k])) for k, _ in net.named_parameters()]
         ways["jax"] = lambda: jax.block_until_ready(jgrad(params, *data))
     times: dict[str, list[float]] = {k: [] for k in ways}
     for r in range(repeats + 1):
@@ -242,21 +311,85 @@ def measure(
                 sync(device)
                 if r and (block == 1 or i > 0):
                     times[k].append((time.perf_counter() - t0) * 1e3)
-    scale = max(g.abs().max().item() for g in truth)
-    diff = {
-        k: max((a.cpu().double() - b).abs().max().item() for a, b in zip(v, truth, strict=True))
-        / scale
-        for k, v in agree.items()
-    }
-    return {
-        "ms": {k: statistics.median(v) for k, v in times.items()},
-        "compile_s": first,
-        "eager": step.eager_reason,
-        "diff": diff,
-    }
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    return {**result, "ms": ms, "diff": errors(agree)}
 
 
-def main() -> None:
+def table_row(name: str, tasks: int, steps: int, r: dict[str, Any]) -> str:
+    """The markdown row of one :func:`measure` result; a way not timed is ``-``."""
+    ms = r["ms"]
+
+    def cell(k: str) -> str:
+        return f"{ms[k]:.2f}" if k in ms else "-"
+
+    def ratio(a: str, b: str) -> str:
+        return f"{ms[a] / ms[b]:.2f}" if a in ms and b in ms else "-"
+
+    diffs = ", ".join(
+        f"{r['diff'][k]:.1e}" for k in ("adapt_tasks", "loop", "compiled", "jax") if k in r["diff"]
+    )
+    note = f" (eager: {r['eager']})" if r["eager"] else ""
+    return (
+        f"| {name} | {tasks} | {steps} | {cell('loop')} | {cell('adapt_tasks')} | "
+        f"{cell('compiled')}{note} | {cell('jax')} | {r['compile_s']:.1f} | "
+        f"{ratio('adapt_tasks', 'compiled')} | {ratio('compiled', 'jax')} | {diffs} |"
+    )
+
+
+def judge(
+    label: str,
+    r: dict[str, Any],
+    max_jax_ratio: float | None = None,
+    max_compile_seconds: float | None = None,
+) -> tuple[str, str, str]:
+    """``(word, reason, details)`` of one :func:`measure` result against the targets: word
+    ``FAIL`` when the step ran eagerly, its first call took over ``max_compile_seconds`` or its
+    median time is over ``max_jax_ratio`` times JAX's; else ``SKIP`` (reason: why JAX was not
+    timed) where the JAX target could not be judged; else ``PASS``."""
+    fails: list[str] = []
+    checks: list[str] = []
+    skip = ""
+    if r["eager"]:
+        fails.append(f"ran eagerly ({r['eager']})")
+    compile_s = r["compile_s"]
+    if max_compile_seconds is not None:
+        if compile_s <= max_compile_seconds:
+            checks.append(f"compile {compile_s:.1f} s <= {max_compile_seconds:g} s")
+        else:
+            fails.append(f"compile {compile_s:.1f} s > {max_compile_seconds:g} s")
+    else:
+        checks.append(f"compile {compile_s:.1f} s")
+    ms = r["ms"]
+    if max_jax_ratio is not None:
+        if "compiled" not in ms:
+            checks.append("not timed")
+        elif "jax" not in ms:
+            skip = r.get("jax_note") or "no JAX"
+            checks.append(f"compiled {ms['compiled']:.2f} ms, JAX not timed ({skip})")
+        else:
+            ratio = ms["compiled"] / ms["jax"]
+            times = f"({ms['compiled']:.2f} / {ms['jax']:.2f} ms)"
+            if ratio <= max_jax_ratio:
+                checks.append(f"compiled / JAX {ratio:.2f} <= {max_jax_ratio:g} {times}")
+            else:
+                fails.append(f"compiled / JAX {ratio:.2f} > {max_jax_ratio:g} {times}")
+    word = "FAIL" if fails else "SKIP" if skip else "PASS"
+    return word, skip if word == "SKIP" else "", f"{label}: " + "; ".join(fails + checks)
+
+
+def verdict(judged: list[tuple[str, str, str]]) -> tuple[str, int]:
+    """The ``RESULT`` line of the judged rows and the exit status: FAIL (1) where any row
+    failed, else SKIP (:data:`NOT_JUDGED`) where any was not judged, else PASS (0)."""
+    words = {w for w, _, _ in judged}
+    word = "FAIL" if "FAIL" in words else "SKIP" if "SKIP" in words else "PASS"
+    reason = next((why for w, why, _ in judged if w == "SKIP"), "")
+    head = f"RESULT {word} ({reason})" if word == "SKIP" else f"RESULT {word}"
+    details = " / ".join(d for _, _, d in judged) or "nothing measured"
+    rc = {"PASS": 0, "FAIL": 1, "SKIP": NOT_JUDGED}[word]
+    return f"{head}: {details}", rc
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "--workloads", nargs="+", default=["sinusoid", "conv4"], choices=["sinusoid", "conv4"]
@@ -287,7 +420,23 @@ def main() -> None:
         action="store_true",
         help="fm.keep_freed_memory() first: large tensors stop costing page faults",
     )
-    args = parser.parse_args()
+    parser.add_argument("--no-loop", action="store_true", help="leave the per-task loop out")
+    parser.add_argument(
+        "--max-jax-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="judge: the compiled step's median time at most R times JAX's",
+    )
+    parser.add_argument(
+        "--max-compile-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="judge: the compiled step's first call (compile and run) at most S seconds",
+    )
+    args = parser.parse_args(argv)
+    judging = args.max_jax_ratio is not None or args.max_compile_seconds is not None
     torch.set_num_threads(args.threads)
     kept = args.keep_freed_memory and fm.keep_freed_memory()
     jax_version = jax.__version__ if jax is not None else "not installed"
@@ -295,14 +444,16 @@ def main() -> None:
         f"compiled meta-step; torch {torch.__version__}, JAX {jax_version}, Python "
         f"{platform.python_version()}, {args.device}, {args.threads} thread(s); "
         f"median of {args.repeats} ms; float32; freed memory kept: {bool(kept)}; "
-        f"compiled task_chunk: {args.task_chunk}; calls in a row: {args.block}"
+        f"compiled task_chunk: {args.task_chunk}; calls in a row: {args.block}",
+        flush=True,
     )
     print(
         "| workload | T | K | loop ms | adapt_tasks ms | compiled ms | JAX ms | compile s | "
         "adapt_tasks / compiled | compiled / JAX | "
         "error vs float64 (adapt_tasks, loop, compiled, JAX) |"
     )
-    print("| --- " * 11 + "|")
+    print("| --- " * 11 + "|", flush=True)
+    judged: list[tuple[str, str, str]] = []
     for name in args.workloads:
         for tasks in args.tasks:
             for steps in args.steps:
@@ -315,24 +466,18 @@ def main() -> None:
                     not args.no_jax,
                     args.task_chunk,
                     args.block,
+                    loop_too=not args.no_loop,
+                    max_compile_seconds=args.max_compile_seconds,
                 )
-                ms = r["ms"]
-                jax_ms = ms.get("jax")
-                jax_cell = f"{jax_ms:.2f}" if jax_ms is not None else "-"
-                ratio_jax = f"{ms['compiled'] / jax_ms:.2f}" if jax_ms is not None else "-"
-                diffs = ", ".join(
-                    f"{r['diff'][k]:.1e}"
-                    for k in ("adapt_tasks", "loop", "compiled", "jax")
-                    if k in r["diff"]
-                )
-                note = f" (eager: {r['eager']})" if r["eager"] else ""
-                print(
-                    f"| {name} | {tasks} | {steps} | {ms['loop']:.2f} | {ms['adapt_tasks']:.2f} | "
-                    f"{ms['compiled']:.2f}{note} | {jax_cell} | {r['compile_s']:.1f} | "
-                    f"{ms['adapt_tasks'] / ms['compiled']:.2f} | {ratio_jax} | {diffs} |",
-                    flush=True,
-                )
+                print(table_row(name, tasks, steps, r), flush=True)
+                label = f"{name} T={tasks} K={steps}"
+                judged.append(judge(label, r, args.max_jax_ratio, args.max_compile_seconds))
+    if not judging:
+        return 0
+    line, rc = verdict(judged)
+    print(line)
+    return rc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
