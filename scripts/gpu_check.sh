@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# `make gpu-check`: every CUDA test and the CUDA benchmarks on one GPU, then the tables for
-# benchmarks/RESULTS.md (also written to benchmarks/out/gpu_check.md). Installs nothing that
-# needs a network: optree, if missing, comes from a wheel in .wheels/ (README: "A GPU check").
-# Without a CUDA device it says so and exits 0.
+# `make gpu-check`: the CUDA tests and the CUDA benchmarks on one GPU, each section judged
+# against its target (PASS or FAIL), then a table of the sections; all of it also goes to
+# benchmarks/out/gpu_check.md (GPU_CHECK_REPORT). Installs nothing that needs a network:
+# optree, if missing, comes from a wheel in .wheels/ (README: "A GPU check"). Without a CUDA
+# device it says so and exits 0.
 #
-# The sections run most important first, each under its own time limit, and the whole check
-# within GPU_CHECK_BUDGET seconds (default 540): a section that would start after the budget is
-# spent is listed as not run, and one that runs past its limit is stopped and marked so; what
-# it printed stays in the report. GPU_CHECK_ONLY="tests compiled" runs only the sections whose
-# keys are named (keys: tests compiled scenario memory tf32 tasks peers sequence).
+# The sections with a target run first, each under its own time limit (their limits add up to
+# 440 s), then the sections without one; the whole check stays within GPU_CHECK_BUDGET seconds
+# (default 480). A section that would start with under 30 s of the budget left is NOT RUN, and
+# one that runs past its limit is stopped: FAIL, "over its limit". The verdicts come from
+# scripts/gpu_judge.py (tested on a CPU in benchmarks/tests/test_gpu_judge.py): the CUDA tests
+# by pytest's exit status (0 with a test passed; 5, no tests, is FAIL), every other target by
+# its script's exit status and last line, `RESULT PASS|FAIL|SKIP (why) ...`. The check exits 1
+# when a section with a target did not pass (FAIL, SKIP or NOT RUN), else 0.
+#
+# GPU_CHECK_ONLY="tests compiled" runs only the sections with one of the named keys (keys:
+# tests scenario tf32 compiled sinusoid conv4 memory tasks peers sequence).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-540}
+BUDGET=${GPU_CHECK_BUDGET:-480}
 ONLY=${GPU_CHECK_ONLY:-}
+out=${GPU_CHECK_REPORT:-benchmarks/out/gpu_check.md}
+RESERVE=15 # seconds kept back from every section: timeout's grace period and the table
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -27,60 +36,95 @@ if ! $PYTHON -c "import optree" 2>/dev/null; then
     }
 fi
 
-out=benchmarks/out/gpu_check.md
-mkdir -p benchmarks/out
+mkdir -p "$(dirname "$out")"
 : >"$out"
-failed=0
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+records=$work/records.jsonl
+: >"$records"
 say() { echo "$@" | tee -a "$out"; }
+judge() { $PYTHON scripts/gpu_judge.py judge --records "$records" "$@" | tee -a "$out"; }
 
-# run KEY LIMIT TITLE COMMAND...: a titled section, the command's output, into the report
-run() {
-    local key=$1 limit=$2 title=$3
-    shift 3
-    if [ -n "$ONLY" ] && [[ " $ONLY " != *" $key "* ]]; then
-        return
+# section KEYS NAME LIMIT KIND TARGET TITLE COMMAND...: run COMMAND under LIMIT seconds (less
+# where the budget has less left), its output into the report, and judge it. KIND is tests,
+# result (the command prints a RESULT line) or none; TARGET is the table's text, "" for none.
+section() {
+    local keys=$1 name=$2 limit=$3 kind=$4 target=$5 title=$6
+    shift 6
+    if [ -n "$ONLY" ]; then
+        local key picked=0
+        for key in $keys; do
+            [[ " $ONLY " == *" $key "* ]] && picked=1
+        done
+        [ "$picked" -eq 1 ] || return 0
     fi
     say
     say "## $title"
-    local left=$((BUDGET - SECONDS))
+    [ -n "$target" ] && say "Target: $target"
+    local left=$((BUDGET - SECONDS - RESERVE))
     if [ "$left" -lt 30 ]; then
-        say "(not run: the check's budget of ${BUDGET} s is spent)"
-        return
+        judge --name "$name" --kind "$kind" --target "$target" \
+            --not-run "the check's budget of ${BUDGET} s is spent"
+        return 0
     fi
-    [ "$limit" -gt "$left" ] && limit=$left
+    local by_budget=()
+    if [ "$limit" -gt "$left" ]; then
+        limit=$left
+        by_budget=(--by-budget)
+    fi
+    local log=$work/section.log
+    : >"$log"
     say '```'
     say "\$ $* (limit ${limit} s)"
     local started=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | grep -v -e Warning -e warnings.warn | tee -a "$out"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | grep --line-buffered -v -e Warning -e warnings.warn |
+        tee -a "$out" "$log"
     local rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - started))
     say '```'
-    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-        say "(stopped after ${limit} s: over its limit)"
-        failed=1
-    elif [ "$rc" -ne 0 ]; then
-        say "(exit status $rc)"
-        failed=1
-    fi
-    say "($((SECONDS - started)) s)"
+    say "(exit status $rc, $took s)"
+    judge --name "$name" --kind "$kind" --target "$target" --log "$log" --rc "$rc" \
+        --seconds "$took" --limit "$limit" "${by_budget[@]}"
 }
 
 say "# GPU check: $($PYTHON -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)'), Python $($PYTHON -c 'import platform; print(platform.python_version())'), $(date -u +%Y-%m-%d)"
-run tests 180 "CUDA tests" $PYTHON -m pytest -q -p no:cacheprovider -m cuda tests
-run compiled 120 "The compiled meta-step, sinusoid: against adapt_tasks and JAX on the GPU (where jax[cuda] is installed)" \
-    $PYTHON benchmarks/compiled.py --device cuda --workloads sinusoid --tasks 32 --steps 5 --repeats 50
-run compiled 240 "The compiled meta-step, conv4" \
-    $PYTHON benchmarks/compiled.py --device cuda --workloads conv4 --tasks 32 --steps 5 --repeats 20
-run scenario 120 "The motivating scenario: 40 self-checkpointed blocks of width 768, 4096 rows, fp16 + GradScaler" \
-    $PYTHON examples/checkpointed_maml.py --device cuda --width 768 --rows 4096 --iterations 10 --repeats 3
-run memory 120 "Per-layer checkpointing: funcmeta's layers and the model's own checkpoints (residual MLP, 5 steps)" \
+
+# the sections with a target: their limits add up to 440 s of the 480
+section tests "CUDA tests" 90 tests "pytest -m cuda exits 0, a test passed" "CUDA tests" \
+    $PYTHON -m pytest -q -p no:cacheprovider -m cuda tests
+section scenario "scenario" 80 result "query loss falls; memory <= 0.4x, time <= 2.5x unchecked" \
+    "The motivating scenario: 40 self-checkpointed blocks of width 768, 4096 rows, fp16 + GradScaler" \
+    $PYTHON examples/checkpointed_maml.py --device cuda --width 768 --rows 4096 --iterations 10 \
+    --repeats 3 --max-memory-ratio 0.4 --max-time-ratio 2.5
+section tf32 "TF32" 40 result "fm.exact_float32 error vs float64 <= 1e-3 (loop and batched)" \
+    "TF32 and second order" $PYTHON benchmarks/tf32.py --tasks 8 --steps 5 --max-exact-error 1e-3
+section "compiled sinusoid" "compiled sinusoid" 80 result "compiled <= 1.5x JAX's time" \
+    "The compiled meta-step, sinusoid: against adapt_tasks and JAX on the GPU (where jax[cuda] is installed)" \
+    $PYTHON benchmarks/compiled.py --device cuda --workloads sinusoid --tasks 32 --steps 5 \
+    --repeats 50 --no-loop --max-jax-ratio 1.5
+section "compiled conv4" "compiled conv4" 150 result "first call (compile) <= 120 s; compiled <= JAX's time" \
+    "The compiled meta-step, conv4" \
+    $PYTHON benchmarks/compiled.py --device cuda --workloads conv4 --tasks 32 --steps 5 \
+    --repeats 20 --no-loop --max-jax-ratio 1.0 --max-compile-seconds 120
+
+# the sections without one, as far as the budget goes
+section memory "memory" 120 none "" \
+    "Per-layer checkpointing: funcmeta's layers and the model's own checkpoints (residual MLP, 5 steps)" \
     $PYTHON benchmarks/memory.py --device cuda --workloads residual --steps 5 --repeats 3 \
     --plot benchmarks/out/memory_cuda.png
-run tf32 60 "TF32 and second order" $PYTHON benchmarks/tf32.py --tasks 8 --steps 5
-run tasks 120 "Task batching against the loop" $PYTHON benchmarks/tasks.py --device cuda --repeats 5 \
-    --meta-batch 32 --skip-memory
-run peers 120 "Task batching against the peers" bash -c "cd benchmarks && $PYTHON peers.py --device cuda --repeats 5"
-run sequence 180 "Sequence models" bash -c "cd benchmarks && $PYTHON sequence_tasks.py --device cuda \
+section tasks "tasks" 120 none "" "Task batching against the loop" \
+    $PYTHON benchmarks/tasks.py --device cuda --repeats 5 --meta-batch 32 --skip-memory
+section peers "peers" 120 none "" "Task batching against the peers" \
+    bash -c "cd benchmarks && $PYTHON peers.py --device cuda --repeats 5"
+section sequence "sequence" 180 none "" "Sequence models" \
+    bash -c "cd benchmarks && $PYTHON sequence_tasks.py --device cuda \
     --models bert gpt2 llama lstm gru --tasks 16 --repeats 3 --no-tune"
+
+say
+say "## Summary (${SECONDS} s of ${BUDGET})"
+say
+$PYTHON scripts/gpu_judge.py table --records "$records" | tee -a "$out"
+status=${PIPESTATUS[0]}
 echo
-echo "gpu-check: report in $out (${SECONDS} s)"
-exit $failed
+echo "gpu-check: report in $out"
+exit "$status"
