@@ -125,20 +125,6 @@ def test_cuda_checkpointed_maml_example(capsys):
 # --- TF32 ---------------------------------------------------------------------------------
 
 
-def test_exact_float32_turns_tf32_off_and_restores_the_settings():
-    """On every machine: the flags inside and after the block (the new per-operator ones on
-    torch >= 2.9, the legacy allow_tf32 ones before), also after an error."""
-    from funcmeta._src.core import precision
-
-    flags = precision._NEW or precision._LEGACY
-    before = [getattr(owner, name) for owner, name in flags]
-    off = "ieee" if precision._NEW else False
-    with pytest.raises(KeyError), fm.exact_float32():
-        assert [getattr(owner, name) for owner, name in flags] == [off] * len(flags)
-        raise KeyError("inside")
-    assert [getattr(owner, name) for owner, name in flags] == before
-
-
 @pytest.mark.cuda
 def test_cuda_exact_float32_makes_second_order_conv_repeatable():
     """conv4-like second-order MAML in float32 on cuDNN: inside exact_float32 the per-task
