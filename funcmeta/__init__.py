@@ -32,6 +32,7 @@ from funcmeta import (
     snapshot,
     tree,
 )
+from funcmeta._src.core.precision import TF32Warning as TF32Warning
 from funcmeta._src.core.precision import exact_float32 as exact_float32
 from funcmeta._src.core.replay import recomputing as recomputing
 from funcmeta._src.core.types import AdaptResult as AdaptResult
@@ -65,6 +66,7 @@ __all__ = [
     "LossFn",
     "MetaStep",
     "NonFiniteError",
+    "TF32Warning",
     "__version__",
     "adapt",
     "adapt_tasks",

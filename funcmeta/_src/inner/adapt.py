@@ -22,6 +22,7 @@ from typing import Any
 from torch import Tensor
 
 from funcmeta._src.core.checks import retold
+from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
@@ -80,6 +81,7 @@ def adapt(
     """
     opts = AdaptOptions.of(options)
     checked = check_adapt_call(fmodel, params, opt, batch, steps, opts, buffers=buffers)
+    warn_tf32_second_order(fmodel.module, params.values(), opts.first_order)
     (args, kwargs), targets = checked.batch
     axis = leftover_task_axis(args, kwargs, targets)
     if axis is not None:

@@ -43,6 +43,7 @@ from funcmeta._src.batching.chunks import ChunkTuner, Trial
 from funcmeta._src.batching.executor import TaskExecutor
 from funcmeta._src.core import tree
 from funcmeta._src.core.fence import inside_transform
+from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn
 from funcmeta._src.inner.forward import task_losses_of, task_outputs_of
 from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
@@ -162,6 +163,7 @@ def adapt_tasks(
     checked = check_adapt_call(
         fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
     )
+    warn_tf32_second_order(fmodel.module, params.values(), opts.first_order)
     tasks, dims = checked.tasks, checked.param_dims
     assert tasks is not None and dims is not None  # task-batched: both are set
     chunk, timed = _chunk_trial(fmodel, checked, params, steps, opts)
