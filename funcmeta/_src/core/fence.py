@@ -668,3 +668,100 @@ def missing_functorch() -> list[str]:
 def missing() -> list[str]:
     """The names of :data:`ACCESSES` that this torch release lacks."""
     return [name for name, probe in ACCESSES.items() if not probe()]
+
+
+# ------------------------------------------------------------------ CUDA graphs' skips
+
+# inductor's loggers for "skipping cudagraphs due to ..." (the cudagraphs artifact from torch
+# 2.6 or so, perf_hints before), and the counter it bumps with each skip
+_CUDAGRAPH_LOGS = (
+    "torch._inductor.cudagraph_utils.__cudagraphs",
+    "torch._inductor.cudagraph_utils.__perf_hints",
+)
+UNNAMED_CUDAGRAPH_SKIP = (
+    "skipping cudagraphs (inductor counted a skip but logged no reason here; "
+    "TORCH_LOGS=cudagraphs prints it)"
+)
+
+
+@functools.cache
+def _inductor_counters() -> Any | None:
+    """``torch._dynamo.utils.counters`` (a dict of ``Counter`` by subsystem), or ``None``."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # a torch without dynamo's counters
+        return None
+    return counters
+
+
+@functools.cache
+def _skip_log() -> Any:
+    """A logging handler on inductor's skip loggers that keeps the last messages about
+    skipped CUDA graphs, and how many it has seen; attached once, on first use, and left
+    attached (one handler for the process: adding and removing one per call would cost
+    more than the check)."""
+    import logging
+
+    class SkipLog(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.WARNING)
+            self.seen = 0
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            text = record.getMessage()
+            if "cudagraph" in text and ("skipping" in text or "disabling" in text):
+                self.seen += 1
+                self.messages = [*self.messages[-63:], text]
+
+    handler = SkipLog()
+    for name in _CUDAGRAPH_LOGS:
+        logging.getLogger(name).addHandler(handler)
+    return handler
+
+
+@contextlib.contextmanager
+def cudagraph_skips() -> Iterator[list[str]]:
+    """While inside, collects why inductor declined to capture or replay a CUDA graph (it
+    logs "skipping cudagraphs due to ..." as a warning and runs the graph's kernels without
+    one; ``counters["inductor"]["cudagraph_skips"]`` counts them): yields a list, filled
+    when the block ends with each logged reason, and :data:`UNNAMED_CUDAGRAPH_SKIP` where
+    the counter grew without a reason reaching the log (a user who silenced inductor's
+    warnings). Empty where nothing was skipped, or where this torch has neither name.
+    Process-wide: a skip in another thread meanwhile is collected too."""
+    found: list[str] = []
+    counters = _inductor_counters()
+    log = _skip_log()
+    before = counters["inductor"]["cudagraph_skips"] if counters is not None else 0
+    seen = log.seen
+    try:
+        yield found
+    finally:
+        logged = min(log.seen - seen, len(log.messages))
+        if logged:
+            found.extend(log.messages[-logged:])
+        counted = counters["inductor"]["cudagraph_skips"] - before if counters is not None else 0
+        if counted > logged:
+            found.append(UNNAMED_CUDAGRAPH_SKIP)
+
+
+def _watches_cudagraph_skips() -> bool:
+    """Whether this torch has what :func:`cudagraph_skips` reads: dynamo's counters and
+    inductor's skip logger (``log_cudagraph_skip_and_bump_counter`` and its logger)."""
+    import logging
+
+    if _inductor_counters() is None:
+        return False
+    try:
+        from torch._inductor import cudagraph_utils
+    except ImportError:
+        return False
+    logs = [getattr(cudagraph_utils, n, None) for n in ("cudagraphs_log", "perf_hint_log")]
+    return callable(getattr(cudagraph_utils, "log_cudagraph_skip_and_bump_counter", None)) and any(
+        isinstance(log, logging.Logger) and log.name in _CUDAGRAPH_LOGS for log in logs
+    )
+
+
+ACCESSES["torch._dynamo.utils.counters['inductor']['cudagraph_skips'], inductor's skip log"] = (
+    _watches_cudagraph_skips
+)
