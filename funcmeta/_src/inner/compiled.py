@@ -24,6 +24,22 @@ without ``torch.compile`` support for ``torch.func``), it runs :func:`funcmeta.a
 and :func:`funcmeta.task_losses` eagerly instead, with the same meta-gradients, and says
 once why (:attr:`MetaStep.eager_reason`).
 
+How it compiles depends on the device (:func:`compile_plan`, a pure function of the device
+type, whether the model has convolutions, and the caller's ``mode`` and ``task_chunk``;
+:attr:`MetaStep.plan` keeps what it chose):
+
+- on a CPU, inductor's C++ wrapper and the step's CPU choices, and conv nets one task per
+  graph call;
+- on CUDA, CUDA graphs (``mode="reduce-overhead"``): each call replays the captured graph
+  of the whole meta-iteration. torch copies the inputs into the graph's static buffers on
+  each replay, and each replay writes into the same output tensors, so the step copies the
+  results before it adds them to ``.grad`` or runs the next chunk of tasks, and marks each
+  call a new step for torch's CUDA graph trees. A new batch shape compiles and captures a
+  graph of its own. Where inductor runs the graph without a CUDA graph (it logs "skipping
+  cudagraphs due to ..."), the step keeps the reason (:attr:`MetaStep.graph_note`) and says
+  once what to change. Conv nets run one task per graph call with convolutions in the
+  model's layout, a graph that compiles in bounded time.
+
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -38,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +66,7 @@ from torch import Tensor, nn
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import (
+    cudagraph_skips,
     inductor_aten_max_pool_backward,
     own_code,
     reparametrized,
@@ -65,9 +83,105 @@ from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.base import step as optim_step
 
-__all__ = ["MetaStep", "compile_meta_step"]
+__all__ = ["CompilePlan", "MetaStep", "compile_meta_step", "compile_plan"]
 
 _OPTIONS = frozenset({"first_order", "trainable"})
+
+# the torch.compile modes whose inductor options include "triton.cudagraphs"
+_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+    """How :func:`compile_meta_step` compiles its graph for one kind of device and model:
+    what :func:`compile_plan` chose (:attr:`MetaStep.plan`).
+
+    Attributes:
+        device: the device type the model's parameters are on (``"cpu"``, ``"cuda"``, ...).
+        mode: ``torch.compile``'s mode this amounts to (``None``: its default). Where
+            ``options`` is set, torch.compile gets the options alone (it takes a mode or
+            options, not both), and they spell the mode out: ``"reduce-overhead"`` is
+            ``{"triton.cudagraphs": True}``.
+        options: inductor options, or ``None``.
+        task_chunk: how many tasks one graph call takes (``None``: all of them).
+        cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into
+            the same output tensors, so the step copies a graph call's results before it
+            keeps them, and marks each call a new step
+            (``torch.compiler.cudagraph_mark_step_begin``).
+        lowering: the context a compile of the graph runs inside (inductor's lowering
+            choices for this device).
+        note: why the plan is not what the device would get otherwise, else ``None``.
+    """
+
+    device: str
+    mode: str | None
+    options: Mapping[str, Any] | None
+    task_chunk: int | None
+    cuda_graphs: bool
+    lowering: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    note: str | None = None
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """What ``torch.compile`` gets besides ``fullgraph`` and ``dynamic``."""
+        return {"options": dict(self.options)} if self.options is not None else {"mode": self.mode}
+
+
+def compile_plan(
+    device: str,
+    convolutional: bool,
+    mode: str | None = None,
+    task_chunk: int | Literal["auto"] | None = "auto",
+) -> CompilePlan:
+    """How :func:`compile_meta_step` compiles for a model on ``device`` (a device type),
+    with convolutions or without, given the caller's ``mode`` and ``task_chunk``: a pure
+    function, so that a test on a CPU can ask what a CUDA device gets.
+
+    - ``mode=None`` on a CPU: inductor's C++ wrapper (a few hundred small kernels launched
+      without a Python call each), the double backward's batched products in the
+      orientation torch's CPU kernel runs fast, convolutions in the model's layout
+      (``layout_optimization`` off), and max pooling's backward as aten's kernel
+      (``docs/design.md``, facts 45-50).
+    - ``mode=None`` on CUDA: ``"reduce-overhead"``, CUDA graphs: the whole meta-iteration
+      is one graph launch (the sinusoid at T = 32 ran 0.79 ms against 3.74-7.0 ms without,
+      on an H200). For a model with convolutions, also ``layout_optimization`` off: the
+      model's layout, as on the CPU and as the eager path runs it, and no layout
+      conversions to compile.
+    - a ``mode`` given is torch.compile's, as it is; CUDA graphs where it asks for them on
+      CUDA (``"reduce-overhead"``, ``"max-autotune"``).
+    - ``task_chunk="auto"``: 1 for a model with convolutions on a CPU or CUDA, all tasks in
+      one graph otherwise. All tasks of conv4 in one graph compiled for 6 to over 20 minutes
+      on a CPU and did not finish in 140 s on an H200; the graph of one task compiled in
+      3-5 minutes on the CPU. A number or ``None`` is kept.
+
+    Example:
+        >>> from funcmeta._src.inner.compiled import compile_plan
+        >>> plan = compile_plan("cuda", convolutional=True)
+        >>> plan.mode, plan.cuda_graphs, plan.task_chunk, dict(plan.options)
+        ('reduce-overhead', True, 1, {'triton.cudagraphs': True, 'layout_optimization': False})
+        >>> compile_plan("cuda", convolutional=False).compile_kwargs()
+        {'mode': 'reduce-overhead'}
+    """
+    chunk = task_chunk
+    if chunk == "auto":
+        chunk = 1 if convolutional and device in ("cpu", "cuda") else None
+    if mode is not None:
+        graphs = mode in _GRAPH_MODES
+        note = (
+            f"mode={mode!r} asks for CUDA graphs, which capture CUDA tensors only: on "
+            f"{device} the graph runs without them"
+            if graphs and device != "cuda"
+            else None
+        )
+        return CompilePlan(device, mode, None, chunk, graphs and device == "cuda", note=note)
+    if device == "cpu":
+        options = {"cpp_wrapper": True, "layout_optimization": False, **cpu_passes()}
+        return CompilePlan("cpu", None, options, chunk, False, inductor_aten_max_pool_backward)
+    if device == "cuda":
+        conv_options = {"triton.cudagraphs": True, "layout_optimization": False}
+        return CompilePlan(
+            "cuda", "reduce-overhead", conv_options if convolutional else None, chunk, True
+        )
+    return CompilePlan(device, None, None, chunk, False)
 
 
 class MetaStep:
@@ -76,13 +190,20 @@ class MetaStep:
 
     Attributes:
         compile_seconds: per kind of input, the seconds its first call took (compiling and
-            running once).
+            running once; on CUDA until the GPU is done). With CUDA graphs, the graph is
+            captured on the second call of a kind, which this does not count.
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
         task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
             as ``"auto"`` chose.
+        plan: how the graph is compiled (:class:`CompilePlan`: mode, inductor options, task
+            chunk, CUDA graphs), chosen by :func:`compile_plan` for the model's device.
         options_note: why the graph is compiled with torch.compile's defaults instead of
-            the step's CPU options or ``mode`` (a torch without one of them), or without
-            one of the step's CPU choices, else ``None``.
+            the plan's options or ``mode`` (a torch without one of them), or without
+            one of the step's CPU choices, or why a ``mode`` asking for CUDA graphs gets
+            none on this device, else ``None``.
+        graph_note: why the graph runs without CUDA graphs where the plan asked for them
+            (inductor's own words, "skipping cudagraphs due to ..."), else ``None``; the
+            step warns once, naming what to change.
     """
 
     def __init__(
@@ -95,11 +216,11 @@ class MetaStep:
         hyper: Sequence[nn.Module],
         options: dict[str, Any],
         compile: bool,
-        mode: str | None,
-        task_chunk: int | None = None,
+        plan: CompilePlan,
     ) -> None:
         self.fmodel, self.loss_fn, self.opt, self.steps = fmodel, loss_fn, opt, steps
-        self.task_chunk = task_chunk
+        self.plan = plan
+        self.task_chunk = plan.task_chunk
         self._calls = 0
         self.hyper = list(hyper)
         self.options = AdaptOptions.of(options)
@@ -109,32 +230,36 @@ class MetaStep:
         grad_fn = torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
         self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
         self._compiled: Callable[..., Any] | None = None
-        self.options_note: str | None = None
-        # what a compile of the graph runs inside (inductor's choices for this device)
-        self._lowering: Callable[[], contextlib.AbstractContextManager[Any]] = (
-            contextlib.nullcontext
-        )
+        self.options_note: str | None = plan.note if compile else None
+        self.graph_note: str | None = None
         if compile:
-            on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
-            # on a CPU the graph is a few hundred small kernels: inductor's C++ wrapper
-            # launches them without a Python call each (design.md, point 45); its batched
-            # products are turned to the orientation torch's CPU kernel runs fast (46);
-            # convolutions keep the model's layout, so that fused kernels read it in order
-            # (48); and max pooling's backward is aten's kernel, not inductor's own (50)
-            cpu_options = mode is None and on_cpu
-            how: dict[str, Any] = (
-                {"options": {"cpp_wrapper": True, "layout_optimization": False, **cpu_passes()}}
-                if cpu_options
-                else {"mode": mode}
-            )
-            if cpu_options:
-                self._lowering = inductor_aten_max_pool_backward
             graph = own_code(grad_fn)
+            how = plan.compile_kwargs()
             try:
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
                 self.options_note = f"{how}: {type(error).__name__}: {_first_line(error)}"
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False)
+                self.plan = dataclasses.replace(plan, mode=None, options=None, cuda_graphs=False)
+
+    @staticmethod
+    def plan_for(
+        device: str,
+        convolutional: bool,
+        mode: str | None = None,
+        task_chunk: int | Literal["auto"] | None = "auto",
+    ) -> CompilePlan:
+        """What :func:`compile_meta_step` would choose for a model on ``device`` (a device
+        type: ``"cpu"``, ``"cuda"``), with convolutions or without, given ``mode`` and
+        ``task_chunk`` (:func:`compile_plan`); asking needs no such device.
+
+        Example:
+            >>> import funcmeta as fm
+            >>> plan = fm.MetaStep.plan_for("cuda", convolutional=False)
+            >>> plan.mode, plan.cuda_graphs, plan.task_chunk
+            ('reduce-overhead', True, None)
+        """
+        return compile_plan(device, convolutional, mode, task_chunk)
 
     # ---------------------------------------------------------------- the pure function
 
@@ -258,6 +383,9 @@ class MetaStep:
         raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
         buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
         ranges = self.chunks(tasks)
+        # a CUDA graph writes every replay into the same output tensors: its results are
+        # copied (or weighted into new tensors) before the next replay, and never kept
+        replayed = self.plan.cuda_graphs and graph is self._compiled
         total: Any = None
         for start, stop in ranges:
             part = (
@@ -267,15 +395,46 @@ class MetaStep:
             )
             started = time.perf_counter()
             key = self._note_kind(graph, part, detached, raw)
-            out = graph(detached, raw, buffers, *part, stop - start)
+            if replayed:
+                out = self._replay(graph, detached, raw, buffers, *part, stop - start)
+            else:
+                out = graph(detached, raw, buffers, *part, stop - start)
             if key is not None:
+                if self.plan.device == "cuda" and torch.cuda.is_available():
+                    torch.cuda.synchronize()  # the first run's kernels are part of it
                 self.compile_seconds[key] = time.perf_counter() - started
             if len(ranges) == 1:
-                return out
+                return tree.tree_map(torch.clone, out) if replayed else out
             share = (stop - start) / tasks
             weighted = tree.tree_map(lambda x, w=share: x * w, out)
             total = weighted if total is None else tree.tree_map(torch.add, total, weighted)
         return total
+
+    def _replay(self, graph: Callable[..., Any], *args: Any) -> Any:
+        """One call of the graph compiled for CUDA graphs: a new step for torch's CUDA graph
+        trees (the outputs of the last replay are no longer read), and a note of why
+        inductor ran it without a CUDA graph, where it did."""
+        _mark_step_begin()
+        with cudagraph_skips() as skipped:
+            out = graph(*args)
+        if skipped:
+            self._note_skip(skipped)
+        return out
+
+    def _note_skip(self, skipped: list[str]) -> None:
+        """Keep inductor's reasons for running without CUDA graphs; warn the first time."""
+        # inductor's first line, without the pointer to the stack trace it goes on with
+        reasons = [s.strip().split("\n")[0].split(" Found from")[0].rstrip(". :") for s in skipped]
+        first = self.graph_note is None
+        known = [] if self.graph_note is None else self.graph_note.split("; ")
+        self.graph_note = "; ".join(dict.fromkeys([*known, *reasons]))
+        if first:
+            warnings.warn(
+                f"compile_meta_step runs its graph without CUDA graphs ({reasons[0]}): "
+                f"{_skip_hint(skipped[0])} (the same numbers, without the speed of one "
+                "graph launch; step.graph_note keeps the reasons)",
+                stacklevel=6,
+            )
 
     def _note_kind(self, graph: Callable[..., Any], *values: Any) -> tuple[Any, ...] | None:
         """The kind of input ``values`` are when ``graph`` is the compiled one and meets it
@@ -305,7 +464,7 @@ class MetaStep:
         assert self._compiled is not None
         hooks = saved_tensor_hooks_state()
         try:
-            with self._lowering() as lowered:
+            with self.plan.lowering() as lowered:
                 (g_params, g_hyper), loss = self.run_graph(
                     self._compiled, params, hyper, support, query, tasks
                 )
@@ -372,13 +531,58 @@ _CONVOLUTIONS = (
 )
 
 
-def _auto_chunk(fmodel: FunctionalModel) -> int | None:
-    """``task_chunk="auto"``: one task per graph call for a model with convolutions on a CPU
-    (its batched activations outgrow the caches, and its one graph of all tasks compiles for
-    many minutes: ``docs/tasks.md``), all tasks in one graph otherwise."""
-    on_cpu = all(p.device.type == "cpu" for p in fmodel.params.values())
-    convolutional = any(isinstance(m, _CONVOLUTIONS) for m in fmodel.module.modules())
-    return 1 if on_cpu and convolutional else None
+def _device(fmodel: FunctionalModel) -> str:
+    """The device type of the model's parameters (``"cpu"`` for a model without any;
+    ``"mixed"`` where they are on several kinds of device)."""
+    kinds = {p.device.type for p in fmodel.params.values()}
+    return kinds.pop() if len(kinds) == 1 else ("cpu" if not kinds else "mixed")
+
+
+def _convolutional(fmodel: FunctionalModel) -> bool:
+    return any(isinstance(m, _CONVOLUTIONS) for m in fmodel.module.modules())
+
+
+def _mark_step_begin() -> None:
+    """A new step for torch's CUDA graph trees (``torch.compiler.cudagraph_mark_step_begin``,
+    where this torch has it): the tensors the last replay returned are no longer read."""
+    mark = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
+    if mark is not None:
+        mark()
+
+
+# what to change, by words in inductor's reason for skipping CUDA graphs
+_SKIP_HINTS = (
+    (
+        "cpu device",
+        "keep every tensor the meta-iteration reads on the GPU: the batch, the model's "
+        "buffers, the hyper modules, and tensors the loss or the model create (a "
+        "torch.tensor(...) without device=)",
+    ),
+    ("multiple devices", "put the model, the batch and the hyper modules on one GPU"),
+    (
+        "mutated inputs",
+        "the model or the loss writes into a tensor it is given, in place; write it out of place",
+    ),
+    (
+        "incompatible op",
+        "an operator of the model or the loss cannot be captured (one that reads a value "
+        "back to the CPU, as .item(), nonzero or boolean indexing); write it without one",
+    ),
+    ("re-recording limit", "keep the shapes of the batch fixed from call to call"),
+    ("symbolic shapes", "keep the shapes of the batch fixed from call to call"),
+    ("uncached", "leave the CUDA caching allocator on (PYTORCH_NO_CUDA_MEMORY_CACHING unset)"),
+)
+
+
+def _skip_hint(reason: str) -> str:
+    """What to change for inductor's ``reason`` to capture CUDA graphs."""
+    for words, hint in _SKIP_HINTS:
+        if words in reason:
+            return hint
+    return (
+        "change what the reason names, or pass mode='default' to compile without asking for "
+        "CUDA graphs"
+    )
 
 
 def _task_slice(batch: Any, start: int, stop: int) -> Any:
@@ -435,13 +639,21 @@ def compile_meta_step(
     learnable rates, a learned optimizer), which get meta-gradients too. Options:
     ``first_order`` and ``trainable`` (a subset adapted, as ANIL's head); others raise
     ``TypeError`` naming them. ``compile=False`` runs the plain path eagerly (the reference
-    the compiled graph is tested against); ``mode`` is ``torch.compile``'s (``None``: on a
-    CPU, inductor's C++ wrapper; ``"reduce-overhead"`` for CUDA graphs on a GPU).
+    the compiled graph is tested against).
+
+    ``mode`` is ``torch.compile``'s. ``None``, the default, picks per device
+    (:func:`compile_plan`; :attr:`MetaStep.plan` says what it picked): on a CPU, inductor's
+    C++ wrapper and the step's CPU options; on CUDA, ``"reduce-overhead"``: CUDA graphs,
+    with ``layout_optimization`` off for a model with convolutions; elsewhere torch's
+    default. Where inductor runs the graph without a CUDA graph after all,
+    :attr:`MetaStep.graph_note` says why and the step warns once.
+
     ``task_chunk=c`` runs the graph on ``c`` tasks at a time, one chunk after another, and
     adds their meta-gradients (the same numbers, to rounding): on a CPU a conv net's
     batched activations outgrow the caches, and one task at a time runs faster
     (``docs/tasks.md``). ``None``: all tasks in one graph. ``"auto"``, the default: 1 for a
-    model with convolutions on a CPU, ``None`` otherwise (:attr:`MetaStep.task_chunk` says
+    model with convolutions on a CPU or on CUDA (the graph of all tasks of conv4 took many
+    minutes to compile on either), ``None`` otherwise (:attr:`MetaStep.task_chunk` says
     which).
 
     Returns a :class:`MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
@@ -473,8 +685,7 @@ def compile_meta_step(
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"hyper[{i}] is a {type(m).__name__}; hyper takes nn.Modules")
-    if task_chunk == "auto":
-        task_chunk = _auto_chunk(fmodel)
+    plan = compile_plan(_device(fmodel), _convolutional(fmodel), mode, task_chunk)
     return MetaStep(
         fmodel,
         loss_fn,
@@ -483,6 +694,5 @@ def compile_meta_step(
         hyper=modules,
         options=options,
         compile=compile,
-        mode=mode,
-        task_chunk=task_chunk,
+        plan=plan,
     )
