@@ -312,8 +312,8 @@ def test_cuda_graphs_on_a_gpu_give_the_plain_paths_meta_gradients():
     """On a GPU (``make gpu-check``): the sinusoid MLP in float64 with the CUDA plan, three
     calls (compile and warm-up, capture, replay) accumulated in ``.grad``, then a new batch
     shape: the plain path's sums, no skipped graph, a compile time per kind."""
-    net, fmodel, opt, hyper, _, loss_fn, (support, query) = setup("sgd")
-    net.cuda()
+    net, _, opt, hyper, _, loss_fn, (support, query) = setup("sgd")
+    fmodel = fm.functional_model(net.cuda())
     s, q = (tuple(t.cuda() for t in pair) for pair in (support, query))
     reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False)
 
