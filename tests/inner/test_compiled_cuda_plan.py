@@ -61,10 +61,12 @@ def test_the_plans_options_and_lowering():
     reduce-overhead out (torch.compile takes a mode or options) plus the model's layout, and
     inductor's own lowerings; a mode given is passed as it is."""
     cpu = compile_plan("cpu", True)
-    assert CPU_OPTIONS.items() <= dict(cpu.options).items()
-    assert set(cpu.options) - set(CPU_OPTIONS) <= {"post_grad_custom_post_pass"}
+    assert cpu.options == CPU_OPTIONS and cpu.graph_passes
+    given = cpu.compile_kwargs()["options"]
+    assert CPU_OPTIONS.items() <= given.items()
+    assert set(given) - set(CPU_OPTIONS) <= {"post_grad_custom_post_pass"}
     assert cpu.lowering is fence.inductor_aten_max_pool_backward
-    assert cpu.compile_kwargs() == {"options": dict(cpu.options)}
+    assert cpu == compile_plan("cpu", True)  # pure: the same question, the same plan
     mlp = compile_plan("cuda", False)
     assert mlp.options is None and mlp.compile_kwargs() == {"mode": "reduce-overhead"}
     assert mlp.lowering is contextlib.nullcontext and mlp.note is None

@@ -103,6 +103,9 @@ class CompilePlan:
             options, not both), and they spell the mode out: ``"reduce-overhead"`` is
             ``{"triton.cudagraphs": True}``.
         options: inductor options, or ``None``.
+        graph_passes: whether the options get the step's CPU graph passes
+            (:func:`funcmeta._src.inner.passes.cpu_passes`), added by
+            :meth:`compile_kwargs`: making them imports inductor, which a plan does not.
         task_chunk: how many tasks one graph call takes (``None``: all of them).
         cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into
             the same output tensors, so the step copies a graph call's results before it
@@ -120,10 +123,13 @@ class CompilePlan:
     cuda_graphs: bool
     lowering: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     note: str | None = None
+    graph_passes: bool = False
 
     def compile_kwargs(self) -> dict[str, Any]:
         """What ``torch.compile`` gets besides ``fullgraph`` and ``dynamic``."""
-        return {"options": dict(self.options)} if self.options is not None else {"mode": self.mode}
+        if self.options is None:
+            return {"mode": self.mode}
+        return {"options": {**self.options, **(cpu_passes() if self.graph_passes else {})}}
 
 
 def compile_plan(
@@ -174,8 +180,9 @@ def compile_plan(
         )
         return CompilePlan(device, mode, None, chunk, graphs and device == "cuda", note=note)
     if device == "cpu":
-        options = {"cpp_wrapper": True, "layout_optimization": False, **cpu_passes()}
-        return CompilePlan("cpu", None, options, chunk, False, inductor_aten_max_pool_backward)
+        options = {"cpp_wrapper": True, "layout_optimization": False}
+        lowering = inductor_aten_max_pool_backward
+        return CompilePlan("cpu", None, options, chunk, False, lowering, graph_passes=True)
     if device == "cuda":
         conv_options = {"triton.cudagraphs": True, "layout_optimization": False}
         return CompilePlan(
@@ -240,7 +247,9 @@ class MetaStep:
             except Exception as error:  # an inductor option or mode this torch lacks
                 self.options_note = f"{how}: {type(error).__name__}: {_first_line(error)}"
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False)
-                self.plan = dataclasses.replace(plan, mode=None, options=None, cuda_graphs=False)
+                self.plan = dataclasses.replace(
+                    plan, mode=None, options=None, cuda_graphs=False, graph_passes=False
+                )
 
     @staticmethod
     def plan_for(
