@@ -8,10 +8,16 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch import Tensor, nn
 
 DTYPE = torch.float64
+
+#: The devices a test of CUDA code runs on: the CPU always, so that CI runs each path's logic,
+#: and CUDA where a device exists (the ``cuda`` mark skips it elsewhere). What needs the
+#: device's own kernels (TF32 numerics, CUDA graphs, device memory) stays CUDA-only.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
 
 
 def mlp(

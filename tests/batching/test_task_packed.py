@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import per_task
+from helpers import DEVICES, per_task
 from test_task_recurrent import _counting, _layer, _meta_grads
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -238,18 +238,20 @@ def test_float32_lstm_runs_one_pass_in_first_order_too(passes):
     assert passes
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["first", "second"])
-def test_cuda_packed_lstm_equals_the_loop(order, passes):
+def test_packed_lstm_on_the_device_equals_the_loop(order, passes, device):
     """On CUDA first-order steps run cuDNN's packed kernel once per task (each task's own
-    packed sequence); second-order steps the one pass (cuDNN has no double backward)."""
+    packed sequence); second-order steps the one pass (cuDNN has no double backward). A CPU
+    has no fused packed kernel: the one pass in both orders. The lengths stay on the host
+    (``pack_padded_sequence`` takes them there) while the sequences are on the device."""
     torch.manual_seed(10)
-    net = Reader(_layer("lstm", num_layers=2, bidirectional=True)).cuda()
+    net = Reader(_layer("lstm", num_layers=2, bidirectional=True)).to(device)
     x, lengths, y = _data(False, 10)
-    x, y = x.float().cuda(), y.cuda()
+    x, y = x.float().to(device), y.to(device)
+    assert lengths.device.type == "cpu"
     _compare(net, x, (lengths,), y, first_order=order == "first", rtol=1e-4)
-    assert bool(passes) == (order == "second")
+    assert bool(passes) == (order == "second" or device == "cpu")
 
 
 def test_a_zero_length_gives_torchs_error():
@@ -350,3 +352,22 @@ def test_a_packed_sequence_as_the_output_runs_once_per_task():
         want = net(x[t], lengths[t])
         torch.testing.assert_close(out.data[t], want.data, rtol=1e-13, atol=1e-14)
         assert torch.equal(out.batch_sizes[t], want.batch_sizes)
+
+
+def test_host_lengths_meet_device_steps_on_the_device():
+    """``pack_padded_sequence`` keeps lengths on the host while the steps live on the
+    device; every tensor the batched pack derives from both is made on the steps' device.
+    On a CPU the "meta" device stands in for CUDA: mixing it with host tensors raises as
+    CUDA does ("not on the expected device")."""
+    from funcmeta._src.batching.packed import TaskPacked
+
+    lengths = torch.tensor([[3, 2, 1], [2, 2, 1]])
+    padded = torch.zeros(2, 3, 3, 4, device="meta")
+    packed = TaskPacked(padded, lengths, level=1)
+    assert packed.valid().device.type == "meta"
+    assert packed.valid().shape == (2, 3, 3)
+    assert packed.empty((2, 3)).device.type == "meta"
+    assert packed.batch_sizes().device.type == "cpu"  # torch's PackedSequence keeps them there
+    assert packed.batch_sizes().tolist() == [[3, 2, 1], [3, 2, 0]]
+    with pytest.raises(RuntimeError, match="device"):  # the mistake the stand-in avoids
+        _ = torch.arange(3, device="meta").view(1, -1, 1) < lengths.unsqueeze(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DTYPE, batches
+from helpers import DEVICES, DTYPE, batches
 from torch import nn
 
 import funcmeta as fm
@@ -269,16 +269,16 @@ def test_scenario_blocks_rates_subset_clip_autocast():
 # --- CUDA ------------------------------------------------------------------------------
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_cuda_meta_gradients_equal_the_unchecked_run(setting):
-    net = blocks_net().cuda()
+def test_meta_gradients_on_the_device_equal_the_unchecked_run(setting, device):
+    net = blocks_net().to(device)
     original = batches
 
-    def on_cuda(*args, **kwargs):
-        return [(x.cuda(), y.cuda()) for x, y in original(*args, **kwargs)]
+    def on_device(*args, **kwargs):
+        return [(x.to(device), y.to(device)) for x, y in original(*args, **kwargs)]
 
-    globals()["batches"] = on_cuda
+    globals()["batches"] = on_device
     try:
         reference, _ = meta_run(net, {}, FEATURES["adam-per-element-rates"])
         ours, _ = meta_run(net, SETTINGS[setting], FEATURES["adam-per-element-rates"])
@@ -288,22 +288,22 @@ def test_cuda_meta_gradients_equal_the_unchecked_run(setting):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.cuda
-def test_cuda_fp16_autocast_with_loss_scaling_and_checkpointing():
-    """As the bf16 test on CPU: the checkpointed run differs from the unchecked one by far
-    less than fp16 itself does (against the same run in float32)."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp16_autocast_with_loss_scaling_and_checkpointing(device):
+    """The checkpointed run in fp16 autocast differs from the unchecked one by far less than
+    fp16 itself does (against the same run in float32)."""
 
     def run(checkpointed, autocast=True):
         torch.manual_seed(0)
         net = nn.Sequential(
             *[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)], nn.Linear(64, 4)
-        ).cuda()
+        ).to(device)
         fmodel = fm.functional_model(net, checkpoint_layers="sequential" if checkpointed else None)
         rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus")
         g = torch.Generator().manual_seed(1)
-        xs, xq = (torch.randn(64, 64, generator=g).cuda() for _ in range(2))
-        ys, yq = (torch.randint(0, 4, (64,), generator=g).cuda() for _ in range(2))
-        with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+        xs, xq = (torch.randn(64, 64, generator=g).to(device) for _ in range(2))
+        ys, yq = (torch.randint(0, 4, (64,), generator=g).to(device) for _ in range(2))
+        with torch.autocast(device, dtype=torch.float16, enabled=autocast):
             result = fm.adapt(
                 fmodel,
                 fmodel.params,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint as tuc
 import zoo
-from helpers import DTYPE
+from helpers import DEVICES, DTYPE
 from test_engine import Residual
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
@@ -474,17 +474,19 @@ def test_other_threads_get_torchs_own_checkpoint_during_a_run():
     assert _code() is inspect.unwrap(tuc.checkpoint).__code__
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batched", [False, True], ids=["adapt", "adapt_tasks"])
 @pytest.mark.parametrize("how", ["non-reentrant", "reentrant", "sequential"])
-def test_cuda_self_checkpointed_model_gives_the_unchecked_meta_gradients(how, batched, monkeypatch):
-    """float64 on CUDA: the model's own checkpoints, checkpointed by funcmeta, give the
+def test_self_checkpointed_model_on_the_device_gives_the_unchecked_meta_gradients(
+    how, batched, device, monkeypatch
+):
+    """float64 on the device: the model's own checkpoints, checkpointed by funcmeta, give the
     unchecked model's meta-gradients (the CUDA backward runs recomputations on autograd's
     device threads)."""
     cpu_data = task_data
     monkeypatch.setitem(
-        globals(), "task_data", lambda seed=1: tuple(t.cuda() for t in cpu_data(seed))
+        globals(), "task_data", lambda seed=1: tuple(t.to(device) for t in cpu_data(seed))
     )
-    reference = meta_gradients(build("none").cuda(), batched, first_order=False)
-    ours = meta_gradients(build(how).cuda(), batched, first_order=False)
+    reference = meta_gradients(build("none").to(device), batched, first_order=False)
+    ours = meta_gradients(build(how).to(device), batched, first_order=False)
     assert relative(ours, reference) < 1e-10

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import DEVICES
 from torch import nn
 
 import funcmeta as fm
@@ -338,13 +339,13 @@ def test_module_unchanged_and_batchnorm_buffers_per_task():
         assert torch.equal(v, before[k])
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ck", list(CHECKPOINTS))
-def test_cuda_batched_equals_loop(ck):
+def test_batched_equals_loop_on_the_device(ck, device):
     torch.manual_seed(0)
-    net = conv4(channels=16).to(DTYPE).cuda()
+    net = conv4(channels=16).to(DTYPE).to(device)
     (xs, ys), (xq, yq), loss_fn = image_tasks()
-    support, query = (xs.cuda(), ys.cuda()), (xq.cuda(), yq.cuda())
+    support, query = (xs.to(device), ys.to(device)), (xq.to(device), yq.to(device))
     reference = loop(net, support, query, loss_fn, "adam")
     ours = batched(net, support, query, loss_fn, "adam", **CHECKPOINTS[ck])
     assert_same(ours, reference, rtol=1e-8, atol=1e-10)

@@ -226,7 +226,9 @@ def _take_steps(
         leaves = [_NonFiniteGradient.apply(p) for p in leaves]
     adapted = tree.unflatten(inner.spec, leaves)
     final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
-    stacked = torch.stack(losses) if losses else torch.empty(0)
+    stacked = (
+        torch.stack(losses) if losses else torch.empty(0, device=start[0].device if start else None)
+    )
     return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped), overflowed)
 
 
