@@ -101,11 +101,11 @@ section tf32 "TF32" 40 result "fm.exact_float32 error vs float64 <= 1e-3 (loop a
 section "compiled sinusoid" "compiled sinusoid" 80 result "compiled <= 1.5x JAX's time" \
     "The compiled meta-step, sinusoid: against adapt_tasks and JAX on the GPU (where jax[cuda] is installed)" \
     $PYTHON benchmarks/compiled.py --device cuda --workloads sinusoid --tasks 32 --steps 5 \
-    --repeats 50 --no-loop --max-jax-ratio 1.5
+    --repeats 50 --no-loop --task-chunk 0 --max-jax-ratio 1.5
 section "compiled conv4" "compiled conv4" 150 result "first call (compile) <= 120 s; compiled <= JAX's time" \
     "The compiled meta-step, conv4" \
     $PYTHON benchmarks/compiled.py --device cuda --workloads conv4 --tasks 32 --steps 5 \
-    --repeats 20 --no-loop --max-jax-ratio 1.0 --max-compile-seconds 120
+    --repeats 20 --no-loop --task-chunk 0 --max-jax-ratio 1.0 --max-compile-seconds 120
 
 # the sections without one, as far as the budget goes
 section memory "memory" 120 none "" \

@@ -80,6 +80,7 @@ def test_torchs_default_tf32_is_named_once_for_the_layers_that_use_it(name, said
     text = str(first[0].message)
     assert said in text and "36%" in text and "fm.exact_float32()" in text
     assert "matrix products" not in text  # cuBLAS TF32 is off by default
+    assert first[0].filename == __file__  # points at the caller's line
     assert _adapt(name, tasks) == []  # once per process
 
 
@@ -130,3 +131,15 @@ def test_a_filter_silences_it():
         x, y = torch.randn(5, 1, 6), torch.randn(5, 2)
         fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)
     assert caught == []
+
+
+def test_the_compiled_step_says_it_too():
+    fmodel = fm.functional_model(_conv())
+    step = fm.compile_meta_step(fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=1, compile=False)
+    x, y = torch.randn(2, 5, 1, 6), torch.randn(2, 5, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step((x, y), (x, y))
+    (said,) = [w for w in caught if issubclass(w.category, fm.TF32Warning)]
+    assert "cuDNN convolutions" in str(said.message)
+    assert said.filename == __file__  # points at the caller's line

@@ -73,6 +73,7 @@ from funcmeta._src.core.fence import (
     saved_tensor_hooks_state,
     set_saved_tensor_hooks_state,
 )
+from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import split_batch, task_count
 from funcmeta._src.inner.loop import split_adapted
@@ -361,6 +362,7 @@ class MetaStep:
                 f"support holds {tasks} tasks and query {task_count(q)}: one task axis for both"
             )
         params = self.fmodel.params
+        warn_tf32_second_order(self.fmodel.module, params.values(), self.options.first_order)
         hyper: list[dict[str, Tensor]] = [dict(m.named_parameters()) for m in self.hyper]
         self._calls += 1
         if self._compiled is not None and self.eager_reason is None:
