@@ -42,6 +42,7 @@ from funcmeta._src.inner.adapt import adapt as adapt
 from funcmeta._src.inner.compiled import MetaStep as MetaStep
 from funcmeta._src.inner.compiled import compile_meta_step as compile_meta_step
 from funcmeta._src.inner.inputs import Args as Args
+from funcmeta._src.inner.inputs import TaskAxisWarning as TaskAxisWarning
 from funcmeta._src.inner.model import functional_model as functional_model
 from funcmeta._src.inner.options import AdaptOptions as AdaptOptions
 from funcmeta._src.inner.options import takes_options as takes_options
@@ -67,6 +68,7 @@ __all__ = [
     "MetaStep",
     "NonFiniteError",
     "TF32Warning",
+    "TaskAxisWarning",
     "__version__",
     "adapt",
     "adapt_tasks",

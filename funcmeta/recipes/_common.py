@@ -10,6 +10,7 @@ from torch import Tensor
 
 from funcmeta._src.core.types import AdaptResult, LossFn
 from funcmeta._src.inner.inputs import check_model, split_batch, task_count
+from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -94,7 +95,8 @@ def query_loss(
 ) -> tuple[Tensor, Any]:
     """The mean over tasks of each task's query loss, and the query outputs it was computed
     from (with a task axis)."""
-    losses, _, outputs = task_losses(
-        fmodel, params, loss_fn, query, buffers=buffers, return_outputs=True
-    )
+    with at("the query batch"):
+        losses, _, outputs = task_losses(
+            fmodel, params, loss_fn, query, buffers=buffers, return_outputs=True
+        )
     return losses.mean(), outputs

@@ -38,6 +38,7 @@ from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int, check_real
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation, chain
@@ -120,11 +121,13 @@ def imaml(
     }
     free = {k: v for k, v in phi.items() if k not in frozen}
     with torch.enable_grad():
-        q_losses, _, logits = task_losses(fmodel, phi, loss_fn, query, return_outputs=True)
+        with at("the query batch"):
+            q_losses, _, logits = task_losses(fmodel, phi, loss_fn, query, return_outputs=True)
         rhs = dict(zip(free, torch.autograd.grad(q_losses.sum(), list(free.values())), strict=True))
         # differentiated again by every Hessian-vector product: kernels that allow it
         with kernels.twice_differentiable():
-            s_losses, _ = task_losses(fmodel, phi, loss_fn, support)
+            with at("the support batch"):
+                s_losses, _ = task_losses(fmodel, phi, loss_fn, support)
             grads = torch.autograd.grad(s_losses.sum(), list(free.values()), create_graph=True)
 
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:

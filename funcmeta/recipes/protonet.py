@@ -29,6 +29,7 @@ from torch import Tensor
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
+from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta.recipes._common import RecipeResult
@@ -71,7 +72,8 @@ def embed_episodes(
     if x_support.shape[0] != x_query.shape[0]:
         raise ValueError(f"support has {x_support.shape[0]} tasks but query has {x_query.shape[0]}")
     both = torch.cat([x_support, x_query], dim=1)
-    out, _ = apply_tasks(fmodel, params, both, buffers=buffers)
+    with at("the support and query batches (concatenated along the example axis)"):
+        out, _ = apply_tasks(fmodel, params, both, buffers=buffers)
     out = out.flatten(2)
     return out[:, : x_support.shape[1]], out[:, x_support.shape[1] :]
 

@@ -41,6 +41,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -69,7 +70,10 @@ __all__ = [
     "conv_forward",
     "frame_local",
     "frame_executes",
+    "user_stacklevel",
+    "traceback_modules",
     "conv_padding",
+    "cudagraph_skips",
     "cudnn_disabled",
     "dispatch_checkpoint",
     "fused_rnn",
@@ -765,3 +769,29 @@ def _watches_cudagraph_skips() -> bool:
 ACCESSES["torch._dynamo.utils.counters['inductor']['cudagraph_skips'], inductor's skip log"] = (
     _watches_cudagraph_skips
 )
+
+
+def traceback_modules(error: BaseException) -> list[nn.Module]:
+    """The modules whose methods are on ``error``'s traceback (each frame's ``self``),
+    outermost first: where in a model a forward failed."""
+    found: list[nn.Module] = []
+    tb = error.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and (not found or found[-1] is not owner):
+            found.append(owner)
+        tb = tb.tb_next
+    return found
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[2]) + "/"
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn``, called right where this is called, that
+    points at the first frame outside funcmeta: the user's call, however deep the warning
+    is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -38,7 +38,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from funcmeta._src.core.fence import autocast_enabled
+from funcmeta._src.core.fence import autocast_enabled, user_stacklevel
 
 __all__ = ["TF32Warning", "exact_float32", "tf32_on", "tf32_state", "warn_tf32_second_order"]
 
@@ -248,5 +248,7 @@ def warn_tf32_second_order(module: nn.Module, tensors: Iterable[Tensor], first_o
     _WARNED[0] = True
     names = {"matmul": "matrix products", "conv": "cuDNN convolutions", "rnn": "cuDNN RNNs"}
     warnings.warn(
-        TF32_MESSAGE.format(ops=", ".join(names[op] for op in ops)), TF32Warning, stacklevel=3
+        TF32_MESSAGE.format(ops=", ".join(names[op] for op in ops)),
+        TF32Warning,
+        stacklevel=user_stacklevel(),
     )

@@ -24,7 +24,7 @@ from torch import Tensor
 from funcmeta._src.core.checks import retold
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
-from funcmeta._src.inner.forward import forward_loss
+from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptOptions, takes_options
@@ -34,6 +34,7 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["AdaptResult", "LossFn", "NonFiniteError", "adapt"]
 
 
+@raised_at_the_call
 @takes_options
 def adapt(
     fmodel: FunctionalModel,

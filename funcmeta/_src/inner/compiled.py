@@ -75,10 +75,11 @@ from funcmeta._src.core.fence import (
 )
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.inputs import split_batch, task_count
+from funcmeta._src.inner.inputs import split_batch, task_count, warn_one_task_as_many
 from funcmeta._src.inner.loop import split_adapted
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.inner.passes import cpu_passes
+from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -357,6 +358,7 @@ class MetaStep:
         parameters; returns the mean query loss (without a graph)."""
         s, q = split_batch(support), split_batch(query)
         tasks = task_count(s)
+        warn_one_task_as_many(s, tasks)
         if task_count(q) != tasks:
             raise ValueError(
                 f"support holds {tasks} tasks and query {task_count(q)}: one task axis for both"
@@ -517,9 +519,10 @@ class MetaStep:
             steps=self.steps,
             **{k: getattr(self.options, k) for k in _OPTIONS},
         )
-        losses, _ = task_losses(
-            self.fmodel, result.params, self.loss_fn, query, buffers=result.buffers
-        )
+        with at("the query batch"):
+            losses, _ = task_losses(
+                self.fmodel, result.params, self.loss_fn, query, buffers=result.buffers
+            )
         loss = losses.mean()
         groups = [{k: t for k, t in g.items() if t.requires_grad} for g in (params, *hyper)]
         wrt = [t for g in groups for t in g.values()]

@@ -19,8 +19,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Literal
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,13 +29,20 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import retold
+from funcmeta._src.core.fence import traceback_modules
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.core.vmap import any_batched, vmap_flat
 from funcmeta._src.inner.inputs import CallInputs, TaskAxisError
+from funcmeta._src.inner.place import current
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.shadow import Standin
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
+    "LossShapeError",
     "batch_dims",
+    "raised_at_the_call",
     "forward_loss",
     "forward_loss_outputs",
     "task_losses_of",
@@ -75,9 +83,38 @@ def forward_loss_outputs(
     except (IndexError, RuntimeError, ValueError, TypeError) as error:
         raise _loss_error(error, out, targets) from error
     if not isinstance(loss, Tensor) or loss.dim() != 0:
-        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        raise LossShapeError(_loss_shape_message(loss_fn, loss))
     return (loss, out), new_buffers
+
+
+class LossShapeError(ValueError):
+    """``loss_fn`` returned something other than a scalar tensor; raised again at the public
+    call (:func:`raised_at_the_call`), where the user can act on it."""
+
+
+def _loss_shape_message(loss_fn: Any, loss: Any) -> str:
+    got = f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return (
+        f"loss_fn must return a scalar tensor (one number per task), got {got} from {name}: "
+        "reduce it over the examples, e.g. F.mse_loss(out, y) or F.cross_entropy(out, y) with "
+        "their default reduction='mean' (not reduction='none'), or end a loss of your own with "
+        ".mean()"
+    )
+
+
+def raised_at_the_call(function: _F) -> _F:
+    """``function`` with a :class:`LossShapeError` from deep inside the inner loop raised
+    again at the call, its traceback starting there."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except LossShapeError as error:
+            raise error.with_traceback(None) from None
+
+    return cast(_F, call)
 
 
 def run_model(
@@ -91,17 +128,72 @@ def run_model(
     executor (the call goes down the packages, never back up through the model); a dtype
     mismatch inside the model (torch's "must have the same dtype") is said again with the
     dtypes of the inputs and parameters and the fix."""
+    batched = False
     try:
         fmodel.check_buffers(buffers)
         executor = fmodel.executor
-        if executor is not None and any_batched(params, buffers, args, kwargs):
+        batched = any_batched(params, buffers, args, kwargs)
+        if executor is not None and batched:
             return executor.run(fmodel, params, buffers, args, kwargs)
         return fmodel.run_plain(params, buffers, args, kwargs)
-    except RuntimeError as error:
+    except (RuntimeError, IndexError) as error:
         text = str(error)
-        if "dtype" not in text and "scalar type" not in text:
+        if isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text):
+            raise retold(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
+        if _WHERE in text or not _about_shapes(error):
             raise
-        raise retold(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
+        where = _where_it_failed(fmodel, error, args, kwargs, batched)
+        raise retold(error, f"{text}\n{where}") from error
+
+
+_WHERE = "funcmeta: the model's forward failed on"
+_SHAPE_WORDS = ("shape", "size", "dimension", "dim ", "mat1", "mat2", "expected input", "index")
+
+
+def _about_shapes(error: BaseException) -> bool:
+    """Whether ``error`` reads as a shape (or index) mismatch inside the model."""
+    text = str(error).lower()
+    return any(word in text for word in _SHAPE_WORDS)
+
+
+def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    given = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
+    parts = [
+        f"{name} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+        for name, v in given
+        if isinstance(v, Tensor)
+    ]
+    return ", ".join(parts) if parts else "no tensor arguments"
+
+
+def _where_it_failed(
+    fmodel: FunctionalModel,
+    error: BaseException,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batched: bool,
+) -> str:
+    """Which batch the model failed on (as the caller said: :mod:`funcmeta._src.inner.place`),
+    its inputs' shapes, and the innermost of the model's layers on the error's traceback."""
+    names = {id(m): name for name, m in fmodel.module.named_modules()}
+    # a task-batched run goes through stand-ins for some layers: each names its original
+    seen = [m.original if isinstance(m, Standin) else m for m in traceback_modules(error)]
+    layers = [m for m in seen if id(m) in names]
+    if layers:
+        name = names[id(layers[-1])]
+        layer = (
+            f"in layer '{name}' ({type(layers[-1]).__name__})"
+            if name
+            else f"in the model's own forward ({type(layers[-1]).__name__})"
+        )
+    else:
+        layer = "outside the model's layers"
+    tasks = " (shapes per task: every task of the batch runs this layer alike)" if batched else ""
+    return (
+        f"{_WHERE} {current() or 'a batch'}{tasks}, {layer}; its inputs: {_shapes(args, kwargs)}. "
+        "Check the batch's shapes against the model's (a batch of shape (N, features) for "
+        "nn.Linear(features, ...)); a leftover or missing task axis shows here too"
+    )
 
 
 def _dtypes_hint(

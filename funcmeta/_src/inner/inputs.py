@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_tree
-from funcmeta._src.core.fence import autocast_enabled
+from funcmeta._src.core.fence import autocast_enabled, user_stacklevel
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -53,6 +53,7 @@ __all__ = [
     "CheckedCall",
     "TaskAxisError",
     "TaskAxisSuspect",
+    "TaskAxisWarning",
     "check_adapt_call",
     "check_batch",
     "check_batch_call",
@@ -61,6 +62,7 @@ __all__ = [
     "split_batch",
     "split_inputs",
     "leftover_task_axis",
+    "warn_one_task_as_many",
     "task_count",
 ]
 
@@ -277,23 +279,105 @@ def check_adapt_call(
         fmodel, params, batch, opt=opt, buffers=buffers, task_batched=task_batched
     )
     if checked.tasks is not None:
-        _warn_one_example_tasks(checked.batch, checked.tasks)
+        warn_one_task_as_many(checked.batch, checked.tasks)
+    else:
+        _warn_leading_task_axis(fmodel, checked.batch)
     return checked
 
 
-def _warn_one_example_tasks(split: tuple[CallInputs, Any], tasks: int) -> None:
+class TaskAxisWarning(UserWarning):
+    """A batch whose shapes suggest a task-axis mistake that would otherwise run silently:
+    :func:`funcmeta.adapt` given a batch with a leading task axis, or
+    :func:`funcmeta.adapt_tasks` given one task's batch. Silence it, where the shapes are
+    meant, with ``warnings.filterwarnings("ignore", category=fm.TaskAxisWarning)``."""
+
+
+#: Layers that act on the last axis of their input alone, so that extra leading axes (a
+#: leftover task axis) pass through them silently as more examples.
+_LAST_AXIS = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.Identity,
+    nn.LayerNorm,
+    nn.Dropout,
+    nn.AlphaDropout,
+    nn.Sequential,
+    nn.ModuleList,
+    nn.ModuleDict,
+)
+
+
+def _last_axis_only(module: nn.Module) -> bool:
+    """Whether every layer of ``module`` acts on the last axis alone (an MLP): no layer
+    reads a sequence, an image or a set along the leading axes."""
+    return all(
+        isinstance(m, _LAST_AXIS) or type(m).__module__ == "torch.nn.modules.activation"
+        for m in module.modules()
+        if m is not module or isinstance(m, _LAST_AXIS)
+    ) and any(isinstance(m, nn.Linear) for m in module.modules())
+
+
+def _first_floating(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+    return next(
+        (v for v in (*args, *kwargs.values()) if isinstance(v, Tensor) and v.is_floating_point()),
+        None,
+    )
+
+
+def _warn_leading_task_axis(fmodel: FunctionalModel, split: tuple[CallInputs, Any]) -> None:
+    """Warn when :func:`funcmeta.adapt` gets floating inputs and targets that share two
+    leading axes, for a model whose layers act on the last axis alone: most likely a batch
+    of tasks ``(T, N, ...)``, which such a model runs as one task of ``T * N`` examples."""
+    (args, kwargs), targets = split
+    x = _first_floating(args, kwargs)
+    if (
+        x is None
+        or x.dim() < 3
+        or not isinstance(targets, Tensor)
+        or not targets.is_floating_point()
+        or targets.dim() < 3
+        or targets.shape[:2] != x.shape[:2]
+        or not _last_axis_only(fmodel.module)
+    ):
+        return
+    tasks, examples = x.shape[:2]
+    warnings.warn(
+        f"fm.adapt takes one task's batch: these inputs {tuple(x.shape)} and targets "
+        f"{tuple(targets.shape)} share their two leading axes, and the model's layers act on "
+        f"the last axis alone, so this runs as ONE task of {tasks} x {examples} examples. If "
+        "the first axis is a task axis, use fm.adapt_tasks (all tasks at once) or pass one "
+        "task, (x[t], y[t]). If this is one task's data, silence this with "
+        "warnings.filterwarnings('ignore', category=fm.TaskAxisWarning)",
+        TaskAxisWarning,
+        stacklevel=user_stacklevel(),
+    )
+
+
+def warn_one_task_as_many(split: tuple[CallInputs, Any], tasks: int) -> None:
     """Warn when every target holds one value per task (a scalar target after the task
     axis): most likely one task's batch without a task axis, read as ``tasks`` tasks of one
     example each."""
     targets = [x for x in tree.leaves(split[1]) if isinstance(x, Tensor)]
-    if tasks > 1 and targets and all(x.dim() == 1 for x in targets):
-        warnings.warn(
-            f"adapt_tasks reads the leading axis of every batch tensor as the task axis: these "
-            f"targets of shape {tuple(targets[0].shape)} make {tasks} tasks of one example "
-            "each. If this is one task's batch, call fm.adapt, or give it a task axis "
-            "(x.unsqueeze(0), y.unsqueeze(0))",
-            stacklevel=4,
+    if tasks < 2 or not targets:
+        return
+    (args, kwargs), _ = split
+    x = _first_floating(args, kwargs)
+    if all(t.dim() == 1 for t in targets):
+        said = f"targets of shape {tuple(targets[0].shape)} make {tasks} tasks of one example each"
+    elif x is not None and x.dim() <= 2 and all(t.dim() <= 2 for t in targets):
+        said = (
+            f"inputs of shape {tuple(x.shape)} make {tasks} tasks of one unbatched example "
+            f"each (inputs {tuple(x.shape[1:])} per task)"
         )
+    else:
+        return
+    warnings.warn(
+        f"adapt_tasks reads the leading axis of every batch tensor as the task axis: these "
+        f"{said}. If this is one task's batch, call fm.adapt, or give it a task axis "
+        "(x.unsqueeze(0), y.unsqueeze(0))",
+        TaskAxisWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 def check_dtypes(

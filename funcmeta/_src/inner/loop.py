@@ -36,6 +36,7 @@ from funcmeta._src.core.checks import retold
 from funcmeta._src.core.tree import Filter, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
 from funcmeta._src.inner.options import AdaptOptions
+from funcmeta._src.inner.place import at
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.base import step as optim_step
 from funcmeta._src.optim.clip import clip_grads_by_global_norm
@@ -204,9 +205,10 @@ def _take_steps(
             graph = k >= truncate
             try:
                 mode = StepMode(graph, graph and not first_order, offload)
-                leaves, state, buffers, loss, was_skipped = checkpointed_step(
-                    inner, k, mode, outer, leaves, state, buffers
-                )
+                with at(f"the support batch at inner step {k}"):
+                    leaves, state, buffers, loss, was_skipped = checkpointed_step(
+                        inner, k, mode, outer, leaves, state, buffers
+                    )
             except RuntimeError as error:  # torch.OutOfMemoryError is one
                 if not _out_of_memory(error):
                     raise

@@ -45,10 +45,11 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.fence import inside_transform
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn
-from funcmeta._src.inner.forward import task_losses_of, task_outputs_of
+from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
 from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptOptions, takes_options
+from funcmeta._src.inner.place import unless_set
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 
@@ -74,14 +75,16 @@ def apply_tasks(
     )
     call = checked.batch[0]
     assert checked.param_dims is not None  # task-batched: one entry per parameter
-    return _following(
-        fmodel,
-        functools.partial(
-            task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
-        ),
-    )
+    with unless_set("the inputs given to fm.apply_tasks"):
+        return _following(
+            fmodel,
+            functools.partial(
+                task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
+            ),
+        )
 
 
+@raised_at_the_call
 def task_losses(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
@@ -126,12 +129,14 @@ def task_losses(
         checked.buffers,
         outputs=return_outputs,
     )
-    if not return_outputs:
-        return _following(fmodel, run)
-    (losses, outputs), new_buffers = _following(fmodel, run)
+    with unless_set("the batch given to fm.task_losses"):
+        if not return_outputs:
+            return _following(fmodel, run)
+        (losses, outputs), new_buffers = _following(fmodel, run)
     return losses, new_buffers, outputs
 
 
+@raised_at_the_call
 @takes_options
 def adapt_tasks(
     fmodel: FunctionalModel,
