@@ -9,11 +9,18 @@ Example:
 """
 
 from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
-from funcmeta.data.episodes import EpisodeBatch, Episodes, omniglot_characters, split_classes
-from funcmeta.data.omniglot import load_omniglot, load_omniglot_runs
+from funcmeta.data.episodes import (
+    ClassLabels,
+    EpisodeBatch,
+    Episodes,
+    omniglot_characters,
+    split_classes,
+)
+from funcmeta.data.omniglot import load_omniglot, load_omniglot_runs, missing_omniglot_files
 from funcmeta.data.sinusoid import Sinusoid, SinusoidBatch
 
 __all__ = [
+    "ClassLabels",
     "EpisodeBatch",
     "OMNIGLOT_FILES",
     "OMNIGLOT_URL",
@@ -23,6 +30,7 @@ __all__ = [
     "download_omniglot",
     "load_omniglot",
     "load_omniglot_runs",
+    "missing_omniglot_files",
     "omniglot_characters",
     "split_classes",
 ]

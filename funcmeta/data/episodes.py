@@ -12,15 +12,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
-from typing import NamedTuple
+import copy
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_int
 
-__all__ = ["EpisodeBatch", "Episodes", "omniglot_characters", "split_classes"]
+__all__ = ["ClassLabels", "EpisodeBatch", "Episodes", "omniglot_characters", "split_classes"]
 
 
 class EpisodeBatch(NamedTuple):
@@ -49,23 +50,145 @@ class EpisodeBatch(NamedTuple):
         return (self.x_query, self.y_query)
 
 
+class ClassLabels(Tensor):
+    """Integer class labels that carry the group of each class: classes made from one source
+    (the four rotations of an Omniglot character) share a group, and :func:`split_classes`
+    keeps a group on one side of a split by default.
+
+    ``ClassLabels(labels, groups)``: ``groups[c]`` is the key (any hashable) of class ``c``,
+    one per class label from 0 to the largest. :func:`funcmeta.data.load_omniglot` returns its labels as
+    these, the character (``"alphabet/characterNN"``) as the key. Selections and copies keep
+    the groups (indexing, ``index_select``, ``masked_select``, ``clone``, ``detach``, ``to``,
+    ``cpu``, ``cuda``, ``contiguous``, ``long``, ``reshape``, ``view``, ``flatten``); any other
+    operation (arithmetic, comparisons, ``cat``, ``unique``) gives a plain tensor, which
+    carries none. Raises ``ValueError`` for labels that are not non-negative integers, or
+    without a key for some label; ``TypeError`` for a key that is not hashable.
+
+    Example:
+        >>> import torch, funcmeta as fm
+        >>> labels = fm.data.ClassLabels(torch.arange(6).repeat_interleave(2), "aabbcc")
+        >>> labels
+        ClassLabels([0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5])
+        >>> labels[4:].groups
+        ('a', 'a', 'b', 'b', 'c', 'c')
+        >>> train, test = fm.data.split_classes(labels, [4, 2], generator=torch.Generator().manual_seed(0))
+        >>> [labels.groups[c] for c in test]
+        ['a', 'a']
+    """
+
+    groups: tuple[Hashable, ...]
+
+    @staticmethod
+    def __new__(cls, labels: Tensor, groups: Sequence[Hashable]) -> ClassLabels:
+        if not isinstance(labels, Tensor):
+            raise TypeError(f"labels must be a tensor, got {type(labels).__name__}")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+        keys = tuple(groups)
+        for key in keys:
+            try:
+                hash(key)
+            except TypeError:
+                raise TypeError(
+                    f"a group key must be hashable (a name, a number), got {type(key).__name__}"
+                ) from None
+        if labels.numel():
+            low, high = int(labels.min()), int(labels.max())
+            if low < 0:
+                raise ValueError(f"labels must be non-negative class indices, got {low}")
+            if high >= len(keys):
+                raise ValueError(
+                    f"groups has {len(keys)} keys but the labels go up to {high}: one key per "
+                    "class label, from 0 to the largest"
+                )
+        out = Tensor.__torch_function__(Tensor.as_subclass, (Tensor,), (labels, cls))
+        out.groups = keys
+        return cast(ClassLabels, out)
+
+    def __init__(self, labels: Tensor, groups: Sequence[Hashable]) -> None:
+        pass  # made by __new__; Tensor.__init__ takes no arguments
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        # torch's own handling, producing plain tensors; selections and copies get the groups
+        out = Tensor.__torch_function__(func, (Tensor,), args, kwargs)
+        source = args[0] if args else None
+        if (
+            func in _KEEPS_LABELS
+            and isinstance(source, ClassLabels)
+            and type(out) is Tensor
+            and not (out.is_floating_point() or out.is_complex() or out.dtype == torch.bool)
+        ):
+            kept = Tensor.__torch_function__(Tensor.as_subclass, (Tensor,), (out, ClassLabels))
+            kept.groups = source.groups
+            return kept
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ClassLabels:
+        plain = Tensor.__torch_function__(Tensor.as_subclass, (Tensor,), (self, Tensor))
+        return ClassLabels(copy.deepcopy(plain, memo), self.groups)
+
+
+# the operations that give labels of the same classes: they keep the groups
+_KEEPS_LABELS = frozenset(
+    [
+        Tensor.__getitem__,
+        Tensor.index_select,
+        torch.index_select,
+        Tensor.masked_select,
+        torch.masked_select,
+        Tensor.clone,
+        torch.clone,
+        Tensor.detach,
+        torch.detach,
+        Tensor.to,
+        Tensor.cpu,
+        Tensor.cuda,
+        Tensor.contiguous,
+        Tensor.long,
+        Tensor.reshape,
+        torch.reshape,
+        Tensor.view,
+        Tensor.flatten,
+        torch.flatten,
+    ]
+)
+
+# labels saved with torch.save load back with torch.load's default (weights_only=True)
+torch.serialization.add_safe_globals([ClassLabels])
+
+
 def split_classes(
     labels: Tensor,
     sizes: Sequence[int],
     *,
     generator: torch.Generator | None = None,
     groups: Sequence[Hashable] | Mapping[int, Hashable] | None = None,
+    split_rotations_apart: bool = False,
 ) -> list[list[int]]:
     """Split the distinct labels of ``labels`` into disjoint random groups of ``sizes``
     (meta-train / meta-validation / meta-test classes). The sizes may sum to less than the
     number of classes; more raises ``ValueError``.
 
-    ``groups`` keeps related classes together: a key per class (indexed by the class label,
-    a sequence or a mapping), and classes with the same key always land in the same split.
-    Omniglot loaded with ``rotations=True`` has four classes per character; split it with
-    ``groups=fm.data.omniglot_characters(class_names)``, or every held-out class may be a
-    rotation of a character that is trained on. Each size must then be met by whole groups
-    (``ValueError`` otherwise, naming the group sizes).
+    Classes of one group always land in the same split. Labels that carry their groups
+    (:class:`ClassLabels`: :func:`funcmeta.data.load_omniglot`'s, where the four rotations of a character
+    are one group) are split by them, so a held-out class is never a rotation of a character
+    trained on; each size must then be met by whole groups (multiples of 4 for Omniglot
+    with rotations; ``ValueError`` otherwise, naming the group sizes).
+    ``split_rotations_apart=True`` ignores the groups the labels carry: the rotations of a
+    character may then land on both sides (the held-out classes are not held out).
+
+    ``groups`` gives the key of each class (indexed by the class label, a sequence or a
+    mapping) for labels without their own, e.g. ``fm.data.omniglot_characters(class_names)``.
+    For labels that carry groups, it must keep each of their groups together (it may join
+    groups: by alphabet, say); else ``ValueError``, as for keys that are missing or that
+    number otherwise than the labels' groups.
 
     Example:
         >>> import torch, funcmeta as fm
@@ -81,6 +204,11 @@ def split_classes(
     if any(s < 0 for s in sizes) or sum(sizes) > len(classes):
         raise ValueError(f"cannot split {len(classes)} classes into groups of {list(sizes)}")
     order = classes[torch.randperm(len(classes), generator=generator)].tolist()
+    carried = labels.groups if isinstance(labels, ClassLabels) else None
+    if carried is not None and not split_rotations_apart:
+        if groups is None:
+            return _split_groups(order, sizes, carried, carried=True)
+        _check_joins(order, groups, carried)
     if groups is not None:
         return _split_groups(order, sizes, groups)
     out, start = [], 0
@@ -90,17 +218,57 @@ def split_classes(
     return out
 
 
+def _keys(
+    order: list[int], groups: Sequence[Hashable] | Mapping[int, Hashable]
+) -> dict[int, Hashable]:
+    """The key of each class of ``order``, each one checked to be there."""
+    if not isinstance(groups, Mapping) and any(c < 0 for c in order):
+        raise ValueError(
+            f"groups is a sequence, indexed by class label, but there are negative labels "
+            f"({min(order)}): give a mapping from label to key"
+        )
+    if isinstance(groups, Mapping):
+        missing = [c for c in order if c not in groups]
+    else:
+        missing = [c for c in order if c >= len(groups)]
+    if missing:
+        raise ValueError(f"groups has no key for class {min(missing)}: one key per class label")
+    return {c: groups[c] for c in order}
+
+
+def _check_joins(
+    order: list[int],
+    groups: Sequence[Hashable] | Mapping[int, Hashable],
+    carried: tuple[Hashable, ...],
+) -> None:
+    """``groups`` must keep each group the labels carry in one piece."""
+    if not isinstance(groups, Mapping) and len(groups) != len(carried):
+        raise ValueError(
+            f"groups has {len(groups)} keys, but the labels carry the groups of "
+            f"{len(carried)} classes (labels.groups): the groups of another data set?"
+        )
+    keys = _keys(order, groups)
+    seen: dict[Hashable, tuple[int, Hashable]] = {}
+    for c in order:
+        first = seen.setdefault(carried[c], (c, keys[c]))
+        if first[1] != keys[c]:
+            raise ValueError(
+                f"groups puts classes {first[0]} and {c} under different keys ({first[1]!r}, "
+                f"{keys[c]!r}), but the labels keep them together (group {carried[c]!r}: "
+                "rotations of one character): pass split_rotations_apart=True to split them "
+                "apart anyway"
+            )
+
+
 def _split_groups(
-    order: list[int], sizes: Sequence[int], groups: Sequence[Hashable] | Mapping[int, Hashable]
+    order: list[int],
+    sizes: Sequence[int],
+    groups: Sequence[Hashable] | Mapping[int, Hashable],
+    carried: bool = False,
 ) -> list[list[int]]:
     """Whole groups of classes, in the random order of their first class, into splits of
     ``sizes`` classes each."""
-    try:
-        keys = {c: groups[c] for c in order}
-    except (IndexError, KeyError) as e:
-        raise ValueError(
-            f"groups has no key for class {e.args[0]}: one key per class label"
-        ) from None
+    keys = _keys(order, groups)
     members: dict[Hashable, list[int]] = {}
     for c in order:
         members.setdefault(keys[c], []).append(c)
@@ -112,9 +280,22 @@ def _split_groups(
             split += queue.pop(0)
         if len(split) != size:
             counts = sorted({len(m) for m in members.values()})
+            whose = (
+                "the labels carry their groups (labels.groups: an Omniglot character's "
+                "rotations are one group), and "
+                if carried
+                else ""
+            )
+            fix = (
+                "; or split_rotations_apart=True, which lets a character's rotations land on "
+                "both sides"
+                if carried
+                else ""
+            )
             raise ValueError(
                 f"cannot split {len(members)} groups of classes (of {counts} classes each) into "
-                f"splits of {list(sizes)} classes: each split must hold whole groups"
+                f"splits of {list(sizes)} classes: {whose}each split must hold whole groups "
+                f"(give sizes that are sums of group sizes{fix})"
             )
         out.append(sorted(split))
     return out
@@ -122,7 +303,13 @@ def _split_groups(
 
 def omniglot_characters(class_names: Sequence[str]) -> list[str]:
     """The character of each Omniglot class (``"alphabet/characterNN"``, its rotations'
-    ``"/rot90"`` ... suffix dropped): the ``groups`` for :func:`split_classes`."""
+    ``"/rot90"`` ... suffix dropped): the ``groups`` :func:`funcmeta.data.load_omniglot`'s labels carry.
+
+    Example:
+        >>> import funcmeta as fm
+        >>> fm.data.omniglot_characters(["Greek/character01", "Greek/character01/rot90"])
+        ['Greek/character01', 'Greek/character01']
+    """
     return ["/".join(name.split("/")[:2]) for name in class_names]
 
 

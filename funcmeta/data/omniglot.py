@@ -40,9 +40,9 @@ from torch import Tensor
 from funcmeta._src.core.checks import check_choice, check_int
 from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta.data._files import check_sha256, safe_members
-from funcmeta.data.episodes import EpisodeBatch
+from funcmeta.data.episodes import ClassLabels, EpisodeBatch, omniglot_characters
 
-__all__ = ["RESAMPLE", "load_omniglot", "load_omniglot_runs"]
+__all__ = ["RESAMPLE", "load_omniglot", "load_omniglot_runs", "missing_omniglot_files"]
 
 SPLITS = {
     "background": "images_background",
@@ -160,13 +160,16 @@ def load_omniglot(
 
     ``images``: ``(N, 1, size, size)`` float32 in [0, 1], strokes 1 when ``invert`` (the
     drawings are black on white), resized from 105x105 with Pillow's filter ``resample`` (one
-    of :data:`RESAMPLE`; ``"bicubic"`` is Pillow's own default, which other loaders use). ``labels``: ``(N,)`` class index per image. ``class_names``:
+    of :data:`RESAMPLE`; ``"bicubic"`` is Pillow's own default, which other loaders use).
+    ``labels``: ``(N,)`` class index per image, as :class:`~funcmeta.data.ClassLabels` that
+    carry each class's character (``labels.groups``). ``class_names``:
     ``"alphabet/characterNN"`` per class, sorted. With ``rotations``, each character also
     appears rotated by 90, 180 and 270 degrees as three further classes (``.../rot90`` and
-    so on), the usual augmentation: split such classes by character,
-    ``fm.data.split_classes(labels, sizes, groups=fm.data.omniglot_characters(class_names))``,
-    or the held-out classes are rotations of characters trained on. Raises ``FileNotFoundError`` naming the expected folder,
-    and ``ValueError`` for an unknown split or a source without images.
+    so on), the usual augmentation; ``fm.data.split_classes(labels, sizes)`` keeps the four
+    classes of a character on one side (sizes in multiples of 4), so no held-out class is a
+    rotation of a character trained on. Raises ``FileNotFoundError`` naming the expected
+    files and where they are published (:func:`missing_omniglot_files`), and ``ValueError``
+    for an unknown split or a source without images.
     """
     try:
         import PIL  # noqa: F401
@@ -216,7 +219,7 @@ def load_omniglot(
             names.append(base if k == 0 else f"{base}/rot{90 * k}")
     if not images:
         raise ValueError(f"no PNG drawings under {searched}")
-    return torch.cat(images), torch.cat(labels), names
+    return torch.cat(images), ClassLabels(torch.cat(labels), omniglot_characters(names)), names
 
 
 def _split_drawings(
@@ -232,11 +235,67 @@ def _split_drawings(
     name = SPLITS[split] + ".zip"
     archive = _fetched(source, name, download, f"the {split} split", url)
     if archive is None:
+        address = missing_omniglot_files(source, split, url=url).get(name, "")
+        how = (
+            ", or pass download=True to fetch it"
+            if name in OMNIGLOT_FILES
+            else " (download=True fetches only the minimal splits and the runs)"
+        )
         raise FileNotFoundError(
-            f"no Omniglot split at {source}: expected {SPLITS[split]}/<alphabet>/"
-            f"<character>/*.png or {name} (download=True fetches the minimal splits)"
+            f"no Omniglot split {split!r} at {source}: expected {name} ({address}), as "
+            f"published or unpacked ({SPLITS[split]}/<alphabet>/<character>/*.png); put it "
+            f"there{how}"
         )
     return _zip_drawings(archive, stack), archive
+
+
+def _has_runs(folder: Path) -> bool:
+    return (
+        (folder / "all_runs.zip").is_file()
+        or (folder / "all_runs").is_dir()
+        or any(folder.glob("run*/class_labels.txt"))
+    )
+
+
+def missing_omniglot_files(
+    root: str | Path,
+    splits: str | Sequence[str] = (),
+    *,
+    runs: bool = False,
+    url: str = OMNIGLOT_URL,
+) -> dict[str, str]:
+    """The official Omniglot files that :func:`load_omniglot` (for ``splits``) and, with
+    ``runs``, :func:`load_omniglot_runs` would not find in the folder ``root``: each file's
+    name, with the address it is published at (``url`` followed by its path in the dataset's
+    repository). A split counts as there unpacked (``images_background/``) or as its archive;
+    the runs as ``all_runs.zip``, ``all_runs/`` or ``runNN/``. Empty when everything is there,
+    or when ``root`` is a file (an archive, read as given). Only the minimal splits and the
+    runs can be fetched (``download=True``, :data:`OMNIGLOT_FILES`); the others must be put in
+    ``root`` by hand. Raises ``ValueError`` for an unknown split.
+
+    Example:
+        >>> import tempfile, funcmeta as fm
+        >>> missing = fm.data.missing_omniglot_files(tempfile.mkdtemp(), "background_small1", runs=True)
+        >>> for name, address in missing.items():
+        ...     print(name, address)
+        images_background_small1.zip https://github.com/brendenlake/omniglot/raw/master/python/images_background_small1.zip
+        all_runs.zip https://github.com/brendenlake/omniglot/raw/master/python/one-shot-classification/all_runs.zip
+    """
+    source = Path(root).expanduser()
+    names = [splits] if isinstance(splits, str) else list(splits)
+    for s in names:
+        check_choice(s, "split", sorted(SPLITS))
+    if source.is_file():
+        return {}
+    base = url if url.endswith("/") else url + "/"
+    missing = [
+        SPLITS[s] + ".zip"
+        for s in dict.fromkeys(names)
+        if not ((source / SPLITS[s]).is_dir() or (source / (SPLITS[s] + ".zip")).is_file())
+    ]
+    if runs and not _has_runs(source):
+        missing.append("all_runs.zip")
+    return {name: base + OMNIGLOT_FILES.get(name, f"python/{name}") for name in missing}
 
 
 def _run_files(source: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Opener], str]:
@@ -292,8 +351,10 @@ def load_omniglot_runs(
         fetched = _fetched(source, "all_runs.zip", download, "the one-shot runs", url)
         if fetched is None:
             raise FileNotFoundError(
-                f"no one-shot runs at {source}: expected all_runs.zip or runNN/class_labels.txt "
-                "(download=True fetches all_runs.zip)"
+                f"no one-shot runs at {source}: expected all_runs.zip "
+                f"({url.rstrip('/')}/{OMNIGLOT_FILES['all_runs.zip']}), as published or "
+                "unpacked (runNN/class_labels.txt); put it there, or pass download=True to "
+                "fetch it"
             )
         source = fetched
     elif not source.exists():

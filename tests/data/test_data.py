@@ -69,6 +69,113 @@ def test_class_splits_restrict_episodes():
         fm.data.split_classes(labels, [15, 10])
 
 
+def rotated(characters=6, per_class=2):
+    """Labels of ``characters`` characters in 4 rotations each (class ``4 * char + turn``),
+    carrying their groups as load_omniglot's do."""
+    labels = torch.arange(4 * characters).repeat_interleave(per_class)
+    return fm.data.ClassLabels(labels, [f"a/character{c // 4:02d}" for c in range(4 * characters)])
+
+
+def test_class_labels_keep_their_groups_through_selections_and_copies(tmp_path):
+    import copy
+
+    labels = rotated()
+    for kept in (
+        labels[labels >= 8],
+        labels[3:],
+        labels.index_select(0, torch.tensor([0, 5])),
+        labels.masked_select(labels < 4),
+        labels.clone(),
+        labels.detach(),
+        labels.to("cpu"),
+        labels.contiguous(),
+        labels.reshape(-1),
+        labels.long(),
+        copy.deepcopy(labels),
+    ):
+        assert type(kept) is fm.data.ClassLabels and kept.groups == labels.groups
+    for plain in (
+        labels + 1,
+        labels == 2,
+        torch.cat([labels, labels]),
+        labels.unique(),
+        labels.float(),
+    ):
+        assert type(plain) is torch.Tensor
+    torch.save(labels, tmp_path / "labels.pt")
+    back = torch.load(tmp_path / "labels.pt")  # the default, weights_only=True
+    assert type(back) is fm.data.ClassLabels and back.groups == labels.groups
+    assert torch.equal(back, labels) and labels.tolist()[:3] == [0, 0, 1]
+    inputs = torch.randn(len(labels), 3)
+    b = fm.data.Episodes(inputs, labels, ways=3, shots=1, query=1).sample(2)
+    assert type(b.classes) is torch.Tensor
+
+
+@pytest.mark.parametrize(
+    "labels, groups, error, match",
+    [
+        (torch.ones(3), "a", ValueError, "integer tensor, got torch.float32"),
+        (torch.tensor([True]), "a", ValueError, "integer tensor, got torch.bool"),
+        (torch.tensor([0, -1]), "ab", ValueError, "non-negative class indices, got -1"),
+        (torch.tensor([0, 2]), "ab", ValueError, "groups has 2 keys but the labels go up to 2"),
+        (torch.tensor([0]), [[1]], TypeError, "must be hashable"),
+        ([0, 1], "ab", TypeError, "labels must be a tensor, got list"),
+    ],
+)
+def test_class_labels_refuse_what_is_not_labels_with_groups(labels, groups, error, match):
+    with pytest.raises(error, match=match):
+        fm.data.ClassLabels(labels, groups)
+
+
+def test_labels_with_groups_split_by_them_unless_told_otherwise():
+    labels = rotated()
+    characters = labels.groups
+    for seed in range(10):
+        g = torch.Generator().manual_seed(seed)
+        train, val, test = fm.data.split_classes(labels, [12, 4, 8], generator=g)
+        assert [len({characters[c] for c in s}) for s in (train, val, test)] == [3, 1, 2]
+        assert len({characters[c] for c in train + val + test}) == 6
+    # the opt-out: the classes split freely, rotations of one character on both sides
+    apart = [
+        fm.data.split_classes(
+            labels, [13, 11], generator=torch.Generator().manual_seed(s), split_rotations_apart=True
+        )
+        for s in range(10)
+    ]
+    assert any({characters[c] for c in tr} & {characters[c] for c in te} for tr, te in apart)
+    with pytest.raises(ValueError, match=r"of \[4\] classes each.*split_rotations_apart=True"):
+        fm.data.split_classes(labels, [13, 11])
+    # explicit groups may join the labels' groups (two characters per key), not cut them
+    pairs = [c // 8 for c in range(24)]
+    train, test = fm.data.split_classes(labels, [16, 8], groups=pairs)
+    assert {c // 8 for c in train}.isdisjoint(c // 8 for c in test)
+    with pytest.raises(ValueError, match=r"under different keys .*split_rotations_apart=True"):
+        fm.data.split_classes(labels, [12, 12], groups=[c % 2 for c in range(24)])
+    # ... unless told: then they are the groups
+    train, test = fm.data.split_classes(
+        labels, [12, 12], groups=[c % 2 for c in range(24)], split_rotations_apart=True
+    )
+    assert {c % 2 for c in test} == {test[0] % 2}
+    # groups of another data set
+    with pytest.raises(
+        ValueError, match="groups has 20 keys, but the labels carry the groups of 24"
+    ):
+        fm.data.split_classes(labels, [12, 12], groups=list(range(20)))
+
+
+def test_split_groups_bad_input():
+    labels = torch.arange(6).repeat_interleave(2)
+    with pytest.raises(ValueError, match="groups has no key for class 4"):
+        fm.data.split_classes(labels, [2, 2], groups=[0, 0, 1, 1])
+    with pytest.raises(ValueError, match="groups has no key for class 5"):
+        fm.data.split_classes(labels, [2, 2], groups={c: c for c in range(5)})
+    with pytest.raises(ValueError, match="negative labels"):
+        fm.data.split_classes(labels - 1, [2, 2], groups=list(range(6)))
+    pairs = {c: (c + 1) // 2 for c in range(-1, 5)}  # a mapping takes any label
+    train, test = fm.data.split_classes(labels - 1, [2, 2], groups=pairs)
+    assert {pairs[c] for c in train}.isdisjoint(pairs[c] for c in test)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -245,3 +352,33 @@ def test_omniglot_resize_filter_is_pillows_by_name(tmp_path):
         ValueError, match=r"resample must be 'lanczos', .* or 'nearest', got 'cubic'"
     ):
         fm.data.load_omniglot(tmp_path, resample="cubic")
+
+
+def test_missing_omniglot_files_names_what_the_loaders_would_not_find(tmp_path):
+    small1 = fm.data.OMNIGLOT_URL + "python/images_background_small1.zip"
+    missing = fm.data.missing_omniglot_files(
+        tmp_path, ["background_small1", "evaluation"], runs=True
+    )
+    assert missing == {
+        "images_background_small1.zip": small1,
+        "images_evaluation.zip": fm.data.OMNIGLOT_URL + "python/images_evaluation.zip",
+        "all_runs.zip": fm.data.OMNIGLOT_URL + fm.data.OMNIGLOT_FILES["all_runs.zip"],
+    }
+    (tmp_path / "images_background_small1.zip").write_bytes(b"")  # an archive, or
+    (tmp_path / "images_evaluation" / "A").mkdir(parents=True)  # the unpacked folder
+    (tmp_path / "run01").mkdir()
+    (tmp_path / "run01" / "class_labels.txt").write_text("")
+    assert (
+        fm.data.missing_omniglot_files(tmp_path, ["background_small1", "evaluation"], runs=True)
+        == {}
+    )
+    assert (
+        fm.data.missing_omniglot_files(tmp_path / "images_background_small1.zip", "background")
+        == {}
+    )
+    mirror = fm.data.missing_omniglot_files(tmp_path / "new", "background_small2", url="http://m/o")
+    assert mirror == {
+        "images_background_small2.zip": "http://m/o/python/images_background_small2.zip"
+    }
+    with pytest.raises(ValueError, match="split must be"):
+        fm.data.missing_omniglot_files(tmp_path, "train")

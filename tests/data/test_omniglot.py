@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
+import re
 import shutil
 import threading
 import time
@@ -115,9 +116,12 @@ def test_download_errors(tmp_path, server):
         fm.data.download_omniglot(tmp_path, ["images_evaluation.zip"], url=url)
     with pytest.raises(ValueError, match="download=True fetches only the files with a known"):
         fm.data.load_omniglot(tmp_path, "evaluation", download=True, url=url)
-    with pytest.raises(FileNotFoundError, match="download=True fetches the minimal splits"):
+    address = re.escape(fm.data.OMNIGLOT_URL + "python/images_background_small1.zip")
+    with pytest.raises(FileNotFoundError, match=rf"\({address}\).*or pass download=True"):
         fm.data.load_omniglot(tmp_path, "background_small1")
-    with pytest.raises(FileNotFoundError, match=r"download=True fetches all_runs\.zip"):
+    with pytest.raises(FileNotFoundError, match=r"download=True fetches only the minimal splits"):
+        fm.data.load_omniglot(tmp_path, "evaluation")
+    with pytest.raises(FileNotFoundError, match=r"one-shot-classification/all_runs\.zip\).*pass"):
         fm.data.load_omniglot_runs(tmp_path)
 
 
@@ -305,25 +309,78 @@ def test_hostile_run_files_are_named(tmp_path, monkeypatch):
         fm.data.load_omniglot_runs(write_zip(tmp_path / "ok.zip", members), size=0)
 
 
-def test_rotated_characters_never_straddle_a_class_split():
-    """Omniglot with rotations (four classes per character), split by character: no held-out
-    class is a rotation of a character trained on. Split by class, most would be."""
-    _images, labels, names = fm.data.load_omniglot(
-        shared("images_background_small1.zip"), size=8, rotations=True
-    )
+def characters_on_both_sides(characters, train, test) -> int:
+    """How many held-out classes share their character with a training class."""
+    trained = {characters[c] for c in train}
+    return sum(characters[c] in trained for c in test)
+
+
+def test_the_plain_split_of_rotated_omniglot_holds_out_whole_characters():
+    """Omniglot with rotations (four classes per character), split as a user writes it,
+    ``split_classes(labels, sizes)``: no held-out class shares its character with a training
+    class. The opt-out, named for what it does, gives back the class split, where (almost)
+    every held-out class is a rotation of a character trained on."""
+    shared("images_background_small2.zip")  # both minimal splits, or skip/fail by name
+    folder = shared("images_background_small1.zip").parent
+    splits = ["background_small1", "background_small2"]
+    _images, labels, names = fm.data.load_omniglot(folder, splits, size=8, rotations=True)
     characters = fm.data.omniglot_characters(names)
-    n = len(set(characters))
-    held = 20
-    g = torch.Generator().manual_seed(0)
+    assert len(names) == 4 * 242 and labels.groups == tuple(characters)
+    for seed in range(3):
+        train, test = fm.data.split_classes(
+            labels, [800, 168], generator=torch.Generator().manual_seed(seed)
+        )
+        assert len(test) == 168 and len({characters[c] for c in test}) == 42
+        assert characters_on_both_sides(characters, train, test) == 0
+    # what the split did before it kept characters together (168 of 168 with seed 0)
     train, test = fm.data.split_classes(
-        labels, [4 * (n - held), 4 * held], generator=g, groups=characters
+        labels,
+        [800, 168],
+        generator=torch.Generator().manual_seed(0),
+        split_rotations_apart=True,
     )
-    assert {characters[c] for c in train}.isdisjoint(characters[c] for c in test)
-    assert len(test) == 4 * held and len({characters[c] for c in test}) == held
-    plain_train, plain_test = fm.data.split_classes(
-        labels, [4 * (n - held), 4 * held], generator=torch.Generator().manual_seed(0)
+    assert characters_on_both_sides(characters, train, test) == 168
+    # the labels of a selection keep their groups: one alphabet's classes, split
+    greek = [c for c, name in enumerate(names) if name.startswith("Greek/")]
+    picked = labels[torch.isin(labels, torch.tensor(greek))]
+    assert isinstance(picked, fm.data.ClassLabels) and picked.groups == labels.groups
+    train, test = fm.data.split_classes(picked, [64, 32])
+    assert characters_on_both_sides(characters, train, test) == 0
+    # sizes that would cut a character are refused, with the fix
+    with pytest.raises(ValueError, match=r"whole groups .*split_rotations_apart=True"):
+        fm.data.split_classes(labels, [801, 167])
+    # without rotations each character is one class: the split is the class split
+    _, plain_labels, plain_names = fm.data.load_omniglot(folder, "background_small1", size=8)
+    assert plain_labels.groups == tuple(plain_names)
+    grouped = fm.data.split_classes(plain_labels, [100, 36], generator=torch.Generator())
+    assert grouped == fm.data.split_classes(
+        plain_labels + 0, [100, 36], generator=torch.Generator()
     )
-    straddling = {characters[c] for c in plain_test} & {characters[c] for c in plain_train}
-    assert len(straddling) > held // 2  # what the plain split does
-    with pytest.raises(ValueError, match=r"groups of classes \(of \[4\] classes each\)"):
-        fm.data.split_classes(labels, [10, 6], groups=characters)
+
+
+def test_the_tests_find_omniglot_through_one_setting(tmp_path, monkeypatch):
+    """``FUNCMETA_OMNIGLOT`` names the folder; unset, the shared folder beside the project.
+    Missing files skip with how to get them, or fail where the data must be (CI, or the
+    setting naming a folder without them)."""
+    import helpers
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("FUNCMETA_OMNIGLOT", str(tmp_path))
+    (tmp_path / "all_runs.zip").write_bytes(b"x")
+    assert helpers.shared_file("omniglot/all_runs.zip") == tmp_path / "all_runs.zip"
+    with pytest.raises(
+        pytest.fail.Exception, match=f"FUNCMETA_OMNIGLOT={re.escape(str(tmp_path))}"
+    ):
+        helpers.shared_file("omniglot/images_background_small1.zip")
+    monkeypatch.delenv("FUNCMETA_OMNIGLOT")
+    monkeypatch.setattr(helpers, "SHARED_DATA", tmp_path / "nowhere")
+    assert helpers.omniglot_folder() == tmp_path / "nowhere" / "omniglot"
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        helpers.shared_file("omniglot/all_runs.zip")
+    message = str(skipped.value)
+    for how in ("set FUNCMETA_OMNIGLOT", "fm.data.download_omniglot('DIR')", "--download"):
+        assert how in message
+    assert fm.data.OMNIGLOT_URL + "python/" in message
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="in CI"):
+        helpers.shared_file("omniglot/all_runs.zip")
