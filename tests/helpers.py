@@ -97,19 +97,55 @@ def init_gloo(rank: int, rendezvous: str, world_size: int = 2) -> None:
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """The shared data folder beside the project (CI clones with it there)."""
 
+OMNIGLOT_ENV = "FUNCMETA_OMNIGLOT"
+"""The one setting that tells the tests where the Omniglot files are: a folder holding
+``images_background_small1.zip``, ``images_background_small2.zip`` and ``all_runs.zip``."""
+
+
+def omniglot_folder() -> Path:
+    """Where the tests look for the Omniglot files: ``$FUNCMETA_OMNIGLOT`` if set, else
+    ``omniglot/`` in the shared data folder beside the project (``../shared/data/omniglot``)."""
+    import os
+
+    env = os.environ.get(OMNIGLOT_ENV)
+    return Path(env).expanduser() if env else SHARED_DATA / "omniglot"
+
+
+def _in_ci() -> bool:
+    import os
+
+    return os.environ.get("CI", "").lower() not in ("", "0", "false")
+
 
 def shared_file(relative: str) -> Path:
-    """A file of the shared data folder. Outside CI a missing one skips the test; in CI it
-    fails, so that a test cannot skip silently there."""
+    """A file of the shared data folder; ``"omniglot/NAME"`` is looked up in
+    :func:`omniglot_folder`. A missing file skips the test, with a message that says how to
+    get it; it fails instead in CI (``CI`` set) or when ``FUNCMETA_OMNIGLOT`` names a folder
+    without it, so that a test cannot skip silently where the data is meant to be."""
     import os
 
     import pytest
 
-    path = SHARED_DATA / relative
-    if not path.exists():
-        assert not os.environ.get("CI"), f"{path} is missing in CI"
+    head, _, rest = relative.partition("/")
+    omniglot = head == "omniglot" and bool(rest)
+    path = omniglot_folder() / rest if omniglot else SHARED_DATA / relative
+    if path.exists():
+        return path
+    if not omniglot:
+        if _in_ci():
+            pytest.fail(f"{path} is missing in CI")
         pytest.skip(f"no {path} (the shared data folder beside the project)")
-    return path
+    where = os.environ.get(OMNIGLOT_ENV)
+    if where or _in_ci():
+        set_by = f"{OMNIGLOT_ENV}={where}" if where else "in CI, the shared data folder"
+        pytest.fail(f"no {path} ({set_by}): the Omniglot files must be there")
+    pytest.skip(
+        f"no {path}: set {OMNIGLOT_ENV} to a folder holding the official Omniglot files "
+        "(default: ../shared/data/omniglot beside the project); fetch them into DIR with "
+        "python -c \"import funcmeta as fm; fm.data.download_omniglot('DIR')\" or "
+        "python examples/omniglot.py --data DIR --download (from "
+        "https://github.com/brendenlake/omniglot/raw/master/python/, verified by sha256)"
+    )
 
 
 def write_zip(path: Path, members: list[tuple[str, bytes]]) -> Path:
