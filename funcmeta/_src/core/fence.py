@@ -791,7 +791,8 @@ def user_stacklevel() -> int:
     """The ``stacklevel`` for ``warnings.warn``, called right where this is called, that
     points at the first frame outside funcmeta: the user's call, however deep the warning
     is raised."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level

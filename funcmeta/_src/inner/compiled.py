@@ -75,6 +75,7 @@ from funcmeta._src.core.fence import (
 )
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
+from funcmeta._src.inner.eager_reasons import COMPILE_FALSE, explain
 from funcmeta._src.inner.inputs import split_batch, task_count, warn_one_task_as_many
 from funcmeta._src.inner.loop import split_adapted
 from funcmeta._src.inner.options import AdaptOptions
@@ -234,7 +235,7 @@ class MetaStep:
         self.hyper = list(hyper)
         self.options = AdaptOptions.of(options)
         self.compile_seconds: dict[tuple[Any, ...], float] = {}
-        self.eager_reason: str | None = None if compile else "compile=False"
+        self.eager_reason: str | None = None if compile else COMPILE_FALSE
         self._buffer_names = list(fmodel.buffers)
         grad_fn = torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
         self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
@@ -334,7 +335,15 @@ class MetaStep:
         fixed = {} if fixed_tree is None else {k: v for k, v in fixed_tree.items() if v is not None}
         # every task keeps its own buffers (BatchNorm's running statistics)
         task_buffers = {k: v.expand(tasks, *v.shape).clone() for k, v in buffers.items()}
-        state = self.opt.init(adapted)
+        # the optimizer sees the tree the eager loop gives it: every adapted name, None where
+        # trainable= holds a parameter fixed, so that hyperparameter trees built over all
+        # parameters (fm.hyper.per_layer(fmodel.params, ...)) match it as they do there
+        keys = list(adapted_tree)
+
+        def with_fixed(values: dict[str, Tensor]) -> dict[str, Tensor | None]:
+            return {k: values.get(k) for k in keys}
+
+        state = self.opt.init(with_fixed(adapted))
         for _ in range(self.steps):
 
             def summed(
@@ -347,7 +356,10 @@ class MetaStep:
             grads, task_buffers = torch.func.grad(summed, has_aux=True)(adapted, task_buffers)
             if opts.first_order:
                 grads = {k: g.detach() for k, g in grads.items()}
-            adapted, state = optim_step(self.opt, grads, state, adapted, tasks=True)
+            stepped, state = optim_step(
+                self.opt, with_fixed(grads), state, with_fixed(adapted), tasks=True
+            )
+            adapted = {k: v for k, v in stepped.items() if v is not None}
         return self._losses(adapted, fixed, task_buffers, query).mean()
 
     # ---------------------------------------------------------------- calling it
@@ -490,10 +502,10 @@ class MetaStep:
             # a compile that failed inside torch.func.grad can leave saved-tensor hooks
             # off, which breaks every later checkpoint (the eager path's included)
             set_saved_tensor_hooks_state(hooks)
-            self.eager_reason = f"{type(error).__name__}: {_first_line(error)}"
+            self.eager_reason = explain(error)
             warnings.warn(
                 "compile_meta_step runs eagerly (fm.adapt_tasks, the same meta-gradients): "
-                f"torch.compile could not compile the meta-iteration ({self.eager_reason})",
+                f"torch.compile could not compile the meta-iteration: {self.eager_reason}",
                 stacklevel=3,
             )
             return None

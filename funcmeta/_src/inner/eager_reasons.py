@@ -1,0 +1,107 @@
+"""Why :func:`funcmeta.compile_meta_step` runs a meta-iteration eagerly, and what to change:
+:func:`explain` turns the error torch.compile raised into one line that names the cause in
+the model's terms and the fix (:attr:`funcmeta.MetaStep.eager_reason`).
+
+torch's own errors here say where tracing stopped inside torch (``TorchRuntimeError:
+RuntimeError when making fake tensor call``), not what in the model did it; each rule reads
+the whole chain of errors for the words of one known cause.
+
+Example:
+    >>> from funcmeta._src.inner.eager_reasons import explain
+    >>> explain(RuntimeError("Attempted to wrap RNN, GRU, or LSTM"))[:44]
+    'the model has an nn.RNN, nn.LSTM or nn.GRU: '
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["COMPILE_FALSE", "RULES", "Rule", "explain"]
+
+COMPILE_FALSE = "compile=False was given: pass compile=True (the default) to compile the step"
+
+#: The plain path every reason offers, with the same meta-gradients.
+_PLAIN = "fm.adapt_tasks (the same meta-gradients; the step runs it now)"
+
+
+class Rule(NamedTuple):
+    """A known cause: any of ``words`` in the errors' text (lower case) names it; ``says``
+    is the cause and the change, in the model's terms."""
+
+    name: str
+    words: tuple[str, ...]
+    says: str
+
+
+RULES: list[Rule] = [
+    Rule(
+        "recurrent",
+        ("wrap rnn, gru, or lstm",),
+        "the model has an nn.RNN, nn.LSTM or nn.GRU: torch.compile does not trace those "
+        f"layers inside torch.func transforms; use {_PLAIN}, which batches them itself",
+    ),
+    Rule(
+        "own checkpoints",
+        ("saved tensor hooks", "tag_activation_checkpoint"),
+        "the model calls torch.utils.checkpoint in its forward (its own activation "
+        "checkpointing), which torch.func cannot compile; turn it off for the compiled step "
+        "(e.g. model.gradient_checkpointing_disable()), or use "
+        f"{_PLAIN}, which runs those checkpoints",
+    ),
+    Rule(
+        "value read in Python",
+        ("call_method item", ".item()", "data-dependent", "data dependent", "generic_jump"),
+        "the model's forward reads a tensor's value in Python (.item(), bool(t), `if t:`), "
+        "which one graph cannot hold; compute it with tensor ops (torch.where) or use "
+        f"{_PLAIN}",
+    ),
+    Rule(
+        "no double backward",
+        ("_autograd_grad", "derivative for", "double backward", "twice differentiable"),
+        "an operator of the model (a fused attention or RNN kernel, most often) has no second "
+        "derivative inside the compiled graph; pass first_order=True, or use "
+        f"{_PLAIN}, which runs second order on kernels that have one",
+    ),
+    Rule(
+        "no vmap rule",
+        ("vmap", "batching rule"),
+        "an operator of the model has no vmap rule inside a compiled graph; use "
+        f"{_PLAIN}, which runs such layers once per task",
+    ),
+    Rule(
+        "too many kinds of input",
+        ("recompile_limit", "cache_size_limit", "recompile limit"),
+        "this step met more kinds of input (shapes, dtypes) than torch.compile keeps graphs "
+        "for; keep the tasks, shots and queries the same from call to call",
+    ),
+]
+
+
+def _text(error: BaseException) -> str:
+    """The messages of ``error`` and of every error it came from, in lower case."""
+    parts, seen = [], set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        parts.append(f"{type(current).__name__}: {current}")
+        current = current.__cause__ or current.__context__
+    return "\n".join(parts).lower()
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else ""
+
+
+def explain(error: BaseException) -> str:
+    """One line: the cause of a failed compile in the model's terms and what to change; an
+    unknown cause keeps torch's first line and says how to see where tracing stopped."""
+    text = _text(error)
+    for rule in RULES:
+        if any(word in text for word in rule.words):
+            return f"{rule.says} ({type(error).__name__})"
+    return (
+        f"{type(error).__name__}: {_first_line(error)}. torch.compile could not compile this "
+        f"meta-iteration; use {_PLAIN}, or compile=False to say so without trying "
+        "(TORCH_LOGS=graph_breaks shows where tracing stopped)"
+    )
