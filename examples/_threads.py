@@ -55,7 +55,9 @@ def add_threads_option(parser: argparse.ArgumentParser, default: int, workload: 
         "--threads",
         type=positive,
         default=default,
-        help=f"intra-op threads (torch.set_num_threads); default {default}: {workload}",
+        # %(default)s: argparse fills it in, and ArgumentDefaultsHelpFormatter adds no second one
+        help="intra-op threads (torch.set_num_threads); default %(default)s: "
+        + workload.replace("%", "%%"),
     )
 
 
