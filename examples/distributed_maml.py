@@ -23,19 +23,35 @@ from torch import nn
 import funcmeta as fm
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="gloo")
-    parser.add_argument("--iterations", type=int, default=500)
-    parser.add_argument("--meta-batch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--inner-lr", type=float, default=0.01)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--backend",
+        default="gloo",
+        help="torch.distributed backend: gloo on CPU, nccl on one GPU per rank",
+    )
+    p.add_argument("--iterations", type=int, default=500, help="meta-training iterations")
+    p.add_argument(
+        "--meta-batch",
+        type=int,
+        default=32,
+        help="tasks per meta-iteration, all ranks together (each adapts its share)",
+    )
+    p.add_argument("--steps", type=int, default=1, help="inner SGD steps per task")
+    p.add_argument("--inner-lr", type=float, default=0.01, help="inner SGD learning rate")
     add_threads_option(
-        parser,
+        p,
         1,
         "one per rank: the ranks share the cores, and the sinusoid MLP's operations are tiny",
     )
-    args = parser.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     use_threads(args)
 
     dist.init_process_group(args.backend)

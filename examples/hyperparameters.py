@@ -52,17 +52,36 @@ def mse(w: torch.Tensor, data: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return (x @ w - y).pow(2).mean()
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(description="Per-feature weight decay by implicit gradients.")
-    p.add_argument("--solver", choices=sorted(SOLVERS), default="cg")
-    p.add_argument("--iterations", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Per-feature weight decay by implicit gradients.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--solver",
+        choices=sorted(SOLVERS),
+        default="cg",
+        help="the linear solver of fm.implicit.root's backward pass: conjugate gradients on "
+        "the optimality condition's Jacobian, symmetric here (cg), or on its normal equations "
+        "(normal_cg, which any non-singular Jacobian allows)",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=300,
+        help="Adam steps on the 50 log-penalties, one inner solve and one implicit gradient each",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the data: weights and points")
     add_threads_option(
         p,
         1,
         "a 50-feature linear problem: tiny operations, which more threads only slow down",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    args = parser().parse_args(argv)
     use_threads(args)
     data = make_data(args.seed)
     x, y = data["train"]

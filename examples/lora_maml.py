@@ -78,21 +78,46 @@ def next_token_loss(out, ids: torch.Tensor) -> torch.Tensor:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--vocab", type=int, default=16)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--tasks", type=int, default=8)
-    p.add_argument("--sequences", type=int, default=8)
-    p.add_argument("--length", type=int, default=12)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--iterations", type=int, default=150)
-    p.add_argument("--inner-lr", type=float, default=0.5)
-    p.add_argument("--outer-lr", type=float, default=3e-3)
-    p.add_argument("--first-order", action="store_true")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--seed", type=int, default=0)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--vocab", type=int, default=16, help="tokens in every task's language")
+    p.add_argument("--width", type=int, default=64, help="the decoder's hidden size")
+    p.add_argument("--layers", type=int, default=2, help="the decoder's layers")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (lora_alpha is twice it)")
+    p.add_argument("--tasks", type=int, default=8, help="tasks per meta-batch")
+    p.add_argument(
+        "--sequences", type=int, default=8, help="sequences in each task's support and query set"
+    )
+    p.add_argument("--length", type=int, default=12, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=3, help="inner SGD steps on the adapters")
+    p.add_argument("--iterations", type=int, default=150, help="meta-training iterations")
+    p.add_argument(
+        "--inner-lr",
+        type=float,
+        default=0.5,
+        help="initial inner learning rate of each layer (learned, softplus-parameterised)",
+    )
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=3e-3,
+        help="Adam's learning rate for the adapters' initialisation and the inner rates",
+    )
+    p.add_argument(
+        "--first-order",
+        action="store_true",
+        help="first-order MAML: no second derivatives through the inner steps",
+    )
+    p.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the frozen base in bfloat16 under CPU autocast (the adapters stay float32); "
+        "--no-bf16: all float32",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tasks")
     return p
 
 

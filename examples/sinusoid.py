@@ -131,29 +131,68 @@ def plot(results: dict, shots: list[int], path: Path) -> None:
     print(f"plot: {path}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description="MAML vs Meta-SGD on sinusoid regression.")
-    parser.add_argument("--shots", type=int, nargs="+", default=[5, 10, 20])
-    parser.add_argument("--iterations", type=int, default=20000)
-    parser.add_argument("--meta-batch", type=int, default=25)
-    parser.add_argument("--inner-lr", type=float, default=0.01)
-    parser.add_argument("--meta-lr", type=float, default=1e-3)
-    parser.add_argument("--eval-tasks", type=int, default=600)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=Path("examples/out/sinusoid.png"))
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument(
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="MAML vs Meta-SGD on sinusoid regression.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--shots",
+        type=int,
+        nargs="+",
+        default=[5, 10, 20],
+        help="support points per task (K); each value trains MAML and Meta-SGD afresh",
+    )
+    p.add_argument(
+        "--iterations",
+        type=int,
+        default=20000,
+        help="meta-training iterations of each (method, shots) run",
+    )
+    p.add_argument("--meta-batch", type=int, default=25, help="tasks per meta-iteration")
+    p.add_argument(
+        "--inner-lr",
+        type=float,
+        default=0.01,
+        help="MAML's inner SGD learning rate (Meta-SGD learns its own rates)",
+    )
+    p.add_argument("--meta-lr", type=float, default=1e-3, help="Adam's outer learning rate")
+    p.add_argument(
+        "--eval-tasks",
+        type=int,
+        default=600,
+        help="held-out tasks scored after meta-training, 100 query points each",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the initial weights and the training tasks (the held-out tasks are fixed)",
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("examples/out/sinusoid.png"),
+        help="where to save the plot of the query MSE after one step (needs matplotlib)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument(
         "--compiled",
         action="store_true",
         help="meta-train with fm.compile_meta_step: each (method, shots) compiles once "
         "(seconds), then runs its iterations faster; pays for long runs",
     )
     add_threads_option(
-        parser,
+        p,
         1,
-        "a 1-40-40-1 MLP: tiny operations, which more threads only slow down, most of all when another process holds a core",
+        "a 1-40-40-1 MLP: tiny operations, which more threads only slow down, most of all "
+        "when another process holds a core",
     )
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
     use_threads(args)
 
     print(
