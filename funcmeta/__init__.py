@@ -34,6 +34,7 @@ from funcmeta import (
 )
 from funcmeta._src.core.precision import TF32Warning as TF32Warning
 from funcmeta._src.core.precision import exact_float32 as exact_float32
+from funcmeta._src.core.renames import install as _point_old_names
 from funcmeta._src.core.replay import recomputing as recomputing
 from funcmeta._src.core.types import AdaptResult as AdaptResult
 from funcmeta._src.core.types import LossFn as LossFn
@@ -97,3 +98,6 @@ __all__ = [
     "tree",
     "tune_task_chunk",
 ]
+
+_point_old_names()  # old names fail with a pointer to the new ones (CHANGELOG.md)
+del _point_old_names
