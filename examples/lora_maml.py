@@ -11,6 +11,12 @@ nor meta-trains frozen parameters).
 
     python examples/lora_maml.py                       # second order, bf16 base, CPU
     python examples/lora_maml.py --first-order --iterations 100
+
+On 2 CPU cores that other work shared, the first took about 13.5 minutes (811 s) and the
+second about 5 minutes (293 s); each process got less than half a core (335 s and 122 s of
+CPU time), so an idle machine runs them faster. In the first, the query loss after 3 inner
+steps fell from 2.69 to 2.21 over the 150 iterations, while the loss before adapting stayed
+near 2.78.
 """
 
 from __future__ import annotations
@@ -157,8 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         history["after"].append(float(after.detach()))
         if it % max(1, args.iterations // 6) == 0 or it == args.iterations - 1:
             print(
-                f"iteration {it:4d}  query loss before adapting {float(before):.3f}, after "
-                f"{args.steps} steps {float(after):.3f}  ({time.perf_counter() - start:.1f} s)",
+                f"iteration {it:4d}  query loss before adapting {history['before'][-1]:.3f}, "
+                f"after {args.steps} steps {history['after'][-1]:.3f}  "
+                f"({time.perf_counter() - start:.1f} s)",
                 flush=True,
             )
     return history
