@@ -7,9 +7,9 @@ The model is written as the post writes it: its ``forward`` runs each of its 40 
 (pre-norm residual blocks: a LayerNorm and two linear layers) under
 ``torch.utils.checkpoint.checkpoint``. funcmeta runs those checkpoints itself, with the
 adapted parameters, keeping only each module's input, in second order too (docs/memory.md,
-"Bring your checkpointed model"). The inner loop adapts the last modules and the head only,
-with one learnable softplus rate per module and clipped inner gradients; the outer loop is
-Adam with the scaler's unscale, clipping, step and update.
+"Bring your checkpointed model"). The inner loop adapts the last modules, the final
+LayerNorm and the head only, with one learnable softplus rate per layer and clipped inner
+gradients; the outer loop is Adam with the scaler's unscale, clipping, step and update.
 
 Precision: fp16 autocast with ``torch.amp.GradScaler`` on CUDA (``loss_scale=scaler``: an
 inner overflow makes the meta-iteration a skipped step for the scaler); bf16 autocast on CPU,
@@ -18,17 +18,49 @@ which needs no scaler; ``--precision fp16`` runs fp16 with ``GradScaler("cpu")``
 The tasks: 5-way classification of random inputs whose classes come from one hidden linear
 map, each task with its own permutation of the class labels (so a task is learnt by adapting
 the head, and the features are what meta-training improves). The inputs are not normalised
-(standard deviation 5), as raw features often are: the residual stream grows through the
-blocks, and at GradScaler's initial scale (65536) the head's fp16 gradients overflow in the
-first iterations, until the scaler has backed off.
+(standard deviation 5), as raw features often are, and the residual stream grows from them
+through the blocks.
 
-    python examples/checkpointed_maml.py                      # CPU, width 64: under a minute
-    python examples/checkpointed_maml.py --precision fp16     # fp16 + GradScaler("cpu")
-    python examples/checkpointed_maml.py --device cuda --width 768 --rows 4096
+Width. Two things keep the same defaults learning at width 768 as at 64:
 
-It prints the meta-training curve, then one meta-iteration's peak memory and time with the
-model's own checkpoints and without them (the same model, ``checkpointed=False``), and the
-largest difference of their meta-gradients.
+- the head reads the stream through a final LayerNorm, as GPT-2's does (its ``ln_f``), and
+  each block's last layer starts at GPT-2's standard deviation ``0.02 / sqrt(2 * modules)``:
+  the logits' scale no longer follows the stream's;
+- both rates are given for width 64 (``--base-width``) and scaled by 64 / width: an SGD step
+  moves a layer's outputs about fan-in times as far as the weights it moves, and Adam moves
+  every weight by about its rate whatever the gradient. At width 768 the defaults become
+  0.042 (the inner rates' start) and 8.3e-5 (Adam).
+
+Without them (the head on the raw stream, an inner rate of 0.1 and Adam at 1e-3 whatever the
+width), at width 768 in fp32 with 64 rows the stream's root mean square at the head went 3.1,
+4.4, 6.1, 8.8 over the first three outer steps, the logits' standard deviation 1.8, 16, 28,
+49, and the query loss 4.27 -> 112 over 10 iterations; in fp16 every iteration overflowed and
+was skipped. Now the head's fp16 gradients stay in range at GradScaler's initial scale
+(65536) and no iteration is skipped; ``--init-scale 16777216`` shows the scaler backing off
+from too high a scale.
+
+The verdict. The run passes when the mean query loss of the last ``--window`` (3) kept
+iterations (not skipped by the scaler, finite) is at least ``--min-fall`` (5%) below that of
+the first ``--window``, and the scaler skipped at most ``--max-skipped`` (2) iterations;
+``--max-memory-ratio`` and ``--max-time-ratio`` add targets for the checkpointed model's peak
+memory and time over the unchecked model's (a ``PASS``/``FAIL`` line each). The last line
+is ``RESULT PASS: ...`` or ``RESULT FAIL (the reasons): ...`` with the query loss (first ->
+last window), the skipped count and the two ratios; the exit status is 0 or 1.
+
+After the meta-training curve (every tenth iteration) it prints one meta-iteration's peak
+memory and time with the model's own checkpoints and without them (the same model,
+``checkpointed=False``), and the largest difference of their meta-gradients. On this
+project's CPU machine (2 cores, shared with other work while these were measured):
+
+    python examples/checkpointed_maml.py
+        # width 64, bf16: TIMING1
+    python examples/checkpointed_maml.py --precision fp16
+        # fp16 + GradScaler("cpu"): TIMING2
+    python examples/checkpointed_maml.py --width 768 --rows 64 --iterations 10 --no-measure
+        # the GPU's width in bf16, few rows: TIMING3
+    python examples/checkpointed_maml.py --device cuda --width 768 --rows 4096 --iterations 10 \
+        --repeats 3 --max-memory-ratio 0.4 --max-time-ratio 2.5
+        # the GPU check (fp16 + GradScaler); needs CUDA, so no CPU time
 """
 
 from __future__ import annotations
@@ -36,6 +68,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -68,21 +101,31 @@ class Block(nn.Module):
 
 class MyModel(nn.Module):
     """A stem, ``modules`` residual blocks, each run under
-    ``torch.utils.checkpoint.checkpoint`` by the model itself, and a head on the residual
-    stream."""
+    ``torch.utils.checkpoint.checkpoint`` by the model itself, a final LayerNorm and a head.
 
-    def __init__(self, inputs: int, width: int, modules: int = 40, checkpointed: bool = True):
+    As GPT-2 does, the head reads the residual stream through a LayerNorm (its ``ln_f``), so
+    the logits' scale does not follow the stream's, which grows with the inputs' scale and
+    through the blocks; and each block's last layer starts at the standard deviation
+    ``0.02 / sqrt(2 * modules)``, so the 40 blocks start near the identity."""
+
+    def __init__(
+        self, inputs: int, width: int, modules: int = 40, checkpointed: bool = True
+    ) -> None:
         super().__init__()
         self.stem = nn.Linear(inputs, width)
         self.mods = nn.ModuleList([Block(width) for _ in range(modules)])
+        self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, CLASSES)
         self.checkpointed = checkpointed
+        for m in self.mods:
+            nn.init.normal_(m.fc2.weight, std=0.02 / (2 * modules) ** 0.5)
+            nn.init.zeros_(m.fc2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for m in self.mods:
             x = checkpoint(m, x, use_reentrant=False) if self.checkpointed else m(x)
-        return self.head(x)
+        return self.head(self.norm(x))
 
 
 class Setup(NamedTuple):
@@ -103,19 +146,29 @@ def build(args: argparse.Namespace, checkpointed: bool = True) -> Setup:
     torch.manual_seed(args.seed)
     model = MyModel(args.inputs, args.width, args.modules, checkpointed).to(device)
     fmodel = fm.functional_model(model)
-    # the last `adapt` modules and the head, as the post's `list(m.modules())[-40:]` picks
+    # the last `adapt` modules, the final norm and the head, as the post's
+    # `list(m.modules())[-40:]` picks the last modules
     first = args.modules - args.adapt
-    trainable = (*(f"mods.{i}" for i in range(first, args.modules)), "head")
+    trainable = (*(f"mods.{i}" for i in range(first, args.modules)), "norm", "head")
     adapted = {
         k: v
         for k, v in fmodel.params.items()
-        if k.split(".")[0] == "head" or ".".join(k.split(".")[:2]) in trainable
+        if k.split(".")[0] in ("norm", "head") or ".".join(k.split(".")[:2]) in trainable
     }
-    rates = fm.hyper.per_layer(adapted, args.inner_lr, parameterization="softplus").to(device)
-    outer = torch.optim.Adam([*model.parameters(), *rates.parameters()], lr=args.outer_lr)
+    # a step of either optimizer moves a layer's outputs about fan-in times as far: the rates
+    # are given for a width of `base_width` and scaled by base_width / width
+    scale = args.base_width / args.width
+    inner_lr = args.inner_lr * scale
+    rates = fm.hyper.per_layer(adapted, inner_lr, parameterization="softplus").to(device)
+    outer_lr = args.outer_lr * scale
+    outer = torch.optim.Adam([*model.parameters(), *rates.parameters()], lr=outer_lr)
     precision = args.precision or ("fp16" if device.type == "cuda" else "bf16")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[precision]
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    scaler = (
+        torch.amp.GradScaler(device.type, init_scale=args.init_scale)
+        if precision == "fp16"
+        else None
+    )
     autocast = (
         torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     )
@@ -261,40 +314,162 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
-def report(results: dict[str, dict[str, Any]]) -> None:
+def ratios(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The checkpointed model's peak memory and time over the unchecked model's, and the
+    relative difference of their meta-gradients."""
     plain, ours = results["unchecked"], results["checkpointed"]
     a, b = torch.tensor(plain["grad"]), torch.tensor(ours["grad"])
+    return {
+        "memory": ours["peak"] / max(plain["peak"], 1),
+        "time": ours["seconds"] / plain["seconds"],
+        "grad_difference": float((a - b).norm() / a.norm()),
+    }
+
+
+def report(results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Print the comparison; return :func:`ratios`."""
+    r = ratios(results)
     print("\none meta-iteration     peak MiB   seconds")
-    for name, r in results.items():
-        print(f"{name:>20}  {r['peak'] / 2**20:9.1f}  {r['seconds']:8.3f}")
-    print(
-        f"{'checkpointed / unchecked':>20}  {ours['peak'] / max(plain['peak'], 1):9.2f}  "
-        f"{ours['seconds'] / plain['seconds']:8.2f}"
-    )
-    print(f"meta-gradients: largest relative difference {float((a - b).norm() / a.norm()):.1e}")
+    for name, res in results.items():
+        print(f"{name:>20}  {res['peak'] / 2**20:9.1f}  {res['seconds']:8.3f}")
+    print(f"{'checkpointed / unchecked':>20}  {r['memory']:9.2f}  {r['time']:8.2f}")
+    print(f"meta-gradients: largest relative difference {r['grad_difference']:.1e}")
+    return r
+
+
+# --- the verdict ------------------------------------------------------------------------------
+
+
+def judge(history: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
+    """Whether meta-training learnt: the mean query loss of the first ``args.window``
+    iterations against that of the last ``args.window``, over the iterations that the scaler
+    did not skip and whose loss is finite (``window`` shrinks to half of them when there are
+    fewer than twice as many); it must fall by at least ``args.min_fall`` of the first, and at
+    most ``args.max_skipped`` iterations may be skipped. ``failures`` says what went wrong."""
+    kept = [
+        loss
+        for loss, skipped in zip(history["loss"], history["skipped"], strict=True)
+        if not skipped and math.isfinite(loss)
+    ]
+    skipped = sum(history["skipped"])
+    window = min(args.window, len(kept) // 2)
+    failures = []
+    first = last = math.nan
+    if window < 1:
+        failures.append(f"{len(kept)} kept iterations, too few to judge: 2 at least")
+    else:
+        first = statistics.fmean(kept[:window])
+        last = statistics.fmean(kept[-window:])
+        if not last <= (1 - args.min_fall) * first:
+            failures.append(f"the query loss did not fall by {args.min_fall:.0%}")
+    if skipped > args.max_skipped:
+        failures.append(
+            f"{skipped} of {len(history['loss'])} iterations skipped by the scaler, more than "
+            f"{args.max_skipped}"
+        )
+    return {
+        "first": first,
+        "last": last,
+        "window": window,
+        "skipped": skipped,
+        "iterations": len(history["loss"]),
+        "failures": failures,
+    }
+
+
+def against(ratio: float, target: float | None) -> str:
+    """``0.23x``, or with a target ``0.23x <= 0.4x`` / ``2.69x > 2.5x``."""
+    if target is None:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2f}x {'<=' if ratio <= target else '>'} {target:g}x"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default=None)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--inputs", type=int, default=32)
-    p.add_argument("--modules", type=int, default=40)
-    p.add_argument("--adapt", type=int, default=4, help="modules adapted (the last ones)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cuda = torch.cuda.is_available()
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
+    p.add_argument(
+        "--precision",
+        choices=["fp16", "bf16", "fp32"],
+        default=None,
+        help="autocast precision; by default fp16 with GradScaler on CUDA and bf16 on CPU "
+        "(fp16 uses GradScaler on either)",
+    )
+    p.add_argument(
+        "--init-scale",
+        type=float,
+        default=2.0**16,
+        help="GradScaler's initial scale (fp16 only; torch's default)",
+    )
+    p.add_argument("--width", type=int, default=64, help="the residual stream's width")
+    p.add_argument("--inputs", type=int, default=32, help="input features")
+    p.add_argument("--modules", type=int, default=40, help="residual blocks, each checkpointed")
+    p.add_argument("--adapt", type=int, default=4, help="blocks adapted (the last ones)")
     p.add_argument("--rows", type=int, default=512, help="support (and query) rows per task")
     p.add_argument("--input-scale", type=float, default=5.0, help="the inputs' standard deviation")
-    p.add_argument("--tasks", type=int, default=2)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--iterations", type=int, default=30)
-    p.add_argument("--inner-lr", type=float, default=0.1)
-    p.add_argument("--outer-lr", type=float, default=1e-3)
-    p.add_argument("--inner-clip", type=float, default=10.0)
-    p.add_argument("--outer-clip", type=float, default=1.0)
-    p.add_argument("--first-order", action="store_true")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tasks", type=int, default=2, help="tasks per meta-iteration")
+    p.add_argument("--steps", type=int, default=5, help="inner steps")
+    p.add_argument("--iterations", type=int, default=30, help="meta-iterations")
+    p.add_argument(
+        "--inner-lr",
+        type=float,
+        default=0.5,
+        help="the softplus rates' initial value at --base-width (scaled by base width / width)",
+    )
+    p.add_argument(
+        "--outer-lr",
+        type=float,
+        default=1e-3,
+        help="Adam's rate at --base-width (scaled by base width / width)",
+    )
+    p.add_argument(
+        "--base-width",
+        type=int,
+        default=64,
+        help="the width the two rates are given for: at width W both are multiplied by "
+        "base width / W (give W itself to use them as they are)",
+    )
+    p.add_argument("--inner-clip", type=float, default=10.0, help="inner gradient-norm clip")
+    p.add_argument("--outer-clip", type=float, default=1.0, help="outer gradient-norm clip")
+    p.add_argument("--first-order", action="store_true", help="first-order MAML")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="measured meta-iterations per model (median time)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--no-measure", action="store_true", help="skip the memory comparison")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=3,
+        help="iterations averaged at each end of the run to judge whether the query loss fell",
+    )
+    p.add_argument(
+        "--min-fall",
+        type=float,
+        default=0.05,
+        help="the least fall of the mean query loss, as a fraction of the first window's",
+    )
+    p.add_argument(
+        "--max-skipped",
+        type=int,
+        default=2,
+        help="the most meta-iterations the scaler may skip",
+    )
+    p.add_argument(
+        "--max-memory-ratio",
+        type=float,
+        default=None,
+        help="target for the checkpointed over the unchecked peak memory (FAIL above it)",
+    )
+    p.add_argument(
+        "--max-time-ratio",
+        type=float,
+        default=None,
+        help="target for the checkpointed over the unchecked meta-iteration time (FAIL above)",
+    )
     p.add_argument(
         "--measure-worker", choices=["unchecked", "checkpointed"], help=argparse.SUPPRESS
     )
@@ -302,12 +477,17 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    """Meta-train, judge, measure; the exit status: 0 when everything passed, 1 otherwise."""
+    p = parser()
+    args = p.parse_args(argv)
     if args.measure_worker:
         settings = argparse.Namespace(**json.loads(args.settings))
         print(json.dumps(measure_one(settings, args.measure_worker == "checkpointed")))
-        return
+        return 0
+    targets = args.max_memory_ratio is not None or args.max_time_ratio is not None
+    if args.no_measure and targets:
+        p.error("--max-memory-ratio and --max-time-ratio need the measurement (no --no-measure)")
     precision = args.precision or ("fp16" if args.device.startswith("cuda") else "bf16")
     print(
         f"{args.modules} self-checkpointed modules of width {args.width}, the last {args.adapt} "
@@ -315,11 +495,32 @@ def main(argv: list[str] | None = None) -> None:
         f"{'first' if args.first_order else 'second'}-order steps; {precision} on {args.device}"
     )
     start = time.perf_counter()
-    train(args)
+    history = train(args)
     print(f"meta-training: {time.perf_counter() - start:.1f} s")
+    verdict = judge(history, args)
+    failures = list(verdict["failures"])
+    numbers = [
+        f"query loss {verdict['first']:.3f} -> {verdict['last']:.3f} "
+        f"(means of the first and last {verdict['window']} kept iterations)",
+        f"skipped {verdict['skipped']} of {verdict['iterations']}",
+    ]
     if not args.no_measure:
-        report(measure(args))
+        r = report(measure(args))
+        for name, target in (("memory", args.max_memory_ratio), ("time", args.max_time_ratio)):
+            if target is not None:
+                ok = r[name] <= target
+                print(
+                    f"{'PASS' if ok else 'FAIL'} {name}: checkpointed / unchecked {against(r[name], target)}"
+                )
+                if not ok:
+                    failures.append(f"the {name} ratio is above its target")
+            numbers.append(f"{name} {against(r[name], target)}")
+    if failures:
+        print(f"RESULT FAIL ({'; '.join(failures)}): {'; '.join(numbers)}")
+        return 1
+    print(f"RESULT PASS: {'; '.join(numbers)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
