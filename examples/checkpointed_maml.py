@@ -141,6 +141,13 @@ class Setup(NamedTuple):
     device: torch.device
 
 
+def precision_of(args: argparse.Namespace) -> str:
+    """``--precision``, with ``auto`` (or ``None``) as fp16 on CUDA and bf16 elsewhere."""
+    if args.precision in (None, "auto"):
+        return "fp16" if torch.device(args.device).type == "cuda" else "bf16"
+    return args.precision
+
+
 def build(args: argparse.Namespace, checkpointed: bool = True) -> Setup:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -162,7 +169,7 @@ def build(args: argparse.Namespace, checkpointed: bool = True) -> Setup:
     rates = fm.hyper.per_layer(adapted, inner_lr, parameterization="softplus").to(device)
     outer_lr = args.outer_lr * scale
     outer = torch.optim.Adam([*model.parameters(), *rates.parameters()], lr=outer_lr)
-    precision = args.precision or ("fp16" if device.type == "cuda" else "bf16")
+    precision = precision_of(args)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}[precision]
     scaler = (
         torch.amp.GradScaler(device.type, init_scale=args.init_scale)
@@ -393,10 +400,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if cuda else "cpu", help="cpu or cuda")
     p.add_argument(
         "--precision",
-        choices=["fp16", "bf16", "fp32"],
-        default=None,
-        help="autocast precision; by default fp16 with GradScaler on CUDA and bf16 on CPU "
-        "(fp16 uses GradScaler on either)",
+        choices=["auto", "fp16", "bf16", "fp32"],
+        default="auto",
+        help="autocast precision (auto: fp16 on CUDA, bf16 on CPU); fp16 runs with a "
+        "GradScaler on either device",
     )
     p.add_argument(
         "--init-scale",
@@ -462,13 +469,15 @@ def parser() -> argparse.ArgumentParser:
         "--max-memory-ratio",
         type=float,
         default=None,
-        help="target for the checkpointed over the unchecked peak memory (FAIL above it)",
+        help="target for the checkpointed over the unchecked peak memory, FAIL above it "
+        "(None: no target)",
     )
     p.add_argument(
         "--max-time-ratio",
         type=float,
         default=None,
-        help="target for the checkpointed over the unchecked meta-iteration time (FAIL above)",
+        help="target for the checkpointed over the unchecked meta-iteration time, FAIL above "
+        "it (None: no target)",
     )
     p.add_argument(
         "--measure-worker", choices=["unchecked", "checkpointed"], help=argparse.SUPPRESS
@@ -488,11 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     targets = args.max_memory_ratio is not None or args.max_time_ratio is not None
     if args.no_measure and targets:
         p.error("--max-memory-ratio and --max-time-ratio need the measurement (no --no-measure)")
-    precision = args.precision or ("fp16" if args.device.startswith("cuda") else "bf16")
+    precision = precision_of(args)
+    scale = args.base_width / args.width
     print(
-        f"{args.modules} self-checkpointed modules of width {args.width}, the last {args.adapt} "
-        f"and the head adapted; {args.tasks} tasks of {args.rows} rows, {args.steps} "
-        f"{'first' if args.first_order else 'second'}-order steps; {precision} on {args.device}"
+        f"{args.modules} self-checkpointed modules of width {args.width}, the last {args.adapt}, "
+        f"the final norm and the head adapted; {args.tasks} tasks of {args.rows} rows, "
+        f"{args.steps} {'first' if args.first_order else 'second'}-order steps; {precision} on "
+        f"{args.device}; inner rates from {args.inner_lr * scale:.3g}, Adam "
+        f"{args.outer_lr * scale:.3g}"
     )
     start = time.perf_counter()
     history = train(args)
