@@ -38,18 +38,27 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 
 from funcmeta._src.checkpoint.engine import checkpoint
+from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.tree import Predicate
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
-from funcmeta._src.module.shadow import LayerTensors, Standin, ancestors, relative, shadow, within
+from funcmeta._src.module.shadow import Standin, ancestors, relative, shadow, within
 
-__all__ = ["PRESETS", "CheckpointSpec", "checkpointed_runner", "is_checkpointed_layer", "select"]
+__all__ = [
+    "PRESETS",
+    "CheckpointSpec",
+    "TensorSlots",
+    "checkpointed_runner",
+    "is_checkpointed_layer",
+    "select",
+]
 
 CheckpointSpec = None | str | Sequence[str] | Predicate
 """``None``; a preset name (see :data:`PRESETS`); submodule names; or a predicate
@@ -136,6 +145,61 @@ def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
     return outermost
 
 
+class TensorSlots:
+    """The places (parameter and buffer dicts, by name) of the tensors of some modules, one
+    entry per distinct tensor (a tied weight's places together), in the order of
+    ``named_parameters`` and ``named_buffers``.
+
+    :meth:`holding` runs a block with other tensors in those places. It writes the dicts
+    directly, as ``torch.func.functional_call`` does, without its name lookups: a
+    checkpointed layer runs once per forward and once per recomputation, and on a GPU that
+    bookkeeping took longer than the layer's kernels."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.params: list[tuple[Tensor, list[tuple[dict, str]]]] = []
+        self.buffers: list[tuple[Tensor, list[tuple[dict, str]]]] = []
+        seen: set[tuple[int, str]] = set()
+        for dict_of, out in ((parameter_dict, self.params), (buffer_dict, self.buffers)):
+            index: dict[int, int] = {}
+            for root in modules:
+                for m in root.modules():
+                    d = dict_of(m)
+                    for key, t in d.items():
+                        if t is None or (id(d), key) in seen:
+                            continue
+                        seen.add((id(d), key))
+                        if id(t) not in index:
+                            index[id(t)] = len(out)
+                            out.append((t, []))
+                        out[index[id(t)]][1].append((d, key))
+
+    def tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters and buffers in the places now."""
+        return [t for t, _ in self.params], [t for t, _ in self.buffers]
+
+    @contextlib.contextmanager
+    def holding(
+        self, params: Sequence[Tensor], buffers: Sequence[Tensor], keep_replaced: bool
+    ) -> Iterator[None]:
+        """These tensors in the places for the block; the previous ones back after it. With
+        ``keep_replaced``, a buffer the block replaced (``self.count = self.count + 1``)
+        stays, for the run to collect."""
+        saved: list[tuple[dict, str, Any, Any, bool]] = []
+        groups = ((self.params, params, False), (self.buffers, buffers, True))
+        for entries, values, is_buffer in groups:
+            for (_, places), value in zip(entries, values, strict=True):
+                for d, key in places:
+                    saved.append((d, key, d[key], value, is_buffer))
+                    d[key] = value
+        try:
+            yield
+        finally:
+            for d, key, old, value, is_buffer in reversed(saved):
+                if keep_replaced and is_buffer and d[key] is not value:
+                    continue
+                d[key] = old
+
+
 class _Checkpointed(Standin):
     """Runs its layer as a checkpointed pure function (see the module docstring). ``inner``
     runs like the layer: the layer itself, or a shadow of it with stand-ins inside."""
@@ -148,7 +212,8 @@ class _Checkpointed(Standin):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         original = self.__dict__["_fm_original"]
         inner = self.__dict__["_fm_inner"]
-        layer, ptensors, btensors = LayerTensors.of(original)
+        slots = TensorSlots([original])
+        ptensors, btensors = slots.tensors()
         n_p, n_b = len(ptensors), len(btensors)
         _refuse_cache(self.__dict__["_fm_name"], args, kwargs)
         calls = [0]
@@ -160,7 +225,8 @@ class _Checkpointed(Standin):
             first = calls[0] == 0
             buffers = list(live) if first else [v.clone() for v in inputs[n_p : n_p + n_b]]
             calls[0] += 1
-            return layer.call(inner, inputs[:n_p], buffers, inputs[n_p + n_b :], kw)
+            with slots.holding(inputs[:n_p], buffers, keep_replaced=False):
+                return inner(*inputs[n_p + n_b :], **kw)
 
         # The first run may write into the buffers: the recomputations get snapshots of them
         # as they were before it (for BatchNorm, a few numbers).

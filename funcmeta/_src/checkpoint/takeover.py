@@ -43,20 +43,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torch import Tensor, nn
 from torch.utils.checkpoint import noop_context_fn
 
 from funcmeta._src.checkpoint.engine import checkpoint_closed
-from funcmeta._src.checkpoint.layers import is_checkpointed_layer
-from funcmeta._src.core.fence import (
-    buffer_dict,
-    original_checkpoint,
-    parameter_dict,
-    set_checkpoint_dispatch,
-)
+from funcmeta._src.checkpoint.layers import TensorSlots, is_checkpointed_layer
+from funcmeta._src.core.fence import original_checkpoint, set_checkpoint_dispatch
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
 from funcmeta._src.module import scope
 
@@ -149,51 +144,6 @@ def _modules_of(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return _modules_in(values)
 
 
-class _Slots:
-    """The places (parameter and buffer dicts, by name) of the tensors of some modules, one
-    entry per distinct tensor (a tied weight's places together)."""
-
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.params: list[tuple[Tensor, list[tuple[dict, str]]]] = []
-        self.buffers: list[tuple[Tensor, list[tuple[dict, str]]]] = []
-        seen: set[tuple[int, str]] = set()
-        for dict_of, out in ((parameter_dict, self.params), (buffer_dict, self.buffers)):
-            index: dict[int, int] = {}
-            for root in modules:
-                for m in root.modules():
-                    d = dict_of(m)
-                    for key, t in d.items():
-                        if t is None or (id(d), key) in seen:
-                            continue
-                        seen.add((id(d), key))
-                        if id(t) not in index:
-                            index[id(t)] = len(out)
-                            out.append((t, []))
-                        out[index[id(t)]][1].append((d, key))
-
-    @contextlib.contextmanager
-    def holding(
-        self, params: Sequence[Tensor], buffers: Sequence[Tensor], keep_replaced: bool
-    ) -> Iterator[None]:
-        """These tensors in the places for the block; the previous ones back after it. With
-        ``keep_replaced``, a buffer the block replaced (``self.count = self.count + 1``)
-        stays, for the run to collect."""
-        saved: list[tuple[dict, str, Any, Any, bool]] = []
-        groups = ((self.params, params, False), (self.buffers, buffers, True))
-        for entries, values, is_buffer in groups:
-            for (_, places), value in zip(entries, values, strict=True):
-                for d, key in places:
-                    saved.append((d, key, d[key], value, is_buffer))
-                    d[key] = value
-        try:
-            yield
-        finally:
-            for d, key, old, value, is_buffer in reversed(saved):
-                if keep_replaced and is_buffer and d[key] is not value:
-                    continue
-                d[key] = old
-
-
 def _recompute(
     root: nn.Module, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
@@ -201,9 +151,8 @@ def _recompute(
     the tensors of its modules as the run holds them (see the module docstring)."""
     func, args, kwargs = _unpartial(function, args, kwargs)
     modules = _modules_of(func, args, kwargs) or [root]
-    slots = _Slots(modules)
-    ptensors = [t for t, _ in slots.params]
-    btensors = [t for t, _ in slots.buffers]
+    slots = TensorSlots(modules)
+    ptensors, btensors = slots.tensors()
     n_p, n_b = len(ptensors), len(btensors)
     calls = [0]
 
