@@ -43,6 +43,7 @@ bench: setup-dev
 	PYTHON=$(PYTHON) bash benchmarks/build_learn2learn.sh || echo "learn2learn not built: peers.py runs without it"
 	$(PYTHON) benchmarks/overhead.py
 	$(PYTHON) benchmarks/memory.py --repeats 2 --plot docs/img/memory_cpu.png
+	$(PYTHON) benchmarks/checkpoint_jax.py
 	$(PYTHON) benchmarks/bert_meta.py
 	$(PYTHON) benchmarks/decoder_meta.py
 	$(PYTHON) benchmarks/tasks.py --repeats 5
