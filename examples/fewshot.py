@@ -2,14 +2,27 @@
 
 Images: scikit-learn's bundled handwritten digits (8x8, upsampled to 28x28), with each digit
 rotated by 0, 90, 180 and 270 degrees as four classes (the Omniglot augmentation): 40
-classes, split 25 for meta-training and 15 for meta-testing. Point ``--omniglot`` at a
-downloaded Omniglot (the official ``images_background``/``images_evaluation`` folders) to use
-that instead: background characters for meta-training, evaluation characters for testing.
-Nothing is downloaded at run time.
+classes, 6 digits (24 classes) for meta-training and the other 4 (16 classes) for
+meta-testing, every rotation of a digit on one side. Point ``--omniglot`` at a folder with
+Omniglot to use that instead (with rotations as more classes in meta-training): the official
+``images_background`` and ``images_evaluation`` splits (background characters meta-train,
+evaluation ones test), or else the two minimal background splits, 200 of their 242
+characters for meta-training and 42 held out, split by character. ``--download`` fetches
+the minimal splits (the full ones have no published checksum); without it nothing is
+downloaded, and a folder without either pair stops the run with a message that names the
+files and where they are published.
 
     python examples/fewshot.py --recipe maml                 # 5-way 1-shot, second order
     python examples/fewshot.py --recipe metasgd --shots 5
     python examples/fewshot.py --recipe imaml --omniglot ~/data/omniglot --channels 64
+    python examples/fewshot.py --recipe maml --iterations 100
+    python examples/fewshot.py --omniglot data/omniglot --download --iterations 100
+
+Running time, measured on 2 CPU cores shared with other jobs (load average about 5: an idle
+machine is faster): ``--recipe maml --iterations 100`` took 670 s, and ``--omniglot
+../shared/data/omniglot --iterations 100`` (the minimal splits) 409 s, each with its 300 test
+episodes before and after; the default 600 iterations of MAML on the digits took 219 s on 2
+idle cores (benchmarks/RESULTS.md).
 
 Recipes: maml, fomaml, metasgd, anil, reptile, mamlpp, imaml. The script prints the
 meta-test accuracy (mean and 95% interval over episodes) and saves the training curve.
@@ -52,8 +65,9 @@ def conv4(ways: int, channels: int) -> nn.Module:
     return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(channels, ways))
 
 
-def digits_with_rotations() -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits as (N, 1, 28, 28) in [0, 1]; 40 classes (10 digits x 4 turns)."""
+def digits_with_rotations() -> tuple[torch.Tensor, fm.data.ClassLabels]:
+    """scikit-learn's digits as (N, 1, 28, 28) in [0, 1]; 40 classes (10 digits x 4 turns),
+    class ``digit + 10 * turn``, the labels carrying each class's digit as its group."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as e:
@@ -63,20 +77,84 @@ def digits_with_rotations() -> tuple[torch.Tensor, torch.Tensor]:
     images = F.interpolate(images, size=28, mode="bilinear", align_corners=False)
     labels = torch.tensor(digits.target)
     turns = [torch.rot90(images, k, dims=(2, 3)) for k in range(4)]
-    return torch.cat(turns), torch.cat([labels + 10 * k for k in range(4)])
+    rotated = torch.cat([labels + 10 * k for k in range(4)])
+    return torch.cat(turns), fm.data.ClassLabels(rotated, [c % 10 for c in range(40)])
 
 
-def datasets(args: argparse.Namespace) -> tuple[fm.data.Episodes, fm.data.Episodes]:
+FULL = ["background", "evaluation"]  # background characters train, evaluation ones test
+MINIMAL = ["background_small1", "background_small2"]  # 242 characters, --download fetches
+HELD_OUT = 42  # characters of the minimal splits held out for meta-testing
+
+
+def no_omniglot(
+    folder: Path, full: dict[str, str], minimal: dict[str, str], why: str, downloading: bool
+) -> str:
+    """The message of a run without Omniglot in ``--omniglot``: either pair of files."""
+
+    def files(missing: dict[str, str]) -> str:
+        return "\n".join(f"  {name}  ({address})" for name, address in missing.items())
+
+    by_hand = (
+        f"download either pair yourself into {folder} (the zip archives as published, or unpacked)."
+    )
+    how = (
+        by_hand[0].upper() + by_hand[1:]
+        if downloading
+        else "Rerun with --download to fetch the minimal splits there (each checked against "
+        f"its sha256), or {by_hand}"
+    )
+    return (
+        f"{why}\n--omniglot reads from {folder} either the full background and evaluation "
+        f"splits (background characters meta-train, evaluation ones test), missing:\n"
+        f"{files(full)}\nor the two minimal background splits ({HELD_OUT} of their 242 "
+        f"characters held out for testing), missing:\n{files(minimal)}\n{how}"
+    )
+
+
+def omniglot(args: argparse.Namespace) -> tuple[fm.data.Episodes, fm.data.Episodes]:
+    """Omniglot from ``--omniglot``, with the three rotations of each character as more
+    classes in meta-training: the full splits if the folder has them, else the minimal
+    splits (fetched with ``--download``), split by character."""
     kwargs = dict(ways=args.ways, shots=args.shots, query=args.query)
-    if args.omniglot:
+    full = fm.data.missing_omniglot_files(args.omniglot, FULL)
+    if not full:
         train_x, train_y, _ = fm.data.load_omniglot(args.omniglot, "background", rotations=True)
         test_x, test_y, _ = fm.data.load_omniglot(args.omniglot, "evaluation")
         return fm.data.Episodes(train_x, train_y, **kwargs), fm.data.Episodes(
             test_x, test_y, **kwargs
         )
-    images, labels = digits_with_rotations()
+    minimal = fm.data.missing_omniglot_files(args.omniglot, MINIMAL)
+    if minimal and not args.download:
+        why = f"no Omniglot data in {args.omniglot}."
+        raise SystemExit(no_omniglot(args.omniglot, full, minimal, why, False))
+    try:
+        images, labels, _ = fm.data.load_omniglot(
+            args.omniglot, MINIMAL, rotations=True, download=args.download
+        )
+    except OSError as e:  # a download that failed (the network, a timeout)
+        raise SystemExit(no_omniglot(args.omniglot, full, minimal, str(e), True)) from None
+    # the labels carry each class's character: its four rotations stay on one side
+    characters = len(set(labels.groups))
     train, test = fm.data.split_classes(
-        labels, [25, 15], generator=torch.Generator().manual_seed(0)
+        labels,
+        [4 * (characters - HELD_OUT), 4 * HELD_OUT],
+        generator=torch.Generator().manual_seed(0),
+    )
+    return (
+        fm.data.Episodes(images, labels, classes=train, **kwargs),
+        fm.data.Episodes(images, labels, classes=test, **kwargs),
+    )
+
+
+def datasets(args: argparse.Namespace) -> tuple[fm.data.Episodes, fm.data.Episodes]:
+    if args.omniglot:
+        return omniglot(args)
+    kwargs = dict(ways=args.ways, shots=args.shots, query=args.query)
+    images, labels = digits_with_rotations()
+    # 6 digits (24 classes) meta-train, the other 4 (16) test: the labels carry each
+    # class's digit, so no test class is a rotation of a digit trained on
+    train, test = fm.data.split_classes(
+        labels, [24, 16], generator=torch.Generator().manual_seed(0)
     )
     return (
         fm.data.Episodes(images, labels, classes=train, **kwargs),
@@ -159,31 +237,63 @@ def mean_ci(values: list[float]) -> tuple[float, float]:
     return mean, 1.96 * math.sqrt(var / n)
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description="Few-shot classification with conv4.")
-    parser.add_argument("--recipe", choices=RECIPES, default="maml")
-    parser.add_argument("--ways", type=int, default=5)
-    parser.add_argument("--shots", type=int, default=1)
-    parser.add_argument("--query", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5, help="inner steps in training and test")
-    parser.add_argument("--inner-lr", type=float, default=0.4)
-    parser.add_argument("--meta-lr", type=float, default=1e-3)
-    parser.add_argument("--reptile-eps", type=float, default=0.5)
-    parser.add_argument("--imaml-lam", type=float, default=2.0)
-    parser.add_argument("--meta-batch", type=int, default=8)
-    parser.add_argument("--iterations", type=int, default=600)
-    parser.add_argument("--channels", type=int, default=32)
-    parser.add_argument("--eval-episodes", type=int, default=300)
-    parser.add_argument("--omniglot", type=Path, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--plot", type=Path, default=Path("examples/out/fewshot.png"))
-    parser.add_argument("--no-progress", action="store_true")
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Few-shot classification with conv4.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--recipe", choices=RECIPES, default="maml", help="the recipe to meta-train")
+    p.add_argument("--ways", type=int, default=5, help="classes per episode (N-way)")
+    p.add_argument("--shots", type=int, default=1, help="support examples per class (K-shot)")
+    p.add_argument("--query", type=int, default=5, help="query examples per class")
+    p.add_argument("--steps", type=int, default=5, help="inner steps in training and test")
+    p.add_argument("--inner-lr", type=float, default=0.4, help="inner SGD step size")
+    p.add_argument("--meta-lr", type=float, default=1e-3, help="outer Adam step size")
+    p.add_argument(
+        "--reptile-eps", type=float, default=0.5, help="Reptile's outer step (SGD on theta - phi)"
+    )
+    p.add_argument("--imaml-lam", type=float, default=2.0, help="iMAML's proximal weight lambda")
+    p.add_argument("--meta-batch", type=int, default=8, help="tasks per meta-iteration")
+    p.add_argument("--iterations", type=int, default=600, help="meta-iterations")
+    p.add_argument("--channels", type=int, default=32, help="conv4's filters per layer")
+    p.add_argument(
+        "--eval-episodes", type=int, default=300, help="meta-test episodes before and after"
+    )
+    p.add_argument(
+        "--omniglot",
+        type=Path,
+        default=None,
+        help="Omniglot instead of the digits: a folder with the official images_background "
+        "and images_evaluation splits, or the two minimal background splits "
+        "(images_background_small1.zip, images_background_small2.zip)",
+    )
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="with --omniglot: fetch the minimal background splits into it from the dataset's "
+        f"repository ({fm.data.OMNIGLOT_URL}), each checked against its sha256",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the episodes")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=Path("examples/out/fewshot.png"),
+        help="plot of the meta-test accuracy during training",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_threads_option(
-        parser,
+        p,
         available_cores(),
         "the cores available: convolutions on 28x28 images gain from every core",
     )
-    args = parser.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.download and args.omniglot is None:
+        p.error("--download fetches Omniglot into the folder --omniglot names; give it")
     use_threads(args)
 
     torch.manual_seed(args.seed)

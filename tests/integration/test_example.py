@@ -506,3 +506,82 @@ def test_omniglot_example_compiled_trains_as_the_recipes_do(tmp_path):
     assert compiled["iterations"] == plain["iterations"] == 2
     assert compiled["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
     assert compiled["train_query_accuracy"] is None
+
+
+# the examples that read Omniglot, each with how to point it at a folder
+OMNIGLOT_EXAMPLES = {
+    "omniglot": "--data",
+    "maml_omniglot_port": "--data",
+    "l2l_maml_omniglot_port": "--data",
+    "fewshot": "--omniglot",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OMNIGLOT_EXAMPLES))
+def test_omniglot_examples_without_data_say_how_to_get_it(name, tmp_path):
+    """Run as a script on an empty folder: one message naming --download, the files and where
+    they are published, exit status 1, no traceback, nothing fetched."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), OMNIGLOT_EXAMPLES[name], str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"no Omniglot data in {tmp_path}." in message
+    assert "Rerun with --download" in message and f"yourself into {tmp_path}" in message
+    for file in ("images_background_small1.zip", "images_background_small2.zip"):
+        assert f"{file} ({fm.data.OMNIGLOT_URL}python/{file})" in message
+    if name == "omniglot":
+        assert f"all_runs.zip ({fm.data.OMNIGLOT_URL}python/one-shot-classification/" in message
+    if name == "fewshot":  # or the full splits, which --download cannot fetch
+        assert f"images_evaluation.zip ({fm.data.OMNIGLOT_URL}python/" in message
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", sorted(OMNIGLOT_EXAMPLES))
+def test_omniglot_examples_say_when_the_download_fails(name, tmp_path, monkeypatch):
+    def offline(root, files, **kwargs):
+        raise OSError(f"could not download {files[0]}: no network here")
+
+    monkeypatch.setattr(fm.data.omniglot, "download_omniglot", offline)
+    argv = [OMNIGLOT_EXAMPLES[name], str(tmp_path / "new"), "--download"]
+    if name == "maml_omniglot_port":
+        argv.append("--no-keep-freed-memory")  # a process-wide setting: not for the test process
+    with pytest.raises(SystemExit) as stop:
+        load(name).main(argv)
+    message = str(stop.value.code)
+    assert message.startswith("could not download images_background_small1.zip: no network")
+    what = "either pair" if name == "fewshot" else "them"
+    assert "Rerun" not in message and f"\nDownload {what} yourself into {tmp_path}" in message
+
+
+def test_omniglot_example_ports_cannot_fetch_the_full_splits_and_say_so(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        load("l2l_maml_omniglot_port").main(
+            ["--data", str(tmp_path), "--splits", "background", "--download"]
+        )
+    message = " ".join(str(stop.value.code).split())
+    assert f"images_background.zip ({fm.data.OMNIGLOT_URL}python/images_background.zip)" in message
+    assert message.endswith("--download fetches only the minimal splits.")
+
+
+@pytest.mark.parametrize("name", sorted(OMNIGLOT_EXAMPLES))
+def test_omniglot_examples_help_shows_every_option_with_its_default(name, capsys):
+    parser = load(name).parser()
+    assert parser.formatter_class is argparse.ArgumentDefaultsHelpFormatter
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert [a.dest for a in options if not a.help] == []
+    with pytest.raises(SystemExit) as stop:
+        load(name).main(["--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--download" in text and "(default: False)" in text
+    if name == "fewshot":
+        assert "classes per episode (N-way) (default: 5)" in text
+        assert "support examples per class (K-shot) (default: 1)" in text
+    else:
+        assert "(default: data/omniglot)" in text
