@@ -2,7 +2,7 @@
 # `make gpu-check`: the CUDA tests and the CUDA benchmarks on one GPU, each section judged
 # against its target (PASS or FAIL), then a table of the sections; all of it also goes to
 # benchmarks/out/gpu_check.md (GPU_CHECK_REPORT). Installs nothing that needs a network:
-# optree, if missing, comes from a wheel in .wheels/ (README: "A GPU check"). Without a CUDA
+# optree, if missing, comes from a wheel in .wheels/ (CONTRIBUTING.md: "A GPU check"). Without a CUDA
 # device it says so and exits 0.
 #
 # The sections with a target run first, each under its own time limit (their limits add up to
@@ -31,7 +31,7 @@ if ! $PYTHON -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
 fi
 if ! $PYTHON -c "import optree" 2>/dev/null; then
     $PYTHON -m pip install -q --no-index --find-links .wheels optree || {
-        echo "gpu-check: optree is not installed and .wheels/ has no wheel for it (README: A GPU check)"
+        echo "gpu-check: optree is not installed and .wheels/ has no wheel for it (CONTRIBUTING.md: A GPU check)"
         exit 1
     }
 fi
