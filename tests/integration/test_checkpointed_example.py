@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import subprocess
 import sys
 
@@ -39,8 +40,12 @@ SMALL = [
 
 
 @pytest.fixture(autouse=True)
-def keep_thread_count():
+def one_thread(monkeypatch):
+    """One thread here and in the processes started (the measurement's, the script's): on
+    2 cores that other work shares, two threads each made these tests 2-5 times slower."""
     before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     yield
     torch.set_num_threads(before)
 
@@ -130,6 +135,7 @@ def test_it_exits_non_zero_with_a_fail_line_when_the_loss_rises():
         capture_output=True,
         text=True,
         timeout=600,
+        env=os.environ,
     )
     assert done.returncode == 1, done.stdout + done.stderr
     last = done.stdout.strip().splitlines()[-1]
