@@ -5,7 +5,7 @@ only by recording the recomputed layer and its backward into the graph being bui
 second-order inner loop every checkpointed layer is recomputed, and its activations stay alive
 until the outer backward. Per-layer checkpointing then saves nothing in second order.
 
-:func:`checkpoint` does what ``jax.checkpoint`` does under grad-of-grad, with two autograd
+:func:`checkpoint` keeps only the function's inputs in second order too, with two autograd
 Functions:
 
 - ``_Checkpoint`` runs the function and keeps only its input tensors. Its backward recomputes the
@@ -16,6 +16,14 @@ Functions:
   nothing of the function's insides. A backward through that node (the outer backward)
   recomputes the function, its VJP with a graph, and differentiates that, one layer at a
   time.
+
+So per second-order step of an inner loop the function runs four times: its forward, once
+for the inner gradient, and twice in the outer backward, which reaches the recorded VJP and the
+forward's node a whole sweep apart (the recorded VJPs in the order of the forward, then the
+forward's nodes in reverse). That is the least a schedule can run that keeps one function's
+activations at a time; sharing one recomputation between those two nodes would keep the
+activations of every function of the step between them (``docs/memory.md``, The
+recomputation schedule; ``tests/checkpoint/test_schedule.py`` counts the runs).
 
 Every run of the function after the first one (each recomputation) reproduces the first: the
 random number generator states (dropout masks), autocast and the kernel choice
@@ -35,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -64,16 +72,46 @@ class _Replay:
         self.autocast = AutocastState(bool(self.devices))
         self.kernel_state = kernels.capture()
 
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=self.devices))
-            torch.set_rng_state(self.cpu_rng)
-            for device, state in zip(self.devices, self.device_rng, strict=True):
+    def __call__(self) -> _Replaying:
+        return _Replaying(self)
+
+
+class _Replaying:
+    """One recomputation under a :class:`_Replay`: the first run's generator states, autocast
+    and kernel choice for the block, the states before it back afterwards (as
+    ``torch.random.fork_rng`` does, without its generator machinery: a recomputation of a
+    small layer spent a third of its Python time there)."""
+
+    __slots__ = ("cpu", "device", "replay", "stack")
+
+    def __init__(self, replay: _Replay) -> None:
+        self.replay = replay
+
+    def __enter__(self) -> None:
+        replay = self.replay
+        self.cpu = torch.get_rng_state()
+        self.device = [torch.cuda.get_rng_state(d) for d in replay.devices]
+        self.stack = contextlib.ExitStack()
+        try:
+            torch.set_rng_state(replay.cpu_rng)
+            for device, state in zip(replay.devices, replay.device_rng, strict=True):
                 torch.cuda.set_rng_state(state, device)
-            self.autocast.enter(stack)
-            stack.enter_context(kernels.restore(self.kernel_state))
-            yield
+            replay.autocast.enter(self.stack)
+            self.stack.enter_context(kernels.restore(replay.kernel_state))
+        except BaseException:
+            self._put_back()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._put_back()
+
+    def _put_back(self) -> None:
+        try:
+            self.stack.close()
+        finally:
+            torch.set_rng_state(self.cpu)
+            for device, state in zip(self.replay.devices, self.device, strict=True):
+                torch.cuda.set_rng_state(state, device)
 
 
 def _same(t: Tensor) -> Tensor:
