@@ -4,8 +4,8 @@ Each checkpointed block counts its forward runs, attributed to the part of the e
 it (the test wraps the engine's autograd Functions; nothing is counted in the package):
 
 - ``first``: the forward itself (``_Checkpoint.forward``);
-- ``inner-vjp``: the recomputation that takes a recorded VJP, in the inner gradient of a
-  second-order step (``_CheckpointVJP.forward``);
+- ``inner-vjp``: the recomputation that takes a recorded VJP (``_CheckpointVJP.forward``),
+  where the first run's graph was not kept for it;
 - ``plain-vjp``: the recomputation of a backward that is not recorded (``_Checkpoint.backward``
   without grad mode): a first-order inner gradient, the query pass and the inner forward in the
   outer backward;
@@ -18,9 +18,10 @@ The counts are per block and phase (``inner``: the call of ``fm.adapt``/``fm.ada
 ``checkpoint_layers`` and for a model's own ``torch.utils.checkpoint`` calls (taken over), for
 one task and for a batch of tasks, first and second order, with and without step
 checkpoints. They pin the schedule ``docs/memory.md`` describes: per second-order inner step
-each block runs once in the inner forward, once more for the inner gradient, and twice in the
-outer backward (the two uses of its activations there lie a whole step's sweep apart); a
-change that adds a recomputation, or that keeps activations to drop one, shows here."""
+each block runs once in the inner forward, whose graph the inner gradient then uses and
+drops, and twice in the outer backward (the two uses of its activations there lie a whole
+step's sweep apart); a change that adds a recomputation, or that keeps activations to drop
+one, shows here."""
 
 from __future__ import annotations
 
@@ -153,7 +154,7 @@ def schedule(
 
 K = STEPS
 SECOND = {
-    "inner": {"first": K, "inner-vjp": K},
+    "inner": {"first": K},
     "query": {"first": 1},
     "outer": {"second-order": K, "plain-vjp": K + 1},
 }
@@ -165,6 +166,8 @@ FIRST = {
 # checkpoint_steps: torch's step checkpoint recomputes each step's forward once inside the
 # step's own inner gradient (its saved tensors are dropped as the forward packs them), and
 # once more in the outer backward, where the recomputed step takes its inner gradient again.
+# No graph is kept for the inner gradient here: it would be held twice, the first run's and
+# the step checkpoint's run's.
 SECOND_STEPS = {
     "inner": {"first": K, "step": K, "inner-vjp": K},
     "query": {"first": 1},

@@ -17,12 +17,15 @@ Functions:
   recomputes the function, its VJP with a graph, and differentiates that, one layer at a
   time.
 
-So per second-order step of an inner loop the function runs four times: its forward, once
-for the inner gradient, and twice in the outer backward, which reaches the recorded VJP and the
-forward's node a whole sweep apart (the recorded VJPs in the order of the forward, then the
-forward's nodes in reverse). That is the least a schedule can run that keeps one function's
-activations at a time; sharing one recomputation between those two nodes would keep the
-activations of every function of the step between them (``docs/memory.md``, The
+A second-order inner step takes its gradient right after its forward: within
+:func:`kept_for_the_gradient` (which the inner loop enters for such a step) the first run keeps
+its graph, the inner gradient takes the VJP on it, and drops it, instead of recomputing. So per
+second-order step of an inner loop the function runs three times: its forward, and twice in
+the outer backward, which reaches the recorded VJP and the forward's node a whole sweep apart
+(the recorded VJPs in the order of the forward, then the forward's nodes in reverse). That is
+the least a schedule can run that keeps one function's activations at a time between the
+inner loop and the outer backward; sharing one recomputation between those two nodes would
+keep the activations of every function of the step between them (``docs/memory.md``, The
 recomputation schedule; ``tests/checkpoint/test_schedule.py`` counts the runs).
 
 Every run of the function after the first one (each recomputation) reproduces the first: the
@@ -43,7 +46,8 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -54,7 +58,13 @@ from funcmeta._src.core.fence import AutocastState
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.module import scope
 
-__all__ = ["OpenFunctionError", "graph_input", "checkpoint", "checkpoint_closed"]
+__all__ = [
+    "OpenFunctionError",
+    "graph_input",
+    "checkpoint",
+    "checkpoint_closed",
+    "kept_for_the_gradient",
+]
 
 _TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
 
@@ -149,6 +159,7 @@ class _Call:
         "closed",
         "constant",
         "fn",
+        "kept",
         "leaves",
         "out_leaves",
         "out_spec",
@@ -173,6 +184,7 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.constant: list[bool] = []
         self.replay: _Replay | None = None
+        self.kept: tuple[list[Tensor], list[Tensor]] | None = None
 
     def tensors(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
         leaves = tree.leaves_registered((args, kwargs))
@@ -191,8 +203,13 @@ class _Call:
         given), keeping nothing for backward. Returns its tensor outputs, detached."""
         self.replay = _Replay(list(tensors))
         inputs = _leaves(tensors)
-        discard = torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
-        with torch.enable_grad(), discard:
+        keeping: list[_Call] | None = getattr(_KEEPING, "calls", None)
+        saving = (
+            torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
+            if keeping is None
+            else torch.autograd.graph.saved_tensors_hooks(_same, _same)
+        )
+        with torch.enable_grad(), saving:
             mark = _next_sequence_nr() if self.closed is not None else 0
             out = self.call(inputs)
         leaves, self.out_spec = tree.flatten_registered(out)
@@ -203,6 +220,9 @@ class _Call:
         # an output with no gradient history (a constant such as T5's zero position bias)
         # stays a constant: no gradient flows into it, and none is asked of it
         self.constant = [not x.requires_grad for x in outs]
+        if keeping is not None:
+            self.kept = (inputs, outs)
+            keeping.append(self)
         return [x.detach() for x in outs]
 
     def output(self, tensors: tuple[Tensor, ...]) -> Any:
@@ -217,6 +237,20 @@ class _Call:
         with self.replay(), recomputation():
             out = self.call(tensors)
         return [x for x in tree.leaves_registered(out) if isinstance(x, Tensor)]
+
+    def first_vjp(
+        self, wanted: list[int], picked: list[int], saved: Any, grads: list[Tensor]
+    ) -> tuple[Tensor | None, ...]:
+        """The VJP of the first run's outputs ``picked`` against ``grads`` (no graph), with
+        respect to the inputs ``wanted``: on the first run's graph if it was kept for it
+        (:func:`kept_for_the_gradient`), which it then drops, else recomputed on ``saved``."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return self.vjp(wanted, picked, _leaves(saved), grads, create_graph=False)
+        inputs, outs = kept
+        return torch.autograd.grad(
+            [outs[i] for i in picked], [inputs[i] for i in wanted], grads, allow_unused=True
+        )
 
     def vjp(
         self,
@@ -241,6 +275,26 @@ class _Call:
                 create_graph=create_graph,
                 allow_unused=True,
             )
+
+
+_KEEPING = threading.local()  # .calls: the calls keeping their first run's graph, or None
+
+
+@contextlib.contextmanager
+def kept_for_the_gradient() -> Iterator[None]:
+    """Within the block, a checkpointed function's first run keeps its graph until the first
+    backward through it takes its VJP there (instead of recomputing); at the end of the
+    block every graph still kept is dropped. For a forward whose gradient is taken right
+    after it, inside the block: an inner step of second-order MAML."""
+    saved = getattr(_KEEPING, "calls", None)
+    calls: list[_Call] = []
+    _KEEPING.calls = calls
+    try:
+        yield
+    finally:
+        _KEEPING.calls = saved
+        for run in calls:
+            run.kept = None
 
 
 class OpenFunctionError(RuntimeError):
@@ -330,7 +384,7 @@ class _Checkpoint(torch.autograd.Function):
             # the gradients, not the function's activations.
             vjps = _CheckpointVJP.apply(run, wanted, picked, len(tensors), *tensors, *given)
         else:
-            vjps = run.vjp(wanted, picked, _leaves(tensors), given, create_graph=False)
+            vjps = run.first_vjp(wanted, picked, tensors, given)
         for i, g in zip(wanted, vjps, strict=True):
             result[1 + i] = g
         return tuple(result)
@@ -348,9 +402,8 @@ class _CheckpointVJP(torch.autograd.Function):
         ctx.autocast = AutocastState(bool(run.replay.devices) if run.replay else False)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*saved)
-        inputs = _leaves(saved[:n])
         grads = [g.detach() for g in saved[n:]]
-        return tuple(run.vjp(wanted, picked, inputs, grads, create_graph=False))
+        return tuple(run.first_vjp(wanted, picked, saved[:n], grads))
 
     @staticmethod
     def backward(ctx: Any, *cotangents: Tensor | None) -> tuple[Tensor | None, ...]:

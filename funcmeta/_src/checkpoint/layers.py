@@ -6,12 +6,14 @@ layer runs as a pure function of its parameters, buffers and inputs (the layer c
 :func:`funcmeta._src.checkpoint.engine.checkpoint`:
 
 - the forward keeps only those tensors, not the layer's activations;
-- a backward recomputes the layer and takes its vector-Jacobian product;
+- a backward recomputes the layer and takes its vector-Jacobian product (the inner gradient
+  of a second-order step takes it on the forward's graph, kept until then and dropped);
 - a backward that is itself recorded (``autograd.grad(create_graph=True)``, the inner loop of
   second-order MAML) keeps one node per layer holding the layer's inputs and incoming
   gradients; the outer backward recomputes the layer, its backward and the derivative of
-  that, one layer at a time. So per-layer checkpointing saves memory in second order too,
-  as ``jax.checkpoint`` does under grad-of-grad.
+  that, one layer at a time. So per-layer checkpointing saves memory in second order too
+  (``jax.checkpoint`` under grad-of-grad keeps the inner forward's activations; see
+  ``docs/memory.md``).
 
 The parameters are explicit inputs of the pure function, so every recomputation uses the
 tensors of the forward (adapted parameters included), never whatever the module holds at

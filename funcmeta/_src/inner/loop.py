@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funcmeta._src.checkpoint.engine import graph_input
+from funcmeta._src.checkpoint.engine import graph_input, kept_for_the_gradient
 from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.checks import retold
 from funcmeta._src.core.tree import Filter, Tree
@@ -101,17 +101,17 @@ class InnerLoop:
         can run it again during backward.
         """
         with _offload(mode.offload and mode.graph, leaves):
-            return self._compute_step(k, mode.graph, mode.second, state, buffers, list(leaves))
+            return self._compute_step(k, mode, state, buffers, list(leaves))
 
     def _compute_step(
         self,
         k: int,
-        graph: bool,
-        second: bool,
+        mode: StepMode,
         state: Any,
         buffers: dict[str, Tensor],
         leaves: list[Tensor],
     ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+        graph, second = mode.graph, mode.second
         with torch.enable_grad():
             if second:
                 if not all(p.requires_grad for p in leaves):
@@ -121,19 +121,27 @@ class InnerLoop:
                 wrt = [graph_input(p) for p in leaves]
             current = tree.unflatten(self.spec, wrt)
             full = current if self.fixed is None else tree.combine(current, self.fixed)
-            loss, new_buffers = self.forward(full, buffers)
-            objective = loss if self.tasks is None else loss.sum()
-            if not objective.requires_grad:
-                raise ValueError(
-                    "the inner loss does not depend on the adapted parameters (it has no "
-                    "gradient history): loss_fn must compute the loss from the model's output "
-                    "(a loss of the targets alone, or one computed under torch.no_grad() or "
-                    "from .detach()ed outputs, cannot be adapted on)"
-                )
-            scale = self.options.scale
-            if scale is not None:
-                objective = objective * scale
-            found = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
+            # A second-order step's checkpointed layers take their inner gradient on their
+            # forward's graph, dropped right after it: one recomputation fewer, for one step's
+            # activations held for a moment. Not where the activations are offloaded (the
+            # least device memory asked for), nor under a step checkpoint, which runs the
+            # step's forward again inside its inner gradient: that would hold the graphs of
+            # both runs at once.
+            keep = second and not (mode.offload or self.options.checkpoint_steps)
+            with kept_for_the_gradient() if keep else contextlib.nullcontext():
+                loss, new_buffers = self.forward(full, buffers)
+                objective = loss if self.tasks is None else loss.sum()
+                if not objective.requires_grad:
+                    raise ValueError(
+                        "the inner loss does not depend on the adapted parameters (it has no "
+                        "gradient history): loss_fn must compute the loss from the model's "
+                        "output (a loss of the targets alone, or one computed under "
+                        "torch.no_grad() or from .detach()ed outputs, cannot be adapted on)"
+                    )
+                scale = self.options.scale
+                if scale is not None:
+                    objective = objective * scale
+                found = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
         grads = _fill_unused(found, wrt, self.names, self.options.allow_unused)
         if scale is not None:
             inv = 1.0 / scale
