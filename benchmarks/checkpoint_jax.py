@@ -21,7 +21,9 @@ Ways, each plain and checkpointed:
 Time: every way's meta-iteration in one process, after a warm-up call each, in interleaved
 rounds (each round calls every way once, in turn); the median over ``--repeats`` rounds of the
 wall time, and on the CPU of the process's CPU time too (less disturbed by other jobs on the
-machine). Peak memory: each way in a fresh process (``benchmarks/memory.py``'s measure): on the
+machine). With one thread (the default) the process is pinned to one core: XLA's CPU runtime
+(JAX 0.10) otherwise runs part of a program on a second thread whatever its flags say
+(``--no-pin`` leaves the process free). Peak memory: each way in a fresh process (``benchmarks/memory.py``'s measure): on the
 CPU the peak resident set above the start of one meta-iteration after a warm-up, with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that the resident set follows live tensors; on CUDA the
 peak of allocated bytes above the start (torch's allocator, and JAX's ``peak_bytes_in_use``
@@ -35,7 +37,7 @@ the largest entry; float32 round-off), and JAX's with funcmeta's.
 
     python benchmarks/checkpoint_jax.py [--device cpu|cuda] [--repeats 5] [--threads 1]
         [--ways second takeover first tasks steps jax] [--width W --depth D --rows N --steps K]
-        [--no-memory]
+        [--no-memory] [--no-pin]
 """
 
 from __future__ import annotations
@@ -65,6 +67,18 @@ SHAPES = {
 }
 TASKS = 4
 LR = 0.01
+
+
+def pin() -> str:
+    """Pin the process to one core when it runs one thread (see the module docstring);
+    which core, or why not."""
+    if THREADS != "1" or "--no-pin" in sys.argv:
+        return "not pinned"
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no sched_setaffinity here)"
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return f"pinned to core {core}"
 
 
 # --- funcmeta ------------------------------------------------------------------------------
@@ -255,6 +269,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from memory import measure
 
+    if args.device == "cpu":
+        pin()
     torch.set_num_threads(int(THREADS))
     device = torch.device(args.device)
     shape = json.loads(args.config)
@@ -285,6 +301,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 def peak_of(way: str, shape: dict[str, int], device: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--way", way, "--device", device]
     cmd += ["--config", json.dumps(shape), "--threads", THREADS]
+    cmd += ["--no-pin"] if "--no-pin" in sys.argv else []
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -328,6 +345,9 @@ def main() -> None:
     for key in ("width", "depth", "rows", "steps"):
         parser.add_argument(f"--{key}", type=int, default=None, help="default: by device")
     parser.add_argument("--no-memory", action="store_true", help="time only")
+    parser.add_argument(
+        "--no-pin", action="store_true", help="with one thread, leave the process on every core"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--way", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -338,6 +358,7 @@ def main() -> None:
 
     import torch
 
+    pinned = pin() if args.device == "cpu" else "not pinned"
     torch.set_num_threads(int(THREADS))
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -356,7 +377,7 @@ def main() -> None:
     where = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
     print(
         f"per-layer checkpointing, second-order MAML: {json.dumps(shape)}, float32, SGD lr {LR}; "
-        f"device {args.device} ({where or 'cpu'}), {THREADS} thread(s), torch "
+        f"device {args.device} ({where or 'cpu'}), {THREADS} thread(s), {pinned}, torch "
         f"{torch.__version__}, JAX {jax_version}, Python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}"
     )
@@ -427,6 +448,22 @@ def main() -> None:
                 else ""
             )
         )
+    base = "second:plain"
+    knobs = {
+        "per-layer": "second:checkpointed",
+        "model's own checkpoints": "takeover:checkpointed",
+        "step-level": "steps:plain",
+        "both": "steps:checkpointed",
+        "first order": "first:plain",
+        "first order, per-layer": "first:checkpointed",
+    }
+    cells = [
+        f"{knob} {ratio(name, base, peak_values)}x memory, {ratio(name, base, wall)}x time"
+        for knob, name in knobs.items()
+        if name in wall and base in wall
+    ]
+    if cells:
+        print("against the unchecked second-order run: " + "; ".join(cells))
     for name in names:
         temp = peaks.get(name, {}).get("xla_temp")
         if temp is not None:
