@@ -299,7 +299,8 @@ def _present(grads: list) -> list[torch.Tensor]:
 def test_huggingface_gradient_checkpointing(kind, reentrant, batched, first_order):
     """``gradient_checkpointing_enable()`` with either setting: the meta-gradients of the same
     model without it. Llama's RMS norm computes in float32 inside the float64 model, so its
-    second-order meta-gradients agree to float32 round-off (design.md, point 21)."""
+    second-order meta-gradients agree to float32 round-off
+    (``docs/decisions/huggingface-models.md``)."""
     reference = _present(hf_meta_gradients(_hf(kind), batched, first_order))
     model = _hf(kind)
     with warnings.catch_warnings():

@@ -396,8 +396,8 @@ def inductor_aten_max_pool_backward() -> Iterator[bool]:
     """While inside, inductor compiles 2-d max pooling's backward
     (``aten.max_pool2d_with_indices_backward``) as a call of aten's kernel, which scatters
     each gradient to the index the forward kept, instead of decomposing it into a generated
-    scatter that recomputes every window's maximum (``docs/design.md``, fact 50). Yields
-    whether it could: ``False`` where this torch lacks one of the names (the graph then
+    scatter that recomputes every window's maximum (``docs/decisions/inductor-on-cpu.md``).
+    Yields whether it could: ``False`` where this torch lacks one of the names (the graph then
     compiles as inductor would). Process-wide while inside: a compile in another thread
     meanwhile sees it too. An optional access: it is not in :data:`ACCESSES`."""
     names = _max_pool_backward_lowering()
@@ -421,7 +421,7 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     compiled graphs, and counts them against its recompile limit (8), per code object; every
     compiled step's ``torch.func.grad_and_value`` is the same ``functorch`` function, so
     without this the ninth model compiled in a process would stop compiling
-    (``docs/design.md``, fact 51)."""
+    (``docs/decisions/compiled-meta-step.md``)."""
 
     def graph(*args: Any) -> Any:
         return fn(*args)
@@ -435,7 +435,7 @@ def saved_tensor_hooks_state() -> str | None:
     torch raises for them. ``torch.func``'s gradient transforms turn them off while they
     run; a compile that fails inside one (inductor tracing ``torch.func.grad``) can leave
     them off for the rest of the process, so that every later ``torch.utils.checkpoint``
-    call fails (``docs/design.md``, fact 49)."""
+    call fails (``docs/decisions/compiled-meta-step.md``)."""
     autograd: Any = torch._C._autograd
     if autograd._saved_tensors_hooks_is_enabled():
         return None

@@ -9,7 +9,7 @@ pure function of ``torch.func`` transforms and hands it to ``torch.compile``:
 - each inner gradient is ``torch.func.grad`` of the *sum* of the per-task losses, taken
   outside the ``vmap``, as :func:`funcmeta.adapt_tasks` takes it (``vmap`` of a gradient
   through BatchNorm's batch statistics gives wrong second-order meta-gradients; a gradient
-  of the summed losses does not: ``docs/design.md``);
+  of the summed losses does not: ``docs/decisions/task-batching-vmap.md``);
 - the update is the funcmeta optimizer's own (pure) ``update``, per-task clipping included;
 - the outer gradient is ``torch.func.grad`` of the mean query loss, with respect to the
   model's parameters and the parameters of the ``hyper`` modules (learnable rates).
@@ -149,7 +149,7 @@ def compile_plan(
       without a Python call each), the double backward's batched products in the
       orientation torch's CPU kernel runs fast, convolutions in the model's layout
       (``layout_optimization`` off), and max pooling's backward as aten's kernel
-      (``docs/design.md``, facts 45-50).
+      (``docs/decisions/inductor-on-cpu.md``).
     - ``mode=None`` on CUDA: ``"reduce-overhead"``, CUDA graphs: the whole meta-iteration
       is one graph launch (the sinusoid at T = 32 ran 0.79 ms against 3.74-7.0 ms without,
       on an H200). For a model with convolutions, also ``layout_optimization`` off: the
