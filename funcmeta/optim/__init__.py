@@ -24,21 +24,14 @@ Example:
 from funcmeta._src.optim.adagrad import ScaleByAdagradState, adagrad, scale_by_adagrad
 from funcmeta._src.optim.adam import ScaleByAdamState, adam, adamw, scale_by_adam
 from funcmeta._src.optim.base import (
+    DescendFn,
     GradientTransformation,
     InitFn,
     UpdateFn,
     apply_updates,
     chain,
-    safe_sqrt,
-    step,
-    with_descend,
 )
-from funcmeta._src.optim.clip import (
-    ClipState,
-    clip_by_global_norm,
-    clip_grads_by_global_norm,
-    global_norm,
-)
+from funcmeta._src.optim.clip import ClipState, clip_by_global_norm, global_norm
 from funcmeta._src.optim.from_torch import from_torch
 from funcmeta._src.optim.hyper import Hyperparameter
 from funcmeta._src.optim.primitives import (
@@ -58,6 +51,7 @@ __all__ = [
     "AddDecayedWeightsState",
     "AddProximalState",
     "ClipState",
+    "DescendFn",
     "GradientTransformation",
     "Hyperparameter",
     "InitFn",
@@ -75,17 +69,13 @@ __all__ = [
     "apply_updates",
     "chain",
     "clip_by_global_norm",
-    "clip_grads_by_global_norm",
     "from_torch",
     "global_norm",
     "momentum_trace",
     "rmsprop",
-    "safe_sqrt",
     "scale_by_adagrad",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_rms",
     "sgd",
-    "step",
-    "with_descend",
 ]

@@ -1,4 +1,5 @@
-"""``fm.optim.step``'s direct parameter step against ``update`` + ``apply_updates`` (the plain
+"""The inner loop's optimizer step (``funcmeta._src.optim.base.step``): a transformation's
+direct parameter step (its ``descend`` field) against ``update`` + ``apply_updates`` (the plain
 path): the same numbers bit for bit, the same first- and second-order gradients; and the
 learning-rate resolver's memory, which must never serve stale rates."""
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import funcmeta as fm
+from funcmeta._src.optim.base import step
 from funcmeta._src.optim.hyper import LeafResolver
 
 DTYPE = torch.float64
@@ -61,7 +63,7 @@ def test_step_equals_update_then_apply_bit_for_bit(name, rates, dtype):
     for k in range(3):
         grads = fm.tree.tree_map(lambda p, k=k: torch.sin(p * (k + 1)), pa)
         grads_b = fm.tree.tree_map(lambda p, k=k: torch.sin(p * (k + 1)), pb)
-        pa, state_a = fm.optim.step(opt, grads, state_a, pa)
+        pa, state_a = step(opt, grads, state_a, pa)
         updates, state_b = opt.update(grads_b, state_b, pb)
         pb = fm.apply_updates(pb, updates)
         for x, y in zip(fm.tree.leaves(pa), fm.tree.leaves(pb), strict=True):
@@ -95,7 +97,7 @@ def test_a_hand_made_transformation_takes_the_plain_path():
 
     opt = fm.optim.GradientTransformation(init, update)
     params = {"w": torch.ones(2)}
-    new, _ = fm.optim.step(opt, {"w": torch.ones(2)}, opt.init(params), params)
+    new, _ = step(opt, {"w": torch.ones(2)}, opt.init(params), params)
     assert new["w"].tolist() == [0.5, 0.5]
 
 
@@ -144,7 +146,24 @@ def test_clipping_is_pure_and_says_how_it_clips_per_task():
     assert fm.optim.sgd(lr=0.1).update_tasks is None
     opt = fm.optim.chain(clip, fm.optim.sgd(lr=0.1))
     params = {"w": torch.zeros(2, 2, dtype=torch.float64)}
-    stepped, _ = fm.optim.step(opt, g, opt.init(params), params, tasks=True)
+    stepped, _ = step(opt, g, opt.init(params), params, tasks=True)
     assert torch.allclose(stepped["w"], -0.1 * per_task["w"])
-    plain, _ = fm.optim.step(opt, g, opt.init(params), params)
+    plain, _ = step(opt, g, opt.init(params), params)
     assert torch.allclose(plain["w"], -0.1 * whole["w"])
+
+
+def test_the_direct_step_is_a_field_of_the_transformation():
+    """Extending an optimizer takes explicit fields: nothing is set on its functions."""
+    sgd = fm.optim.sgd(lr=0.1)
+    assert sgd.descend is not None and not hasattr(sgd.update, "descend")
+    assert fm.optim.chain(fm.optim.clip_by_global_norm(1.0), sgd).descend is not None
+    assert fm.optim.chain(sgd, fm.optim.clip_by_global_norm(1.0)).descend is None
+    assert fm.optim.adam(lr=0.1).descend is not None  # its last link scales by the rate
+    assert fm.optim.sgd(lr=0.1, momentum=0.9).descend is not None
+
+
+def test_fm_optim_exports_no_internals():
+    """Constructors, chain, apply_updates, global_norm, from_torch and the types: the step
+    the inner loop takes and the numeric helpers stay inside."""
+    for name in ("step", "with_descend", "safe_sqrt", "clip_grads_by_global_norm"):
+        assert name not in fm.optim.__all__ and not hasattr(fm.optim, name)

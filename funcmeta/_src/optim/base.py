@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -27,13 +26,13 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.tree import Tree
 
 __all__ = [
+    "DescendFn",
     "GradientTransformation",
     "InitFn",
     "UpdateFn",
     "apply_updates",
     "chain",
     "step",
-    "with_descend",
 ]
 
 
@@ -53,6 +52,14 @@ class UpdateFn(Protocol):
     def __call__(
         self, updates: Tree, state: Any, params: Tree | None = None
     ) -> tuple[Tree, Any]: ...
+
+
+class DescendFn(Protocol):
+    """``descend(grads, state, params) -> (new_params, new_state)``: the same result as
+    ``update`` followed by :func:`apply_updates`, in fewer operations (a plain SGD step,
+    ``p - lr * g``, in two instead of three)."""
+
+    def __call__(self, updates: Tree, state: Any, params: Tree) -> tuple[Tree, Any]: ...
 
 
 class GradientTransformation(NamedTuple):
@@ -79,6 +86,10 @@ class GradientTransformation(NamedTuple):
     :func:`funcmeta.adapt_tasks`), where it differs from ``update``: a transformation that
     reduces over a whole tree (:func:`clip_by_global_norm`) reduces per task there, as the
     per-task loop would. ``None``: ``update`` serves both (it works leaf by leaf)."""
+    descend: DescendFn | None = None
+    """A direct step on the parameters, the same numbers as ``update`` then
+    :func:`apply_updates` (the inner loop's step uses it where there is one; :func:`chain`
+    keeps its last link's). ``None``: ``update`` then :func:`apply_updates`."""
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -125,7 +136,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         return updates, tuple(new_state)
 
     per_task = update_tasks if any(t.update_tasks for t in transforms) else None
-    last = _descend_of(transforms[-1]) if transforms else None
+    last = transforms[-1].descend if transforms else None
     if last is None:
         return GradientTransformation(init, update, per_task)
 
@@ -138,22 +149,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_params, s = last(updates, state[-1], params)
         return new_params, (*new_state, s)
 
-    return with_descend(GradientTransformation(init, update, per_task), descend)
-
-
-def with_descend(
-    transform: GradientTransformation,
-    descend: Callable[[Tree, Any, Tree], tuple[Tree, Any]],
-) -> GradientTransformation:
-    """``transform`` with ``descend(grads, state, params) -> (new_params, new_state)``
-    attached: the same result as ``update`` followed by :func:`apply_updates`, in fewer
-    operations. :func:`step` uses it; :func:`chain` keeps its last link's."""
-    transform.update.descend = descend  # type: ignore[attr-defined]
-    return transform
-
-
-def _descend_of(transform: GradientTransformation) -> Callable[..., tuple[Tree, Any]] | None:
-    return getattr(transform.update, "descend", None)
+    return GradientTransformation(init, update, per_task, descend)
 
 
 def step(
@@ -166,17 +162,17 @@ def step(
 
     Example:
         >>> import torch, funcmeta as fm
+        >>> from funcmeta._src.optim.base import step
         >>> opt, params = fm.optim.sgd(lr=0.5), {"w": torch.tensor([1.0, 2.0])}
-        >>> new, _ = fm.optim.step(opt, {"w": torch.ones(2)}, opt.init(params), params)
+        >>> new, _ = step(opt, {"w": torch.ones(2)}, opt.init(params), params)
         >>> new["w"].tolist()
         [0.5, 1.5]
     """
     if tasks and opt.update_tasks is not None:
         updates, state = opt.update_tasks(grads, state, params)
         return apply_updates(params, updates), state
-    descend = _descend_of(opt)
-    if descend is not None:
-        return descend(grads, state, params)
+    if opt.descend is not None:
+        return opt.descend(grads, state, params)
     updates, state = opt.update(grads, state, params)
     return apply_updates(params, updates), state
 

@@ -3,7 +3,8 @@
 Example:
     >>> import torch, funcmeta as fm
     >>> grads = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
-    >>> clipped = fm.optim.clip_grads_by_global_norm(grads, 1.0)
+    >>> clip = fm.optim.clip_by_global_norm(1.0)
+    >>> clipped, _ = clip.update(grads, clip.init(grads))
     >>> round(fm.optim.global_norm(clipped).item(), 4)
     1.0
 """

@@ -22,7 +22,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_number, is_number
 from funcmeta._src.core.tree import Tree
-from funcmeta._src.optim.base import GradientTransformation, same_dtype, with_descend
+from funcmeta._src.optim.base import GradientTransformation, same_dtype
 from funcmeta._src.optim.hyper import Hyperparameter, LeafResolver, is_zero, per_leaf
 
 __all__ = [
@@ -87,7 +87,7 @@ def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
         ]
         return tree.unflatten(spec, out), ScaleByLearningRateState(state.count + 1)
 
-    return with_descend(GradientTransformation(init, update), descend)
+    return GradientTransformation(init, update, descend=descend)
 
 
 class AddDecayedWeightsState(NamedTuple):
