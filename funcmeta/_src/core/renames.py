@@ -191,6 +191,26 @@ GONE: tuple[Gone, ...] = (
         module=True,
         how="it was renamed fm.optim.values in 99e0883; its value checks are internal now",
     ),
+    # eff52ee: fm.optim exports no internals
+    Gone(
+        "funcmeta.optim.step",
+        "eff52ee",
+        ("funcmeta.optim.GradientTransformation", "funcmeta.apply_updates"),
+        how="opt.update, then fm.apply_updates; the inner loop's step is internal",
+    ),
+    Gone(
+        "funcmeta.optim.with_descend",
+        "eff52ee",
+        ("funcmeta.optim.GradientTransformation",),
+        how="its descend= field",
+    ),
+    Gone("funcmeta.optim.safe_sqrt", "eff52ee", how="internal to Adam, RMSprop and Adagrad"),
+    Gone(
+        "funcmeta.optim.clip_grads_by_global_norm",
+        "eff52ee",
+        ("funcmeta.optim.clip_by_global_norm",),
+        how="clip.update(grads, clip.init(grads)) clips a gradient tree once",
+    ),
     # 30d191b, 2026-11-26: the engine in funcmeta/_src, no shims
     Gone(
         "funcmeta.tune",
