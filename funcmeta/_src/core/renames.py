@@ -195,8 +195,8 @@ GONE: tuple[Gone, ...] = (
     Gone(
         "funcmeta.optim.step",
         "eff52ee",
-        ("funcmeta.optim.GradientTransformation", "funcmeta.apply_updates"),
-        how="opt.update, then fm.apply_updates; the inner loop's step is internal",
+        ("funcmeta.apply_updates",),
+        how="after opt.update; the inner loop's step is internal",
     ),
     Gone(
         "funcmeta.optim.with_descend",
