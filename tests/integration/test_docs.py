@@ -1,4 +1,5 @@
-"""Every docstring example in the package runs and gives the output it shows."""
+"""Every docstring example in the package runs and gives the output it shows, every Python
+block of the docs runs, and the docs cite the decision records by path, never by number."""
 
 from __future__ import annotations
 
@@ -58,3 +59,76 @@ def test_markdown_python_blocks_run_in_order(page):
             exec(compile(block, f"{page}[block {i}]", "exec"), namespace)
         except Exception as exc:  # pragma: no cover - the message says which block failed
             raise AssertionError(f"{page}, python block {i} failed: {exc!r}\n{block}") from exc
+
+
+# The torch facts the design rests on are decision records, one file per topic, cited by path
+# (docs/decisions/<topic>.md). A citation by number breaks silently when a list is renumbered.
+DECISIONS = ROOT / "docs" / "decisions"
+CITING = ["funcmeta", "tests", "benchmarks", "examples", "scripts", "docs"]
+CITING_FILES = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md", "Makefile"]
+TEXT = {".py", ".md", ".rst", ".txt", ".toml", ".cfg", ".sh", ".yml", ".yaml"}
+SKIP = {"_build", "__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache"}
+NUMBERED = [
+    re.compile(r"\bfacts?\s+\d", re.I),  # "fact" and a number: always a numbered citation
+    re.compile(r"\bdesign(?:\.md)?\b[^.;]{0,40}?\bpoints?\s+\d", re.I),  # design.md's points
+]
+RECORD = re.compile(r"decisions/([A-Za-z0-9_-]+\.md)")
+
+
+def citing_files() -> list[Path]:
+    files = [ROOT / name for name in CITING_FILES if (ROOT / name).exists()]
+    for top in CITING:
+        for path in sorted((ROOT / top).rglob("*")):
+            parts = set(path.relative_to(ROOT).parts)
+            if path.is_file() and path.suffix in TEXT and not parts & SKIP:
+                files.append(path)
+    return files
+
+
+def _where(path: Path, text: str, offset: int) -> str:
+    return f"{path.relative_to(ROOT).as_posix()}:{text.count(chr(10), 0, offset) + 1}"
+
+
+def test_no_design_fact_is_cited_by_number():
+    found = []
+    for path in citing_files():
+        text = path.read_text(errors="replace")
+        for pattern in NUMBERED:
+            for m in pattern.finditer(text):
+                found.append(f"{_where(path, text, m.start())}: {' '.join(m.group().split())!r}")
+    assert found == [], (
+        "cite a decision record by its path (docs/decisions/<topic>.md), not a fact by "
+        "number:\n" + "\n".join(found)
+    )
+
+
+def test_every_decision_record_is_in_the_index_and_every_cited_record_exists():
+    index = (DECISIONS / "README.md").read_text()
+    records = sorted(p.name for p in DECISIONS.glob("*.md") if p.name != "README.md")
+    assert records, "docs/decisions/ holds no records"
+    linked = set(re.findall(r"\]\(([^)#]+\.md)\)", index))
+    assert [r for r in records if r not in linked] == [], "records missing from the index"
+    assert sorted(r for r in linked if not (DECISIONS / r).exists()) == [], (
+        "the index links a missing record"
+    )
+    toctree = re.search(r"```\{toctree\}\n(.*?)```", index, flags=re.S)
+    assert toctree is not None, "docs/decisions/README.md has no toctree"
+    entries = {line.strip() for line in toctree.group(1).splitlines()}
+    assert [r for r in records if r[: -len(".md")] not in entries] == [], "records off the toctree"
+    missing = []
+    for path in citing_files():
+        text = path.read_text(errors="replace")
+        for m in RECORD.finditer(text):
+            if not (DECISIONS / m.group(1)).exists():
+                missing.append(f"{_where(path, text, m.start())}: {m.group()}")
+    assert missing == [], "cited decision records that do not exist:\n" + "\n".join(missing)
+
+
+def test_the_checks_of_citations_can_fail():
+    n = 53  # the cited numbers come from a variable, so that this file cites nothing itself
+    assert NUMBERED[0].search(f"as measured (fact\n{n})") and NUMBERED[0].search(f"facts {n}-55")
+    assert NUMBERED[1].search(f"(`docs/design.md`, point {n})")
+    assert NUMBERED[1].search(f"(design.md, point {n})")
+    assert not any(p.search(f"funcmeta +2.6 points {n}-way in") for p in NUMBERED)
+    absent = "no-such-record.md"
+    assert RECORD.search(f"`docs/decisions/{absent}`").group(1) == absent
