@@ -2,7 +2,7 @@
 kind of input, detaching the parameters, the chunks, the saved-tensor-hooks switch, adding
 the gradients to ``.grad``. The graph is replaced by a function that returns fixed
 gradients, so what is timed is the wrapper alone (the sinusoid MLP, T = 32, K = 5). Then a
-tiny compiled ``grad_and_value`` called as it is and behind ``fence.own_code``, the frame
+tiny compiled ``grad_and_value`` called as it is and behind ``fence.with_own_code_object``, the frame
 that gives each step its own compiled code.
 
     python benchmarks/compiled_overhead.py [--calls 3000]
@@ -45,14 +45,14 @@ def main() -> None:
 
 def own_code_row(calls: int) -> None:
     """A compiled call of a tiny ``grad_and_value`` graph, compiled as it is and behind
-    ``fence.own_code`` (the step's own code object), alternating: the cost of the extra
+    ``fence.with_own_code_object`` (the step's own code object), alternating: the cost of the extra
     frame."""
-    from funcmeta._src.core.fence import own_code
+    from funcmeta._src.core.fence import with_own_code_object
 
     fn = torch.func.grad_and_value(lambda w, x: (w * x).sum())
     ways = {
         "as it is": torch.compile(fn, fullgraph=True, dynamic=False),
-        "own_code": torch.compile(own_code(fn), fullgraph=True, dynamic=False),
+        "with_own_code_object": torch.compile(with_own_code_object(fn), fullgraph=True, dynamic=False),
     }
     w, x = torch.ones(4), torch.ones(4)
     times: dict[str, list[float]] = {k: [] for k in ways}

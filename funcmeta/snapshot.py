@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_int
-from funcmeta._src.core.records import RecordCheck, check_records, compute_crc32, identity
+from funcmeta._src.core.records import RecordCheck, check_records, compute_crc32, file_stamp
 from funcmeta._src.core.rng_state import check_state, get_state, set_state
 from funcmeta._src.core.tempfiles import make_temp, remove_stale
 
@@ -367,7 +367,7 @@ def _read(path: Path, map_location: Any) -> dict[str, Any]:
                 f"{path} stores no CRC-32 of its records, which every snapshot of format "
                 f"{found} does: it was not written by fm.snapshot.save"
             )
-        if identity(path) != records.identity:
+        if file_stamp(path) != records.stamp:
             raise SnapshotError(f"{path} was replaced or changed while it was read; load it again")
     if found == 3:
         _check_sha256(path, payload)

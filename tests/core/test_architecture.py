@@ -47,7 +47,7 @@ def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_pa
 
 
 def test_every_private_access_exists_on_this_torch():
-    missing = fence.missing()
+    missing = fence.missing_accesses()
     assert not missing, (
         f"torch {torch.__version__} lacks {missing}, which funcmeta/_src/core/fence.py uses. "
         "Port that access to this release (one place), or lower the claimed torch range in "

@@ -251,7 +251,7 @@ class TaskRecurrent(Standin):
             return per_task(m, (input, hx), {})
         why = _why_not(m, input, hxs, values)
         if why is not None:
-            self._tell(why)
+            self._step_aside_once(why)
             return per_task(m, (input, hx), {})
         level = innermost_level(values)
         assert level is not None
@@ -291,7 +291,7 @@ class TaskRecurrent(Standin):
         level = packed.level
         why = _why_not(m, seq, hxs, [*hxs, *weights.values()], packed)
         if why is not None:
-            self._tell(why)
+            self._step_aside_once(why)
             return per_task(m, (seq, hx), {})
         one = packed.empty(packed.shape[1:])  # one task's steps, for the checks
         if not in_twice_differentiable() and fused_rnn(m.mode, one, packed=True):
@@ -309,13 +309,18 @@ class TaskRecurrent(Standin):
         outputs = TaskPacked(out.stacked, packed.lengths, level, out.shape, final[0])
         return sequence(outputs, order, unorder), state
 
+    _fm_name: str
+    _fm_report: dict[str, str]
+
     def __init__(self, original: nn.Module, name: str = "", report: dict | None = None) -> None:
         super().__init__(original)
-        self.__dict__["_fm_name"] = name
-        self.__dict__["_fm_report"] = {} if report is None else report
+        self._fm_name = name  # plain attributes: neither is a parameter, buffer or module
+        self._fm_report = {} if report is None else report
 
-    def _tell(self, why: str) -> None:
-        name, report = self.__dict__["_fm_name"], self.__dict__["_fm_report"]
+    def _step_aside_once(self, why: str) -> None:
+        """Record in the report, and warn, that this layer runs once per task, the first
+        time it does."""
+        name, report = self._fm_name, self._fm_report
         if name not in report:
             report[name] = f"{type(self.original).__name__}: {why}"
             warnings.warn(
@@ -489,7 +494,7 @@ def _layers(
     ]
     ends = None
     if valid is not None:
-        ends = _Ends(valid)
+        ends = _SequenceEnds(valid)
         # What the padding holds reaches the weights' gradients times 0: zeros in place of
         # it where it is not finite (0 * NaN), and only then (a copy of the input)
         if not bool(torch.isfinite(x).all()):
@@ -538,7 +543,7 @@ class _Steps:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-class _Ends:
+class _SequenceEnds:
     """Where packed sequences end, from ``valid`` ``(T, L, N)`` (whether each step is within
     its sequence; each task's sequences sorted longest first): ``rows[s]``, how many rows
     some task still runs at step ``s`` (a prefix); ``keep[s]``, which of those rows run,
@@ -561,7 +566,7 @@ def _direction(
     state: list[Tensor],
     w: dict[str, _Weight | None],
     reverse: bool,
-    ends: _Ends | None = None,
+    ends: _SequenceEnds | None = None,
 ) -> tuple[list[Tensor], list[Tensor]]:
     """One layer in one direction over ``x`` ``(T, L, N, I)`` from ``state`` (``[h]``, or
     ``[h, c]`` for an LSTM, each ``(T, N, H)``): the outputs, each step's ``(T, rows, H)``
@@ -640,7 +645,7 @@ def _cell(
     assert w_hh is not None
     if mode == "LSTM":
         assert c is not None  # an LSTM's state is [h, c]
-        i, f, g, o = _recur(gi, h, w_hh).chunk(4, dim=-1)
+        i, f, g, o = _add_recurrent_product(gi, h, w_hh).chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
         h = torch.sigmoid(o) * torch.tanh(c)
         hr = w["weight_hr"]
@@ -657,11 +662,11 @@ def _cell(
         n = torch.tanh(in_ + r * hn)
         return (h - n) * z + n, None
     if mode == "RNN_TANH":
-        return torch.tanh(_recur(gi, h, w_hh)), None
-    return torch.relu(_recur(gi, h, w_hh)), None
+        return torch.tanh(_add_recurrent_product(gi, h, w_hh)), None
+    return torch.relu(_add_recurrent_product(gi, h, w_hh)), None
 
 
-def _recur(acc: Tensor, h: Tensor, w: _Weight) -> Tensor:
+def _add_recurrent_product(acc: Tensor, h: Tensor, w: _Weight) -> Tensor:
     """``acc + h @ w^T`` for every task, in one call: ``acc`` ``(T, N, G)``, ``h``
     ``(T, N, H)``."""
     if w.per_task:

@@ -41,7 +41,7 @@ __all__ = [
     "check_real",
     "check_tree",
     "is_number",
-    "retold",
+    "error_like",
 ]
 
 T = TypeVar("T")
@@ -216,7 +216,7 @@ def _bounds(low: int | None, high: int | None) -> str:
     return ""
 
 
-def retold(error: Exception, message: str) -> Exception:
+def error_like(error: Exception, message: str) -> Exception:
     """An error of ``error``'s type with ``message`` (a ``RuntimeError`` if that type takes
     another constructor); raise it ``from error``."""
     try:

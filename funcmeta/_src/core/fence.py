@@ -27,8 +27,8 @@ on and fails with the torch version and the missing name. What each is for:
   no exception type for it), checked against a real refusal by the test suite.
 
 Example:
-    >>> from funcmeta._src.core.fence import missing
-    >>> missing()
+    >>> from funcmeta._src.core.fence import missing_accesses
+    >>> missing_accesses()
     []
 """
 
@@ -66,7 +66,7 @@ __all__ = [
     "set_saved_tensor_hooks_state",
     "inductor_graph_pass",
     "inductor_aten_max_pool_backward",
-    "own_code",
+    "with_own_code_object",
     "conv_forward",
     "frame_local",
     "frame_executes",
@@ -82,7 +82,7 @@ __all__ = [
     "is_batchedtensor",
     "is_vmap_refusal",
     "maybe_get_level",
-    "missing",
+    "missing_accesses",
     "missing_functorch",
     "module_dict",
     "parameter_dict",
@@ -416,7 +416,7 @@ def inductor_aten_max_pool_backward() -> Iterator[bool]:
             table[op] = decomposed
 
 
-def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+def with_own_code_object(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` called from a function whose code object is new. torch.compile keeps its
     compiled graphs, and counts them against its recompile limit (8), per code object; every
     compiled step's ``torch.func.grad_and_value`` is the same ``functorch`` function, so
@@ -669,7 +669,7 @@ def missing_functorch() -> list[str]:
     return [name for name in FUNCTORCH if _functorch(name) is None]
 
 
-def missing() -> list[str]:
+def missing_accesses() -> list[str]:
     """The names of :data:`ACCESSES` that this torch release lacks."""
     return [name for name, probe in ACCESSES.items() if not probe()]
 

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-__all__ = ["RecordCheck", "check_records", "compute_crc32", "identity"]
+__all__ = ["RecordCheck", "check_records", "compute_crc32", "file_stamp"]
 
 _LOCAL_HEADER = struct.Struct("<4s5H3I2H")  # a zip local file header: 30 bytes
 _LOCAL_SIGNATURE = b"PK\x03\x04"
@@ -34,14 +34,14 @@ _CHUNK = 1 << 26  # records are split in 64 MiB pieces, so that two threads shar
 class RecordCheck(NamedTuple):
     """What :func:`check_records` found: the records whose bytes do not match their CRC-32,
     whether the archive stores CRCs at all (``torch.save`` with CRCs turned off writes 0),
-    and the file's identity when it was checked (``os.stat``: device, inode, size, time)."""
+    and the file's stamp when it was checked (:func:`file_stamp`)."""
 
     bad: list[str]
     has_crcs: bool
-    identity: tuple[int, int, int, int]
+    stamp: tuple[int, int, int, int]
 
 
-def identity(path: Path | int) -> tuple[int, int, int, int]:
+def file_stamp(path: Path | int) -> tuple[int, int, int, int]:
     """The file's device, inode, size and modification time: a file replaced or rewritten
     since has another."""
     s = os.stat(path)
@@ -63,7 +63,7 @@ def check_records(path: str | os.PathLike[str]) -> RecordCheck:
     with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
         infos = archive.infolist()
         size = os.fstat(f.fileno()).st_size
-        ident = identity(f.fileno())
+        ident = file_stamp(f.fileno())
         if size == 0:
             raise zipfile.BadZipFile("the file is empty")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._src.core.checks import retold
+from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
@@ -104,7 +104,7 @@ def adapt(
     except (RuntimeError, ValueError) as error:
         if axis is None or not _about_shapes(error) or axis.hint() in str(error):
             raise
-        raise retold(error, f"{error}\n{axis.hint()}") from error
+        raise error_like(error, f"{error}\n{axis.hint()}") from error
 
 
 def _about_shapes(error: Exception) -> bool:

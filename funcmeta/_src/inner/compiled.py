@@ -68,10 +68,10 @@ from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import (
     cudagraph_skips,
     inductor_aten_max_pool_backward,
-    own_code,
     reparametrized,
     saved_tensor_hooks_state,
     set_saved_tensor_hooks_state,
+    with_own_code_object,
 )
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
@@ -243,7 +243,7 @@ class MetaStep:
         self.options_note: str | None = plan.note if compile else None
         self.graph_note: str | None = None
         if compile:
-            graph = own_code(grad_fn)
+            graph = with_own_code_object(grad_fn)
             how = plan.compile_kwargs()
             try:
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False, **how)

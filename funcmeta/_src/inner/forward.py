@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from funcmeta._src.core import tree
-from funcmeta._src.core.checks import retold
+from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.fence import traceback_modules
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.core.vmap import any_batched, vmap_flat
@@ -139,11 +139,11 @@ def run_model(
     except (RuntimeError, IndexError) as error:
         text = str(error)
         if isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text):
-            raise retold(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
+            raise error_like(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
         if _WHERE in text or not _about_shapes(error):
             raise
         where = _where_it_failed(fmodel, error, args, kwargs, batched)
-        raise retold(error, f"{text}\n{where}") from error
+        raise error_like(error, f"{text}\n{where}") from error
 
 
 _WHERE = "funcmeta: the model's forward failed on"
@@ -266,7 +266,7 @@ def _loss_error(error: Exception, out: Any, targets: Any) -> Exception:
         f"({_describe(targets)}), shapes per task under task batching: "
         f"{type(error).__name__}: {str(error).rstrip('.')}.{hint}"
     )
-    return retold(error, message)
+    return error_like(error, message)
 
 
 def batch_dims(batch: Any) -> Any:

@@ -24,7 +24,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -32,8 +32,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta._src.checkpoint.engine import graph_input, kept_for_the_gradient
 from funcmeta._src.core import kernels, tree
-from funcmeta._src.core.checks import retold
-from funcmeta._src.core.tree import Filter, Tree
+from funcmeta._src.core.checks import error_like
+from funcmeta._src.core.tree import Filter, PyTreeSpec, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.inner.place import at
@@ -61,12 +61,12 @@ class StepMode:
 
     Attributes:
         graph: build a graph through the step (steps before ``truncate`` do not).
-        second: take the inner gradient with ``create_graph`` (second order).
+        second_order: take the inner gradient with ``create_graph``.
         offload: keep what the step saves for backward in CPU memory.
     """
 
     graph: bool
-    second: bool
+    second_order: bool
     offload: bool = False
 
 
@@ -77,11 +77,13 @@ class InnerLoop:
     ``forward(params, buffers) -> (loss, new_buffers)`` gives one loss, or one per task
     (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
     of their sum, which is each task's own gradient since the tasks share nothing.
+    ``param_spec`` is the tree structure of the adapted parameters, whose leaves the steps
+    take and return as a flat list (in the order of ``names``).
     """
 
     forward: Forward
     opt: GradientTransformation
-    spec: Any
+    param_spec: PyTreeSpec
     names: list[str]
     fixed: Tree | None
     options: AdaptOptions
@@ -111,7 +113,7 @@ class InnerLoop:
         buffers: dict[str, Tensor],
         leaves: list[Tensor],
     ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
-        graph, second = mode.graph, mode.second
+        graph, second = mode.graph, mode.second_order
         with torch.enable_grad():
             if second:
                 if not all(p.requires_grad for p in leaves):
@@ -119,7 +121,7 @@ class InnerLoop:
                 wrt = leaves
             else:
                 wrt = [graph_input(p) for p in leaves]
-            current = tree.unflatten(self.spec, wrt)
+            current = tree.unflatten(self.param_spec, wrt)
             full = current if self.fixed is None else tree.combine(current, self.fixed)
             # A second-order step's checkpointed layers take their inner gradient on their
             # forward's graph, dropped right after it: one recomputation fewer, for one step's
@@ -148,17 +150,17 @@ class InnerLoop:
             grads = [g * inv for g in grads]
         if not second:
             loss = loss.detach()
-        grad_tree = tree.unflatten(self.spec, grads)
+        grad_tree = tree.unflatten(self.param_spec, grads)
         if self.options.clip_grad_norm is not None:
             grad_tree = clip_grads_by_global_norm(
                 grad_tree, self.options.clip_grad_norm, task_axis=self.tasks is not None
             )
-        adapted = tree.unflatten(self.spec, leaves)
+        adapted = tree.unflatten(self.param_spec, leaves)
         with contextlib.nullcontext() if graph else torch.no_grad():
             adapted, new_state = optim_step(
                 self.opt, grad_tree, state, adapted, tasks=self.tasks is not None
             )
-        new_leaves = self.spec.flatten_up_to(adapted)
+        new_leaves = cast(list[Tensor], self.param_spec.flatten_up_to(adapted))
         check = self.options.nonfinite
         # what the step produced is checked too: an overflowing update (a huge rate, fp16)
         # makes finite gradients into non-finite parameters; one host sync for all of it
@@ -234,7 +236,7 @@ def _take_steps(
         leaves = _reenter(leaves, start)
     if overflowed:
         leaves = [_NonFiniteGradient.apply(p) for p in leaves]
-    adapted = tree.unflatten(inner.spec, leaves)
+    adapted = tree.unflatten(inner.param_spec, leaves)
     final = adapted if inner.fixed is None else tree.combine(adapted, inner.fixed)
     stacked = (
         torch.stack(losses) if losses else torch.empty(0, device=start[0].device if start else None)
@@ -279,7 +281,7 @@ def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions
         "checkpoint_layers=...)) lowers what each step keeps. Fewer steps or tasks per call "
         "(task_chunk=) also help."
     )
-    return retold(error, message)
+    return error_like(error, message)
 
 
 def checkpointed_step(
@@ -298,7 +300,7 @@ def checkpointed_step(
     # State and buffers are bound now: the recomputation must see these values, on the
     # kernels of this forward. Offload, if asked, applies to what the checkpoint keeps (inside
     # it, it would keep everything and recompute nothing).
-    inside = StepMode(mode.graph, mode.second, offload=False)
+    inside = StepMode(mode.graph, mode.second_order, offload=False)
     with _offload(mode.offload, leaves):
         return torch_checkpoint(
             inner.unrolled_step,
@@ -334,7 +336,7 @@ def inner_loop(
     else:
         _check_state(state, opt.init(adapted))
     inner = InnerLoop(
-        forward=forward, opt=opt, spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
+        forward=forward, opt=opt, param_spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
     )
     return _take_steps(inner, leaves, state, buffers, steps)
 
