@@ -124,6 +124,21 @@ def test_every_decision_record_is_in_the_index_and_every_cited_record_exists():
     assert missing == [], "cited decision records that do not exist:\n" + "\n".join(missing)
 
 
+REPO_PATH = re.compile(r"`((?:funcmeta|tests|benchmarks|docs|examples|scripts)/[\w./-]+\.\w+)`")
+
+
+def test_the_paths_the_design_and_its_records_name_exist():
+    pages = [ROOT / "docs" / "design.md", *sorted(DECISIONS.glob("*.md"))]
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        for m in REPO_PATH.finditer(text):
+            if not (ROOT / m.group(1)).exists():
+                missing.append(f"{_where(page, text, m.start())}: {m.group(1)}")
+    said = "named in docs/design.md or a decision record, these paths do not exist:\n"
+    assert missing == [], said + "\n".join(missing)
+
+
 def test_the_checks_of_citations_can_fail():
     n = 53  # the cited numbers come from a variable, so that this file cites nothing itself
     assert NUMBERED[0].search(f"as measured (fact\n{n})") and NUMBERED[0].search(f"facts {n}-55")
@@ -132,3 +147,4 @@ def test_the_checks_of_citations_can_fail():
     assert not any(p.search(f"funcmeta +2.6 points {n}-way in") for p in NUMBERED)
     absent = "no-such-record.md"
     assert RECORD.search(f"`docs/decisions/{absent}`").group(1) == absent
+    assert REPO_PATH.search(f"(`funcmeta/_src/core/{absent}`)").group(1).endswith(absent)
