@@ -49,7 +49,7 @@ def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_pa
 def test_every_private_access_exists_on_this_torch():
     missing = fence.missing_accesses()
     assert not missing, (
-        f"torch {torch.__version__} lacks {missing}, which funcmeta/_src/core/fence.py uses. "
+        f"torch {torch.__version__} lacks {missing}, which funcmeta/_src/core/fence/ uses. "
         "Port that access to this release (one place), or lower the claimed torch range in "
         "pyproject.toml and the README."
     )
@@ -87,3 +87,24 @@ def test_vmap_refusals_are_recognised_on_this_torch():
 def test_each_package_says_what_it_owns(name):
     doc = importlib.import_module(name).__doc__ or ""
     assert len(doc.split()) > 20, f"{name} has no docstring that says what it owns"
+
+
+def test_the_fence_is_one_package_of_subsystems_with_one_registry():
+    """Each torch subsystem's accesses in a module of their own, re-exported by the package;
+    every probe in the one registry, whichever module registered it."""
+    import importlib
+    import pkgutil
+
+    modules = [
+        importlib.import_module(f"{fence.__name__}.{m.name}")
+        for m in pkgutil.iter_modules(fence.__path__)
+    ]
+    exported: dict[str, object] = {}
+    for module in modules:
+        for name in module.__all__:
+            assert name not in exported, f"{name} is exported by two fence modules"
+            exported[name] = getattr(module, name)
+    assert set(fence.__all__) == set(exported)
+    assert all(getattr(fence, n) is v for n, v in exported.items())
+    registries = {id(m.ACCESSES) for m in modules if hasattr(m, "ACCESSES")}
+    assert registries == {id(fence.ACCESSES)} and len(fence.ACCESSES) >= 18

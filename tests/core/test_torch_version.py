@@ -29,9 +29,9 @@ def test_functorch_primitives_present():
     missing = fence.missing_functorch()
     assert not missing, (
         f"torch {torch.__version__}'s torch._C._functorch lacks {missing}, which "
-        "funcmeta/_src/core/fence.py takes. Without them, checkpointed layers and recurrent "
+        "funcmeta/_src/core/fence/functorch.py takes. Without them, checkpointed layers and recurrent "
         "layers cannot run under task batching (call_outside_vmap raises), and nn.Linear "
-        "loses its task-batched fast path. Port funcmeta/_src/core/fence.py to this release, or lower the "
+        "loses its task-batched fast path. Port funcmeta/_src/core/fence/ to this release, or lower the "
         "claimed torch range in pyproject.toml and the README."
     )
     assert functorch_glue.USE_PRIMITIVES
