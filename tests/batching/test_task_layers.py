@@ -404,7 +404,9 @@ def test_task_chunks_equal_the_loop(chunk, monkeypatch):
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_task_chunk_must_be_a_positive_int(bad):
-    with pytest.raises(ValueError, match='task_chunk must be "auto", None or a positive int'):
+    with pytest.raises(
+        ValueError, match='task_chunk must be "auto", "tune", None or a positive int'
+    ):
         fm.functional_model(nn.Linear(1, 1), task_chunk=bad)
     fmodel = fm.functional_model(nn.Linear(1, 1))
     with pytest.raises(ValueError, match="task_chunk"):
@@ -426,7 +428,7 @@ def test_tune_task_chunk_times_every_candidate_and_keeps_the_fastest(monkeypatch
     times = fm.tune_task_chunk(
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2
     )
-    assert sorted(times) == [1, 3]  # the grid task_chunk="auto" measures: 1, 4, ... below T, and T
+    assert sorted(times) == [1, 3]  # the grid task_chunk="tune" measures: 1, 4, ... below T, and T
     assert seen == [1, 3, 3, 1, 1, 3]  # a warm-up round, then the repeats, rotated
     best = min(times, key=times.get)
     assert fmodel.task_chunk == (None if best == T else best)

@@ -286,7 +286,7 @@ CASES = {
     "functional_model task_chunk 0": (
         lambda: fm.functional_model(NET, task_chunk=0),
         ValueError,
-        'task_chunk must be "auto", None or a positive int, got 0',
+        'task_chunk must be "auto", "tune", None or a positive int, got 0',
     ),
     "functional_model checkpoint name": (
         lambda: fm.functional_model(NET, checkpoint_layers=["x"]),

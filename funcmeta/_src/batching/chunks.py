@@ -1,14 +1,30 @@
-"""The task chunk chosen by measurement: ``task_chunk="auto"``, the default.
+"""The task chunk a task-batched call runs with under ``task_chunk="auto"`` (the default: a
+rule, :func:`rule_chunk`) or ``task_chunk="tune"`` (measured on the first calls:
+:class:`ChunkTuner`).
 
-Running all tasks as one vmapped computation is not always the fastest way: on a CPU, a
-conv net whose one task already keeps the cores busy can run slower batched than task by
-task, while a small MLP runs much faster batched (``benchmarks/RESULTS.md``). So a task-batched
-call (:func:`funcmeta.adapt_tasks`) with ``task_chunk="auto"`` measures: per kind of call
-(the number of tasks, the shapes of the batch, steps, order, whether a backward follows), its
-first call runs all tasks at once (a warm-up, the call that probes the model), the next
-calls try each candidate twice (:func:`candidate_chunks`: all at once, then 1, 4, 16, ...
-tasks at a time; the second round in reverse order), and every later call takes the
-candidate with the least time.
+``"auto"`` reads the chunk off the call's shapes, the model's size and the device, never off
+a clock, so the same program takes the same chunks on every run and float32 results repeat
+bit for bit. On a CPU, one task's work is estimated as the model's parameter count times the
+number of input elements per task (the elements of every tensor of the model's inputs,
+divided by the task count; the targets do not count); the chunk is the largest power of two
+whose work stays within :data:`CPU_BUDGET` (2**31), at least 1, and all tasks at once where
+that is the task count or more. On any other device (CUDA) all tasks run at once: one launch
+per operation is what batching is for there. The budget is fitted to what the measuring
+tuner chose on ``benchmarks/tasks.py`` (``benchmarks/RESULTS.md``): all at once for the
+sinusoid MLP (1,761 parameters x 10 inputs per task) at 4 to 64 tasks; all at once at 4
+tasks and chunks of 4 at 16 to 64 tasks for conv4 5-way 1-shot (112,261 x 3,920); one task
+at a time for conv4 20-way 1-shot, 16 tasks (113,236 x 15,680).
+
+Why a CPU wants chunks: running all tasks as one vmapped computation is not always the fastest
+way. A conv net whose one task already keeps the cores busy can run slower batched than task
+by task (the batched activations outgrow the caches), while a small MLP runs much faster
+batched.
+
+``"tune"`` measures instead: per kind of call (the number of tasks, the shapes of the batch,
+steps, order, whether a backward follows), its first call runs all tasks at once (a warm-up,
+the call that probes the model), the next calls try each candidate twice
+(:func:`candidate_chunks`: all at once, then 1, 4, 16, ... tasks at a time; the second round
+in reverse order), and every later call takes the candidate with the least time.
 
 What is measured is the call's own time and that of the task-batched passes that follow it
 on the same chunk (:func:`funcmeta.apply_tasks` and :func:`funcmeta.task_losses`: the query
@@ -18,17 +34,20 @@ passed the initial parameters, noted by gradient hooks on those tensors. The use
 between is not counted. The query pass matters: a chunk that makes the inner loop faster can
 make the whole meta-iteration slower. A trial whose backward never comes (a call whose graph is dropped) is tried again;
 after three such calls that kind of call keeps all tasks at once. Calls without a graph
-(evaluation under ``torch.no_grad()``) are timed by their forwards alone.
-
-Only CPU calls are measured: on an accelerator all tasks run at once (one launch per
-operation is what batching is for there, and timing it would need synchronisation).
-
+(evaluation under ``torch.no_grad()``) are timed by their forwards alone. Only CPU calls are
+measured: on an accelerator all tasks run at once (timing there would need synchronisation).
 The choice depends on timing, so two float32 runs may take different chunks and differ by
-rounding (the results are otherwise the same; see :func:`funcmeta.functional_model`): pin
-``task_chunk`` (``None`` or a number) for runs that must repeat bit for bit.
+rounding.
+
+Under either, :func:`funcmeta.apply_tasks` and :func:`funcmeta.task_losses` run with the
+chunk of the model's latest :func:`funcmeta.adapt_tasks` call (all tasks at once before
+there is one), and a call inside a ``torch.func`` transform runs all tasks at once.
 
 Example:
-    >>> from funcmeta._src.batching.chunks import ChunkTuner
+    >>> rule_chunk(32, inputs_per_task=5 * 28 * 28, parameters=112_261, device="cpu")  # conv4
+    4
+    >>> rule_chunk(32, inputs_per_task=10, parameters=1_761, device="cpu") is None  # an MLP
+    True
     >>> tuner = ChunkTuner()
     >>> tuner.hint is None     # all tasks at once until a choice is made
     True
@@ -37,18 +56,91 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["ChunkTuner", "Trial", "candidate_chunks"]
+from funcmeta._src.core import tree
+from funcmeta._src.module.executor import ChunkRun, TaskCall
+
+__all__ = [
+    "CPU_BUDGET",
+    "ChunkRule",
+    "ChunkTuner",
+    "TimedRun",
+    "Trial",
+    "candidate_chunks",
+    "rule_chunk",
+]
+
+CPU_BUDGET = 2**31
+"""On a CPU, the most work one chunk of ``task_chunk="auto"`` takes: its tasks' parameter
+count times input elements per task, summed (see the module docstring)."""
 
 _WARMUP = "warm-up"
 _ABANDON_AFTER = 8  # calls of the same kind before an unfinished trial counts as dropped
 _RETRIES = 3
 _ROUNDS = 2  # trials per candidate; the least time counts
+
+
+def rule_chunk(
+    tasks: int, *, inputs_per_task: int, parameters: int, device: torch.device | str
+) -> int | None:
+    """The chunk ``task_chunk="auto"`` takes for ``tasks`` tasks of a model with ``parameters``
+    parameters, each task's inputs ``inputs_per_task`` elements, on ``device``: on a CPU the
+    largest power of two ``c`` with ``c * parameters * inputs_per_task <= CPU_BUDGET`` (at
+    least 1), ``None`` (all tasks at once) where ``c >= tasks`` or on any other device.
+
+    Example:
+        >>> [rule_chunk(t, inputs_per_task=3920, parameters=112_261, device="cpu") for t in (4, 16, 64)]
+        [None, 4, 4]
+        >>> rule_chunk(16, inputs_per_task=20 * 784, parameters=113_236, device="cpu")
+        1
+        >>> rule_chunk(16, inputs_per_task=3920, parameters=112_261, device="cuda") is None
+        True
+    """
+    if torch.device(device).type != "cpu" or tasks <= 1:
+        return None
+    work = max(parameters * inputs_per_task, 1)
+    chunk = 1
+    while chunk < tasks and 2 * chunk * work <= CPU_BUDGET:
+        chunk *= 2
+    return None if chunk >= tasks else chunk
+
+
+def _device_of(call: TaskCall) -> torch.device:
+    tensors = call.inputs + call.targets
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+class ChunkRule:
+    """The chunks of ``task_chunk="auto"`` for one :class:`funcmeta.FunctionalModel`: the
+    rule (:func:`rule_chunk`) applied to each inner loop, and what it chose, per kind of call.
+
+    Attributes:
+        hint: the chunk of the latest task-batched inner loop (``None``: all tasks), which
+            :func:`funcmeta.task_losses` and :func:`funcmeta.apply_tasks` follow.
+        choices: per kind of call (the task count, the inputs' shapes, the device), the chunk
+            and what the rule read: ``{"chunk": c, "parameters": p, "inputs_per_task": n}``.
+    """
+
+    def __init__(self) -> None:
+        self.hint: int | None = None
+        self.choices: dict[Any, dict[str, Any]] = {}
+
+    def chunk_for(self, call: TaskCall, parameters: int) -> ChunkRun:
+        """The chunk of ``call``, an inner loop of a model with ``parameters`` parameters."""
+        device = _device_of(call)
+        inputs = sum(x.numel() for x in call.inputs) // max(call.tasks, 1)
+        chunk = rule_chunk(call.tasks, inputs_per_task=inputs, parameters=parameters, device=device)
+        shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
+        label = f"{call.tasks} tasks, inputs {shapes}, {device}"
+        self.choices[label] = {"chunk": chunk, "parameters": parameters, "inputs_per_task": inputs}
+        self.hint = chunk
+        return ChunkRun(chunk)
 
 
 @dataclass
@@ -199,6 +291,49 @@ class ChunkTuner:
         self.latest = trial if self.timed(trial) else None
         return trial
 
+    def chunk_for(self, call: TaskCall) -> ChunkRun:
+        """The chunk of the inner loop ``call``: a :class:`TimedRun` when the call is a trial."""
+        device = _device_of(call)
+        tensors = call.inputs + call.targets
+        key = (
+            call.tasks,
+            tuple((tuple(x.shape), x.dtype) for x in tensors),
+            call.steps,
+            call.details,
+            call.expect_backward,
+            str(device),
+        )
+        shapes = ", ".join(str(tuple(x.shape)) for x in tensors)
+        label = (
+            f"{call.tasks} tasks, {call.steps} steps, batch {shapes}, "
+            f"{'with' if call.expect_backward else 'without'} backward, {device}"
+        )
+        trial = self.start(key, label, call.tasks, device, call.expect_backward)
+        return TimedRun(self, trial) if self.timed(trial) else ChunkRun(trial.chunk)
+
+    def count_with_inner_loop(
+        self, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """``run()``, a task-batched pass (:func:`funcmeta.apply_tasks`,
+        :func:`funcmeta.task_losses`), timed as part of the trial it follows, if any (the
+        query pass after a measured inner loop, on the same chunk: :meth:`following`): its
+        forward, and hooks on its outputs that note when the backward begins on them."""
+        trial = self.following()
+        if trial is None:
+            return run()
+        started = time.perf_counter()
+        out, new_buffers = run()
+        seconds = time.perf_counter() - started
+        if not trial.expect_backward:
+            trial.query_forward += seconds
+            return out, new_buffers
+        hooked = [x for x in tree.leaves(out) if isinstance(x, Tensor) and x.requires_grad]
+        for x in hooked:  # the outputs stay as they are: a hook notes the backward's start
+            self.mark(trial, "query", x)
+        if hooked:  # its backward is timed too: count its forward with it
+            trial.query_forward += seconds
+        return out, new_buffers
+
     def timed(self, trial: Trial) -> bool:
         return trial.started >= 0
 
@@ -250,3 +385,32 @@ class ChunkTuner:
             best = min(kind.candidates, key=lambda c: seconds[c])
             kind.chosen = best
             self.choices[kind.label] = {"chunk": best, "seconds": seconds}
+
+
+class TimedRun(ChunkRun):
+    """A measured inner loop of ``task_chunk="tune"``: its trial's chunk, and gradient hooks
+    that note when the backward reaches the tensors the loop shows it (see
+    :meth:`ChunkTuner.mark`)."""
+
+    def __init__(self, tuner: ChunkTuner, trial: Trial) -> None:
+        super().__init__(trial.chunk)
+        self.tuner = tuner
+        self.trial = trial
+        self.marked: list[str] = []  # the adapted parameters whose backward is timed
+
+    def watch_initial(self, adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+        if not self.trial.expect_backward:
+            return adapted
+        watched = dict(adapted)
+        for k, v in adapted.items():
+            if v is not None and v.requires_grad:
+                watched[k] = view = v.view_as(v)  # a tensor of this call's own to hook
+                self.tuner.mark(self.trial, "in", view)
+                self.marked.append(k)
+        return watched
+
+    def watch_adapted(self, adapted: Mapping[str, Tensor]) -> None:
+        self.tuner.finish_forward(self.trial)
+        for k in self.marked:  # this call's own tensors: the loop's results, or the views
+            if adapted[k].requires_grad:
+                self.tuner.mark(self.trial, "out", adapted[k])

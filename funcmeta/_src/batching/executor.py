@@ -1,6 +1,8 @@
 """The task executor: runs a functional model on task-batched inputs as one computation, with
 the meta-gradients of a loop over the tasks, or once per task where the model cannot run
-under ``vmap``; it owns the chunk choice and the report of which layers ran once per task.
+under ``vmap``; it owns the chunk choice (:mod:`funcmeta._src.batching.chunks`: the rule of
+``task_chunk="auto"``, the measurements of ``"tune"``) and the report of which layers ran once
+per task.
 
 :func:`funcmeta.functional_model` gives every model one (see
 :mod:`funcmeta._src.module.executor`). The stand-ins for layer families
@@ -28,16 +30,17 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.batching import packed
-from funcmeta._src.batching.chunks import ChunkTuner
+from funcmeta._src.batching.chunks import ChunkRule, ChunkTuner
 from funcmeta._src.batching.fallback import describe_refusal
 from funcmeta._src.batching.intercept import TaskMode, task_mode
 from funcmeta._src.batching.layers import task_standins
 from funcmeta._src.batching.recurrent import reporting
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int
-from funcmeta._src.core.fence import is_vmap_refusal
+from funcmeta._src.core.fence import inside_transform, is_vmap_refusal
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
+from funcmeta._src.module.executor import ChunkRun, TaskCall
 from funcmeta._src.module.functional import Swap, execute
 
 if TYPE_CHECKING:
@@ -49,6 +52,8 @@ RunnerBuilder = Callable[[dict[str, Any]], tuple[nn.Module, list[tuple[nn.Module
 """Builds a runner (a shadow of the module) with the given stand-ins in place: what
 per-layer checkpointing adds around them is the builder's business."""
 
+_CHOOSERS = ("auto", "tune")  # the task_chunk values that choose the chunk per call
+
 _FAST_PATH_LAYERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
 
@@ -56,7 +61,8 @@ class TaskExecutor:
     """Runs one model's task-batched calls (see the module docstring).
 
     ``build_runner`` makes the task runner from the task stand-ins (with the model's
-    checkpointed layers around them); ``task_chunk`` is ``"auto"``, ``None`` or a number.
+    checkpointed layers around them); ``task_chunk`` is ``"auto"`` (the rule), ``"tune"``
+    (measured), ``None`` (all tasks) or a number.
     """
 
     def __init__(
@@ -80,19 +86,40 @@ class TaskExecutor:
 
     @task_chunk.setter
     def task_chunk(self, value: int | str | None) -> None:
-        if value is not None and value != "auto":
-            check_int(value, "task_chunk", low=1, what='"auto", None or a positive int')
+        if value is not None and value not in _CHOOSERS:
+            check_int(value, "task_chunk", low=1, what='"auto", "tune", None or a positive int')
         self._task_chunk = value
+        self.rule = ChunkRule()  # chosen afresh
         self.tuner = ChunkTuner()  # measured afresh
+
+    def chunk_for(self, call: TaskCall) -> ChunkRun:
+        if self._task_chunk not in _CHOOSERS:
+            return ChunkRun(self._task_chunk)  # type: ignore[arg-type]
+        if inside_transform() is not False:
+            return ChunkRun(None)  # inside a torch.func transform: all at once, not timed
+        if self._task_chunk == "auto":
+            parameters = sum(p.numel() for p in self.module.parameters())
+            return self.rule.chunk_for(call, parameters)
+        return self.tuner.chunk_for(call)
 
     def chunk_now(self) -> int | None:
         if self._task_chunk == "auto":
+            return self.rule.hint
+        if self._task_chunk == "tune":
             return self.tuner.hint
         return self._task_chunk  # type: ignore[return-value]
 
+    def count_with_inner_loop(
+        self, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+    ) -> tuple[Any, dict[str, Tensor]]:
+        if self._task_chunk != "tune" or inside_transform() is not False:
+            return run()
+        return self.tuner.count_with_inner_loop(run)
+
     @property
     def choices(self) -> dict[Any, dict[str, Any]]:
-        return {k: dict(v) for k, v in self.tuner.choices.items()}
+        chooser = self.rule if self._task_chunk == "auto" else self.tuner
+        return {k: dict(v) for k, v in chooser.choices.items()}
 
     @property
     def per_task(self) -> bool | None:

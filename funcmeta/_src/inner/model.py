@@ -49,12 +49,18 @@ def functional_model(
 
     ``task_chunk`` sets how many tasks the task-batched functions (:func:`funcmeta.adapt_tasks`,
     :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`) run in one vmapped call:
-    ``"auto"`` (the default: on the CPU, measured on the first calls of each kind, see
-    :mod:`funcmeta._src.batching.chunks`), ``None`` (all), or ``c``, for chunks of ``c`` tasks one
-    after another (``1``: each task on its own, without vmap). The results are the same up to
-    float rounding (random draws such as dropout masks aside); only speed and the size of the
-    largest intermediate tensors change. Pin it (``None`` or a number) for float32 runs that
-    must repeat bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices up front.
+    ``"auto"`` (the default: a rule of the shapes, the model's size and the device, never a
+    timing), ``"tune"`` (measured on the first calls of each kind, on the CPU), ``None``
+    (all), or ``c``, for chunks of ``c`` tasks one after another (``1``: each task on its own,
+    without vmap). The rule: on a CPU, the largest power of two ``c`` with ``c x parameters x
+    input elements per task <= 2**31`` (at least 1; all tasks at once where ``c`` reaches
+    their number), and all tasks at once on CUDA; :func:`funcmeta.apply_tasks` and
+    :func:`funcmeta.task_losses` take the chunk of the latest :func:`funcmeta.adapt_tasks`
+    call (see :mod:`funcmeta._src.batching.chunks` and ``docs/tasks.md``). The results are
+    the same up to float rounding (random draws such as dropout masks aside); only speed and
+    the size of the largest intermediate tensors change. Every setting but ``"tune"``
+    repeats float32 runs bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices
+    up front.
 
     Example:
         >>> import torch, funcmeta as fm
@@ -62,6 +68,13 @@ def functional_model(
         >>> params = {k: torch.zeros_like(v) for k, v in fmodel.params.items()}
         >>> fmodel(params, torch.ones(1, 2)).item()
         0.0
+        >>> conv = fm.functional_model(fm.models.conv4(5))  # 112,261 parameters
+        >>> support = (torch.randn(16, 5, 1, 28, 28), torch.arange(5).repeat(16, 1))
+        >>> with torch.no_grad():  # 16 tasks of 5 images, 3,920 input elements each
+        ...     _ = fm.adapt_tasks(conv, conv.params, torch.nn.functional.cross_entropy,
+        ...                        support, fm.optim.sgd(lr=0.1), steps=1)
+        >>> conv.chunk_now()  # 4 x 112,261 x 3,920 <= 2**31 < 8 x 112,261 x 3,920
+        4
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")

@@ -32,17 +32,13 @@ Example:
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from funcmeta._src.batching.chunks import ChunkTuner, Trial
-from funcmeta._src.batching.executor import TaskExecutor
 from funcmeta._src.core import tree
-from funcmeta._src.core.fence import inside_transform
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn
 from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
@@ -50,6 +46,7 @@ from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batc
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptOptions, takes_options
 from funcmeta._src.inner.place import unless_set
+from funcmeta._src.module.executor import ChunkRun, TaskCall
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 
@@ -76,7 +73,7 @@ def apply_tasks(
     call = checked.batch[0]
     assert checked.param_dims is not None  # task-batched: one entry per parameter
     with unless_set("the inputs given to fm.apply_tasks"):
-        return _following(
+        return _counted_with_inner_loop(
             fmodel,
             functools.partial(
                 task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
@@ -131,8 +128,8 @@ def task_losses(
     )
     with unless_set("the batch given to fm.task_losses"):
         if not return_outputs:
-            return _following(fmodel, run)
-        (losses, outputs), new_buffers = _following(fmodel, run)
+            return _counted_with_inner_loop(fmodel, run)
+        (losses, outputs), new_buffers = _counted_with_inner_loop(fmodel, run)
     return losses, new_buffers, outputs
 
 
@@ -171,29 +168,23 @@ def adapt_tasks(
     warn_tf32_second_order(fmodel.module, params.values(), opts.first_order)
     tasks, dims = checked.tasks, checked.param_dims
     assert tasks is not None and dims is not None  # task-batched: both are set
-    chunk, timed = _chunk_trial(fmodel, checked, params, steps, opts)
-    marked: list[str] = []  # the adapted parameters whose backward the trial times
+    chunking = _chunk_run(fmodel, checked, params, steps, opts)
 
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     # Every task adapts its own copy: shared initial parameters get a task axis (a view).
     # The view is made with grad enabled: a view made under no_grad reports requires_grad
     # but is no graph node of its own, so gradients would skip it.
     with torch.enable_grad():
-        adapted = {
-            k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
-            for k, v in adapted.items()
-        }
-        if timed is not None and timed[1].expect_backward:
-            tuner, trial = timed
-            for k, v in adapted.items():
-                if v is not None and v.requires_grad:
-                    adapted[k] = v.view_as(v)  # a tensor of this call's own to hook
-                    tuner.mark(trial, "in", adapted[k])
-                    marked.append(k)
+        adapted = chunking.watch_initial(
+            {
+                k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
+                for k, v in adapted.items()
+            }
+        )
     # adapted parameters carry the task axis now; fixed ones keep their dims
     step_dims = {k: 0 if adapted.get(k) is not None else dims[k] for k in dims}
     forward = functools.partial(
-        task_losses_of, fmodel, loss_fn, checked.batch, step_dims, chunk=chunk
+        task_losses_of, fmodel, loss_fn, checked.batch, step_dims, chunk=chunking.chunk
     )
     result = inner_loop(
         adapted,
@@ -207,82 +198,47 @@ def adapt_tasks(
         tasks=tasks,
         state=state,
     )
-    if timed is None:  # not timed
-        return result
-    tuner, trial = timed
-    tuner.finish_forward(trial)
-    for k in marked:  # tensors of this call's own: the inner loop's results, or the views above
-        if result.params[k].requires_grad:
-            tuner.mark(trial, "out", result.params[k])
+    chunking.watch_adapted(result.params)
     return result
 
 
-def _following(
-    fmodel: FunctionalModel, run: Callable[[], tuple[Any, dict[str, Tensor]]]
-) -> tuple[Any, dict[str, Tensor]]:
-    """``run()``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`); under
-    ``task_chunk="auto"``, timed as part of the measured call it follows, if any (the query
-    pass after :func:`adapt_tasks`, on the same chunk; see :mod:`funcmeta._src.batching.chunks`)."""
-    if fmodel.task_chunk != "auto" or inside_transform() is not False:
-        return run()
-    executor = fmodel.executor
-    if not isinstance(executor, TaskExecutor):  # only a TaskExecutor takes "auto"
-        return run()
-    tuner = executor.tuner
-    trial = tuner.following()
-    if trial is None:
-        return run()
-    started = time.perf_counter()
-    out, new_buffers = run()
-    seconds = time.perf_counter() - started
-    if not trial.expect_backward:
-        trial.query_forward += seconds
-        return out, new_buffers
-    hooked = [x for x in tree.leaves(out) if isinstance(x, Tensor) and x.requires_grad]
-    for x in hooked:  # the outputs stay as they are: a hook notes the backward's start
-        tuner.mark(trial, "query", x)
-    if hooked:  # its backward is timed too: count its forward with it
-        trial.query_forward += seconds
-    return out, new_buffers
-
-
-def _chunk_trial(
+def _chunk_run(
     fmodel: FunctionalModel,
     checked: CheckedCall,
     params: Mapping[str, Tensor],
     steps: int,
     opts: AdaptOptions,
-) -> tuple[int | None, tuple[ChunkTuner, Trial] | None]:
-    """``(chunk, timed)``: this call's chunk and, when the call is timed, the model's chunk
-    tuner with its :class:`~funcmeta._src.batching.chunks.Trial` (else ``None``)."""
-    if fmodel.task_chunk != "auto":
-        return fmodel.chunk_now(), None
-    if inside_transform() is not False:
-        return None, None  # inside a torch.func transform: all at once, not timed
-    executor = fmodel.executor
-    if not isinstance(executor, TaskExecutor):  # only a TaskExecutor takes "auto"
-        return fmodel.chunk_now(), None
-    tuner = executor.tuner
+) -> ChunkRun:
+    """The chunk of this inner loop, as the model's executor chooses it (see
+    :mod:`funcmeta._src.batching.chunks`): the call described for it."""
+    if fmodel.executor is None:
+        return ChunkRun(fmodel.chunk_now())
     # checked by check_adapt_call(task_batched=True): both are set
     assert checked.tasks is not None and checked.param_dims is not None
-    leaves = [x for x in tree.leaves(checked.batch) if isinstance(x, Tensor)]
-    device = leaves[0].device if leaves else torch.device("cpu")
-    expect_backward = torch.is_grad_enabled() and any(
-        isinstance(v, Tensor) and v.requires_grad for v in params.values()
+    inputs, targets = (
+        tuple(x for x in tree.leaves(part) if isinstance(x, Tensor)) for part in checked.batch
     )
-    key = (
-        checked.tasks,
-        tuple((tuple(x.shape), x.dtype) for x in leaves),
-        tuple(sorted(checked.param_dims.items())),
-        steps,
-        tuple(v for v in vars(opts).values() if isinstance(v, bool | int | str | type(None))),
-        expect_backward,
-        str(device),
+    call = TaskCall(
+        tasks=checked.tasks,
+        steps=steps,
+        inputs=inputs,
+        targets=targets,
+        details=(
+            tuple(sorted(checked.param_dims.items())),
+            tuple(v for v in vars(opts).values() if isinstance(v, bool | int | str | type(None))),
+        ),
+        expect_backward=torch.is_grad_enabled()
+        and any(isinstance(v, Tensor) and v.requires_grad for v in params.values()),
     )
-    shapes = ", ".join(str(tuple(x.shape)) for x in leaves)
-    label = (
-        f"{checked.tasks} tasks, {steps} steps, batch {shapes}, "
-        f"{'with' if expect_backward else 'without'} backward, {device}"
-    )
-    trial = tuner.start(key, label, checked.tasks, device, expect_backward)
-    return trial.chunk, ((tuner, trial) if tuner.timed(trial) else None)
+    return fmodel.executor.chunk_for(call)
+
+
+def _counted_with_inner_loop(
+    fmodel: FunctionalModel, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+) -> tuple[Any, dict[str, Tensor]]:
+    """``run()``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`), through the
+    model's executor: under ``task_chunk="tune"`` its time counts with the measured inner
+    loop it follows (the query pass after :func:`adapt_tasks`, on the same chunk)."""
+    if fmodel.executor is None:
+        return run()
+    return fmodel.executor.count_with_inner_loop(run)

@@ -4,8 +4,10 @@ Task batching runs the tasks' forward and backward as one computation. That pays
 task leaves the hardware idle (small models; GPUs), and can lose where one task's
 activations already keep the device busy and the batched ones are too large for its caches
 (conv nets on a CPU): see docs/tasks.md. A :class:`funcmeta.FunctionalModel`'s
-``task_chunk`` runs the tasks in chunks; this function times a second-order meta-iteration
-for each candidate chunk size on the caller's own workload and keeps the fastest.
+``task_chunk`` runs the tasks in chunks; its default, ``"auto"``, is a rule of the shapes
+(no timing). This function times a second-order meta-iteration for each candidate chunk
+size on the caller's own workload up front and pins the fastest (``task_chunk="tune"``
+measures the same way on the first calls instead).
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -60,7 +62,7 @@ def tune_task_chunk(
     losses on ``query`` (default: ``batch`` again) with respect to the entries of ``params``
     that require grad: the second-order backward, unless ``first_order=True`` is among the
     options. Pass the query sets when they are larger than the support sets: the query pass
-    is then much of the work. Candidates (default: the grid ``task_chunk="auto"`` measures,
+    is then much of the work. Candidates (default: the grid ``task_chunk="tune"`` measures,
     1, 4, 16, ... below the number of tasks T, and T) are timed interleaved, each round in a
     rotated order, ``repeats`` times each after one warm-up run, on the device and data given.
 

@@ -1,20 +1,27 @@
 """The executor protocol: what runs a :class:`~funcmeta._src.module.functional.FunctionalModel`
-on inputs that carry a task axis (a ``vmap`` level), and what it reports.
+on inputs that carry a task axis (a ``vmap`` level), how many tasks it runs at once, and what
+it reports.
 
 The model itself knows nothing of tasks: it swaps tensors in and runs its module. When its
 inputs are batched over tasks and it was given an executor, it hands the call over. The task
 executor of :mod:`funcmeta._src.batching.executor` is the one :func:`funcmeta.functional_model`
 gives it; without one, a model under ``vmap`` runs on vmap's own rules.
 
+The chunk of a task-batched inner loop is the executor's to choose: :func:`funcmeta.adapt_tasks`
+describes its call (:class:`TaskCall`) and runs on the :class:`ChunkRun` it gets back.
+
 Example:
-    >>> from funcmeta._src.module.executor import Executor
+    >>> from funcmeta._src.module.executor import ChunkRun, Executor
     >>> sorted(name for name in vars(Executor) if not name.startswith("_"))
-    ['choices', 'chunk_now', 'per_task', 'per_task_layers', 'run', 'task_chunk']
+    ['choices', 'chunk_for', 'chunk_now', 'count_with_inner_loop', 'per_task', 'per_task_layers', 'run', 'task_chunk']
+    >>> ChunkRun(4).chunk
+    4
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import Tensor
@@ -22,7 +29,45 @@ from torch import Tensor
 if TYPE_CHECKING:
     from funcmeta._src.module.functional import FunctionalModel
 
-__all__ = ["Executor"]
+__all__ = ["ChunkRun", "Executor", "TaskCall"]
+
+
+@dataclass(frozen=True)
+class TaskCall:
+    """A task-batched inner loop (:func:`funcmeta.adapt_tasks`), as the chunk choice sees it."""
+
+    tasks: int
+    """The number of tasks T."""
+    steps: int
+    inputs: tuple[Tensor, ...]
+    """The tensors of the model's inputs, each with the task axis first."""
+    targets: tuple[Tensor, ...]
+    details: tuple[Any, ...]
+    """The options and which parameters are given per task: what else tells kinds of calls
+    apart (hashable)."""
+    expect_backward: bool
+    """Whether a backward through the call can follow (grad enabled, parameters that
+    require grad)."""
+
+
+class ChunkRun:
+    """The chunk one task-batched inner loop runs with (``None``: all tasks at once).
+
+    A measured call (``task_chunk="tune"``) overrides the two ``watch`` methods to note when
+    the backward reaches the tensors it is shown; here they change nothing.
+    """
+
+    def __init__(self, chunk: int | None) -> None:
+        self.chunk = chunk
+
+    def watch_initial(self, adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+        """The initial parameters the loop adapts (with their task axis), made under grad
+        mode; returns what the loop should start from (the same tensors, or views of them)."""
+        return adapted
+
+    def watch_adapted(self, adapted: Mapping[str, Tensor]) -> None:
+        """Called with the adapted parameters once the loop's forward has finished."""
+        return None
 
 
 class Executor(Protocol):
@@ -30,19 +75,32 @@ class Executor(Protocol):
 
     @property
     def task_chunk(self) -> int | str | None:
-        """How many tasks a call runs at once: ``"auto"``, ``None`` (all) or a number."""
+        """How many tasks a call runs at once: ``"auto"``, ``"tune"``, ``None`` (all) or a
+        number."""
         ...
 
     @task_chunk.setter
     def task_chunk(self, value: int | str | None) -> None: ...
 
+    def chunk_for(self, call: TaskCall) -> ChunkRun:
+        """The chunk of a task-batched inner loop, chosen under ``"auto"`` or ``"tune"``."""
+        ...
+
     def chunk_now(self) -> int | None:
         """The chunk a task-batched call runs with now."""
         ...
 
+    def count_with_inner_loop(
+        self, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """``run()``, a task-batched pass after an inner loop (:func:`funcmeta.apply_tasks`,
+        :func:`funcmeta.task_losses`); under ``"tune"``, its time counts with the measured
+        inner loop it follows."""
+        ...
+
     @property
     def choices(self) -> dict[Any, dict[str, Any]]:
-        """Under ``"auto"``: what was measured and chosen, per kind of call."""
+        """Under ``"auto"`` or ``"tune"``: the chunk chosen per kind of call, and why."""
         ...
 
     @property

@@ -83,8 +83,8 @@ class FunctionalModel:
     @property
     def task_chunk(self) -> int | str | None:
         """How many tasks a task-batched call runs at once (see
-        :func:`funcmeta.functional_model`); settable: ``"auto"`` (measured), ``None`` for all
-        of them, or a number."""
+        :func:`funcmeta.functional_model`); settable: ``"auto"`` (a rule of the shapes),
+        ``"tune"`` (measured), ``None`` for all of them, or a number."""
         return None if self.executor is None else self.executor.task_chunk
 
     @task_chunk.setter
@@ -97,14 +97,16 @@ class FunctionalModel:
 
     @property
     def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
-        """Under ``task_chunk="auto"``, what was measured and chosen, per kind of call:
+        """What was chosen per kind of call: under ``task_chunk="auto"``, ``{"chunk": c,
+        "parameters": p, "inputs_per_task": n}`` (what the rule read); under ``"tune"``,
         ``{"chunk": c, "seconds": {candidate: seconds}}``, a candidate's seconds the least of
-        its two trials."""
+        its two trials. Empty for a pinned chunk."""
         return {} if self.executor is None else self.executor.choices
 
     def chunk_now(self) -> int | None:
         """The chunk a task-batched call runs with now: ``task_chunk``, or under ``"auto"``
-        the chunk of the latest task-batched inner loop (all tasks until there is one)."""
+        and ``"tune"`` the chunk of the latest task-batched inner loop (all tasks until there
+        is one)."""
         return None if self.executor is None else self.executor.chunk_now()
 
     @property

@@ -1,4 +1,4 @@
-"""task_chunk="auto": the first calls of each kind measure all tasks at once, one at a time and
+"""task_chunk="tune": the first calls of each kind measure all tasks at once, one at a time and
 a quarter at a time, and later calls take the fastest; every call's results are the pinned
 chunk's (float64), the measurement marks change no gradient, and the choice is reported."""
 
@@ -121,15 +121,15 @@ def meta_gradients(fmodel, b, **kwargs):
 
 
 @pytest.mark.parametrize("first_order", [False, True])
-def test_every_auto_call_gives_the_pinned_results(first_order):
+def test_every_tune_call_gives_the_pinned_results(first_order):
     net, b = problem(tasks=8)
-    auto = fm.functional_model(net)
+    tuned = fm.functional_model(net, task_chunk="tune")
     pinned = fm.functional_model(net, task_chunk=None)
-    assert auto.task_chunk == "auto"
+    assert tuned.task_chunk == "tune"
     chunks = []
     for _ in range(10):
-        out, grads = meta_gradients(auto, b, first_order=first_order)
-        chunks.append(auto.chunk_now())
+        out, grads = meta_gradients(tuned, b, first_order=first_order)
+        chunks.append(tuned.chunk_now())
         ref, ref_grads = meta_gradients(pinned, b, first_order=first_order)
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-12, atol=1e-14)
@@ -137,18 +137,18 @@ def test_every_auto_call_gives_the_pinned_results(first_order):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
     # the warm-up, then every candidate twice, the second round in reverse
     assert chunks[:7] == [None, None, 1, 4, 4, 1, None]
-    (choice,) = auto.task_chunk_choices.values()
+    (choice,) = tuned.task_chunk_choices.values()
     assert sorted(choice["seconds"], key=str) == sorted([None, 1, 4], key=str)
     assert all(s > 0 for s in choice["seconds"].values())
     best = min(choice["seconds"], key=choice["seconds"].get)
     assert choice["chunk"] == best and chunks[7:] == [best] * 3
-    label = next(iter(auto.task_chunk_choices))
+    label = next(iter(tuned.task_chunk_choices))
     assert label.startswith("8 tasks, 2 steps, batch (8, 5, 1), (8, 5, 1), with backward")
 
 
 def test_the_backward_is_timed_when_it_runs():
     net, b = problem()
-    fmodel = fm.functional_model(net)
+    fmodel = fm.functional_model(net, task_chunk="tune")
     tuner = fmodel.executor.tuner
     for _ in range(2):
         meta_gradients(fmodel, b)
@@ -181,7 +181,10 @@ def test_in_place_changes_to_outputs_and_adapted_parameters_work_through_the_tri
     meta-gradients (float64). An identity ``autograd.Function`` made its outputs views that
     refuse in-place changes, so such code failed only on the measured calls."""
     net, b = problem(tasks=8)
-    auto, pinned = fm.functional_model(net), fm.functional_model(net, task_chunk=None)
+    tuned, pinned = (
+        fm.functional_model(net, task_chunk="tune"),
+        fm.functional_model(net, task_chunk=None),
+    )
     opt = fm.optim.sgd(lr=0.1)
 
     def meta(fmodel):
@@ -195,15 +198,15 @@ def test_in_place_changes_to_outputs_and_adapted_parameters_work_through_the_tri
         return torch.autograd.grad(loss, list(fmodel.params.values()))
 
     for _ in range(10):  # the warm-up, the six trials, and the calls after the choice
-        for g, r in zip(meta(auto), meta(pinned), strict=True):
+        for g, r in zip(meta(tuned), meta(pinned), strict=True):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
-    (choice,) = auto.task_chunk_choices.values()
+    (choice,) = tuned.task_chunk_choices.values()
     assert all(s > 0 for s in choice["seconds"].values())
 
 
 def test_pinning_the_chunk_stops_the_measuring():
     net, b = problem()
-    fmodel = fm.functional_model(net)
+    fmodel = fm.functional_model(net, task_chunk="tune")
     for _ in range(6):
         meta_gradients(fmodel, b)
     assert fmodel.task_chunk_choices
@@ -211,14 +214,14 @@ def test_pinning_the_chunk_stops_the_measuring():
     assert fmodel.task_chunk_choices == {} and fmodel.chunk_now() == 2
     meta_gradients(fmodel, b)
     assert fmodel.executor.tuner.kinds == {}
-    fmodel.task_chunk = "auto"  # measured afresh
+    fmodel.task_chunk = "tune"  # measured afresh
     meta_gradients(fmodel, b)
     assert len(fmodel.executor.tuner.kinds) == 1
 
 
 def test_inside_a_torch_func_transform_all_tasks_run_at_once_untimed():
     net, b = problem()
-    fmodel = fm.functional_model(net)
+    fmodel = fm.functional_model(net, task_chunk="tune")
     params = fmodel.params
 
     def meta_loss(p):
@@ -264,25 +267,28 @@ def test_real_models_give_the_pinned_results_through_the_trials(build, width):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(8, 6, 5, width, generator=g, dtype=DTYPE)  # 8 tasks of 6 sequences
     y = torch.randint(0, 3, (8, 6), generator=g)
-    auto, pinned = fm.functional_model(net), fm.functional_model(net, task_chunk=None)
+    tuned, pinned = (
+        fm.functional_model(net, task_chunk="tune"),
+        fm.functional_model(net, task_chunk=None),
+    )
     support, query = (x[:, :3], y[:, :3]), (x[:, 3:], y[:, 3:])
     for _ in range(8):
         grads = []
-        for fmodel in (auto, pinned):
+        for fmodel in (tuned, pinned):
             out = fm.recipes.maml(
                 fmodel, fmodel.params, F.cross_entropy, support, query, steps=2, lr=0.1
             )
             grads.append(torch.autograd.grad(out.loss, list(fmodel.params.values())))
         for a, p in zip(*grads, strict=True):
             torch.testing.assert_close(a, p, rtol=1e-10, atol=1e-12)
-    assert len(auto.task_chunk_choices) == 1
+    assert len(tuned.task_chunk_choices) == 1
 
 
 def test_a_trial_call_that_raises_is_not_taken_for_a_fast_one():
     """A call that fails (here a non-finite inner loss, refused) leaves its trial unfinished:
     it must not count as zero seconds and win."""
     net, b = problem()
-    fmodel = fm.functional_model(net)
+    fmodel = fm.functional_model(net, task_chunk="tune")
     bad = (b.support[0], torch.full_like(b.support[1], float("nan")))
     opt = fm.optim.sgd(lr=0.1)
     with torch.no_grad():
