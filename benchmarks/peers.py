@@ -4,8 +4,8 @@ Implementations:
 - **reference:** hand-written ``functional_call`` + ``torch.autograd.grad``, a loop over tasks.
 - **funcmeta loop:** ``fm.adapt`` per task.
 - **funcmeta batched:** ``fm.recipes.maml`` (``fm.adapt_tasks``) on a functional model as a
-  user makes it, with the default ``task_chunk="auto"``; its measuring calls run before the
-  timed rounds, and the row below the table says what it chose and what that cost.
+  user makes it, with the default ``task_chunk="auto"`` (a rule of the shapes: no measuring
+  calls); the row below the table says what it chose.
 - **funcmeta tuned:** ``fm.adapt_tasks`` with the ``task_chunk`` that ``fm.tune_task_chunk``
   chose on the workload (tuned once, before timing).
 - **higher:** ``innerloop_ctx`` per task.

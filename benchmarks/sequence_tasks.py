@@ -11,9 +11,8 @@ embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
 ``gru-packed`` pack the sequences by their lengths, which differ within and across tasks). One inner SGD
 step, first and second order. "batched" runs all tasks in one vmapped computation
 (``task_chunk=None``); "default" as a user gets it, a fresh model with
-``task_chunk="auto"``, timed once it has chosen (its measuring calls run before the timed
-rounds; "default chose": its choice, the calls it took and their seconds beyond as many at
-its speed); "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload (its
+``task_chunk="auto"``, whose chunk is a rule of the shapes ("default chose": its choice; the
+calls and seconds columns, from when the default measured, read 0); "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload (its
 cost is printed). Medians of ``--repeats`` meta-iterations, the implementations interleaved
 in one process, each round in a rotated order. "agree": the meta-gradients are within 1% of
 each tensor's largest entry (float32; exactness is tested in float64 by

@@ -5,10 +5,12 @@ hand-batched ``torch.bmm`` implementation of the same meta-iteration (the eager 
 Batched runs three times: all tasks in one vmapped computation ("batched", ``task_chunk=None``),
 with the chunk size ``fm.tune_task_chunk`` picks on the workload before timing ("tuned"), and
 as a user gets it, with the default ``task_chunk="auto"`` ("default": a fresh functional model
-per row, which measures its candidates on its first calls). The default's measuring calls
-(the agreement check's call is its warm-up, then the trials) run before the timed rounds, so
-"default ms" is the time per meta-iteration once it has chosen, and "default chose" gives
-the choice and what it cost: the number of calls until the choice, and the seconds they took
+per row; its chunk is a rule of the shapes, chosen on its first call). ``--default-chunk
+tune`` times ``task_chunk="tune"`` in that column instead, which measures its candidates on
+its first calls: its measuring calls (the agreement check's call is its warm-up, then the
+trials) run before the timed rounds, so "default ms" is the time per meta-iteration once it
+has chosen. "default chose" gives the choice and what it cost: the number of calls until the
+choice (none for the rule: the agreement check's call chose), and the seconds they took
 beyond as many calls at "default ms".
 
 Workloads: the sinusoid MLP (1-40-40-1 ReLU, 10-shot support and query, 5 SGD steps) and
@@ -21,6 +23,7 @@ fresh process each, glibc's mmap threshold fixed so that freed memory leaves the
 
     python benchmarks/tasks.py [--device cpu] [--repeats 9] [--meta-batch 4 16 32 64]
         [--conv-steps 1 5] [--memory-tasks 16 32] [--skip-memory] [--keep-freed-memory]
+        [--default-chunk auto|tune]
 """
 
 from __future__ import annotations
@@ -143,9 +146,9 @@ def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
 
 def until_chosen(call, fmodel: fm.FunctionalModel, limit: int = 40) -> list[float]:
     """The times in ms of the calls (``call()``: one timed meta-iteration, returning its ms
-    first) that a fresh ``task_chunk="auto"`` model makes until it has chosen its chunk (on
-    an accelerator nothing is measured and no choice is reported: do not call it there).
-    Shared by the benchmarks that time the default."""
+    first) that a fresh ``task_chunk="tune"`` or ``"auto"`` model makes until it has chosen its
+    chunk (``"tune"`` on an accelerator measures nothing and reports no choice: do not call it
+    there). Shared by the benchmarks that time the default."""
     times: list[float] = []
     while not fmodel.task_chunk_choices and len(times) < limit:
         times.append(call()[0])
@@ -210,6 +213,12 @@ def main() -> None:
     parser.add_argument(
         "--skip-tuned", action="store_true", help="no fm.tune_task_chunk column (it is slow)"
     )
+    parser.add_argument(
+        "--default-chunk",
+        choices=["auto", "tune"],
+        default="auto",
+        help='the "default" column\'s task_chunk: "auto" (the default rule) or "tune" (measured)',
+    )
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
     add_allocator_option(parser, False, ALLOCATOR_WHY)
     args = parser.parse_args()
@@ -232,8 +241,8 @@ def main() -> None:
     print("agree: meta-gradients within 1% of each tensor's largest entry (float32)")
     print("chunk: the task_chunk fm.tune_task_chunk chose (all: every task at once)")
     print(
-        "default chose: its chunk (its calls until the choice, and the seconds they took "
-        "beyond as many at its speed)"
+        f'default: task_chunk="{args.default_chunk}"; default chose: its chunk (its calls '
+        "until the choice, and the seconds they took beyond as many at its speed)"
     )
     print(
         f"{'workload':<9} {'K':>2} {'T':>3} {'agree':>5} {'loop ms':>9} {'batched ms':>11} "
@@ -262,7 +271,12 @@ def main() -> None:
                     ),
                     "tuned": functools.partial(batched_meta, tuned, loss_fn, support, query, steps),
                     "default": functools.partial(
-                        batched_meta, fm.functional_model(net), loss_fn, support, query, steps
+                        batched_meta,
+                        fm.functional_model(net, task_chunk=args.default_chunk),
+                        loss_fn,
+                        support,
+                        query,
+                        steps,
                     ),
                 }
                 if args.skip_tuned:
@@ -276,7 +290,7 @@ def main() -> None:
                     until_chosen(
                         functools.partial(timed, impls["default"], params, device), default
                     )
-                    if device.type == "cpu"
+                    if device.type == "cpu" or args.default_chunk == "auto"
                     else []
                 )
                 times: dict[str, list[float]] = {k: [] for k in impls}
