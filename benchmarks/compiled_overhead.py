@@ -52,7 +52,9 @@ def own_code_row(calls: int) -> None:
     fn = torch.func.grad_and_value(lambda w, x: (w * x).sum())
     ways = {
         "as it is": torch.compile(fn, fullgraph=True, dynamic=False),
-        "with_own_code_object": torch.compile(with_own_code_object(fn), fullgraph=True, dynamic=False),
+        "with_own_code_object": torch.compile(
+            with_own_code_object(fn), fullgraph=True, dynamic=False
+        ),
     }
     w, x = torch.ones(4), torch.ones(4)
     times: dict[str, list[float]] = {k: [] for k in ways}

@@ -34,7 +34,7 @@ from funcmeta._src.batching.chunks import ChunkRule, ChunkTuner
 from funcmeta._src.batching.fallback import describe_refusal
 from funcmeta._src.batching.intercept import TaskMode, task_mode
 from funcmeta._src.batching.layers import task_standins
-from funcmeta._src.batching.recurrent import reporting
+from funcmeta._src.batching.recurrent import bind_fallback_report
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import inside_transform, is_vmap_refusal
@@ -70,7 +70,7 @@ class TaskExecutor:
     ) -> None:
         self._per_task_layers: dict[str, str] = {}
         self.runner, self.copies = build_runner(
-            reporting(task_standins(module), self._per_task_layers)
+            bind_fallback_report(task_standins(module), self._per_task_layers)
         )
         self.swap = Swap(module, self.runner)
         self.module = module

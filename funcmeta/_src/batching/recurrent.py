@@ -82,10 +82,10 @@ from funcmeta._src.module.shadow import LayerTensors, Standin, within
 __all__ = [
     "PerTask",
     "TaskRecurrent",
+    "bind_fallback_report",
     "per_task",
     "recurrent_layers",
     "recurrent_standins",
-    "reporting",
 ]
 
 _PACK = pack_padded_op
@@ -687,7 +687,7 @@ def recurrent_standins(module: nn.Module) -> dict[str, type[Standin]]:
     return out
 
 
-def reporting(standins: dict[str, Any], report: dict[str, str]) -> dict[str, Any]:
+def bind_fallback_report(standins: dict[str, Any], report: dict[str, str]) -> dict[str, Any]:
     """``standins`` (name -> stand-in class) with each :class:`TaskRecurrent` told its name
     and the ``report`` dict to record in when it steps aside."""
     return {
