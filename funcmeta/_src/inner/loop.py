@@ -336,7 +336,13 @@ def inner_loop(
     else:
         _check_state(state, opt.init(adapted))
     inner = InnerLoop(
-        forward=forward, opt=opt, param_spec=spec, names=names, fixed=fixed, options=options, tasks=tasks
+        forward=forward,
+        opt=opt,
+        param_spec=spec,
+        names=names,
+        fixed=fixed,
+        options=options,
+        tasks=tasks,
     )
     return _take_steps(inner, leaves, state, buffers, steps)
 
