@@ -36,6 +36,7 @@ lint: setup-dev
 	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts docs/conf.py
 	$(PYTHON) scripts/check_layers.py
 	$(PYTHON) -m mypy
+	$(PYTHON) scripts/check_type_errors.py
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts docs/conf.py
 
 bench: setup-dev

@@ -45,8 +45,8 @@ from funcmeta._src.inner.compiled import compile_meta_step as compile_meta_step
 from funcmeta._src.inner.inputs import Args as Args
 from funcmeta._src.inner.inputs import TaskAxisWarning as TaskAxisWarning
 from funcmeta._src.inner.model import functional_model as functional_model
+from funcmeta._src.inner.options import AdaptKeywords as AdaptKeywords
 from funcmeta._src.inner.options import AdaptOptions as AdaptOptions
-from funcmeta._src.inner.options import takes_options as takes_options
 from funcmeta._src.inner.tasks import adapt_tasks as adapt_tasks
 from funcmeta._src.inner.tasks import apply_tasks as apply_tasks
 from funcmeta._src.inner.tasks import task_losses as task_losses
@@ -60,6 +60,7 @@ from funcmeta.evaluation import evaluate as evaluate
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptKeywords",
     "AdaptOptions",
     "AdaptResult",
     "Args",
@@ -93,7 +94,6 @@ __all__ = [
     "recomputing",
     "checkpoint",
     "snapshot",
-    "takes_options",
     "task_losses",
     "tree",
     "tune_task_chunk",

@@ -26,11 +26,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core.tree import Filter
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
-from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.options import HeadKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta.recipes._common import RecipeResult
@@ -54,7 +55,7 @@ def anil(
     body_params: Mapping[str, Tensor] | None = None,
     lr: Any = None,
     opt: GradientTransformation | None = None,
-    **options: Any,
+    **options: Unpack[HeadKeywords],
 ) -> RecipeResult:
     """ANIL: :func:`funcmeta.recipes.maml` adapting only the head.
 
@@ -92,6 +93,16 @@ def anil(
             body, body.params if body_params is None else body_params, support[0], query[0], None
         )
         support, query = (z_s, support[1]), (z_q, query[1])
-    else:
-        options["trainable"] = trainable
-    return maml(fmodel, params, loss_fn, support, query, steps=steps, lr=lr, opt=opt, **options)
+    chosen = None if body is not None else trainable
+    return maml(
+        fmodel,
+        params,
+        loss_fn,
+        support,
+        query,
+        steps=steps,
+        lr=lr,
+        opt=opt,
+        trainable=chosen,
+        **options,
+    )

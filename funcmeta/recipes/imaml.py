@@ -33,11 +33,12 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int, check_real
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
@@ -71,7 +72,7 @@ def imaml(
     damping: float = DAMPING,
     lam_damping: float = LAM_DAMPING,
     max_residual: float = 1e-2,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """The iMAML meta-gradient for a batch of tasks, as a surrogate for ``.backward()``.
 

@@ -15,9 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.options import AdaptKeywords, FirstOrderKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -37,7 +38,7 @@ def maml(
     steps: int,
     lr: Any = None,
     opt: GradientTransformation | None = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """MAML: ``loss`` is the mean over tasks of the query loss after ``steps`` inner steps on
     the support set, starting from ``params`` (usually ``fmodel.params``).
@@ -66,7 +67,7 @@ def fomaml(
     steps: int,
     lr: Any = None,
     opt: GradientTransformation | None = None,
-    **options: Any,
+    **options: Unpack[FirstOrderKeywords],
 ) -> RecipeResult:
     """First-order MAML: :func:`maml` with ``first_order=True`` (the inner gradients treated
     as constants)."""

@@ -23,11 +23,12 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.sgd import sgd
@@ -66,7 +67,7 @@ def mamlpp(
     lr: Tree,
     step_weights: Tensor,
     step_buffers: list[dict[str, Tensor]] | None = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """MAML++: ``loss`` is ``sum_k step_weights[k] * query_loss(after step k+1)``.
 

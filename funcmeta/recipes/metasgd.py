@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta.hyper import HyperTree, per_element
 from funcmeta.recipes._common import RecipeResult
@@ -62,7 +63,7 @@ def metasgd(
     *,
     steps: int,
     lr: HyperTree | Tree,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """Meta-SGD: :func:`funcmeta.recipes.maml` with the inner step ``p - lr * grad``, where
     ``lr`` holds a rate per element, usually :func:`metasgd_rates`. Train its parameters

@@ -22,10 +22,11 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.options import takes_options
+from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -47,7 +48,7 @@ def reptile(
     opt: GradientTransformation | None = None,
     inner_batch: int | None = None,
     generator: torch.Generator | None = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """Reptile: ``loss`` is a surrogate with gradient ``theta - mean_t(phi_t)`` for every
     initial parameter ``theta`` in ``params``.
@@ -94,7 +95,7 @@ def _minibatch_steps(
     steps: int,
     inner_batch: int,
     generator: torch.Generator | None,
-    options: dict[str, Any],
+    options: AdaptKeywords,
 ) -> Any:
     """``steps`` steps, each on the next ``inner_batch`` examples of every task's support set
     in a random order (one order per task, renewed when it runs out)."""

@@ -186,3 +186,22 @@ def test_predicates_take_name_and_value():
     )
     assert ("2.weight", (1, 4)) in seen_params
     assert result.params["0.weight"] is fmodel.params["0.weight"]  # held fixed
+
+
+def test_the_typed_options_are_the_options():
+    """``fm.AdaptKeywords`` (the type of every ``**options``) names each field of
+    ``fm.AdaptOptions`` with its type; the recipes that set an option themselves take the
+    rest."""
+    import dataclasses
+    import typing
+
+    from funcmeta._src.inner import options
+
+    fields = {f.name: f.type for f in dataclasses.fields(fm.AdaptOptions)}
+    keys = typing.get_type_hints(fm.AdaptKeywords)
+    assert set(keys) == set(fields)
+    assert fm.AdaptKeywords.__optional_keys__ == frozenset(fields)
+    assert set(typing.get_type_hints(options.FirstOrderKeywords)) == set(fields) - {"first_order"}
+    assert set(typing.get_type_hints(options.HeadKeywords)) == set(fields) - {"trainable"}
+    hints = typing.get_type_hints(fm.adapt, include_extras=True)
+    assert "Unpack" in str(hints["options"]) and "AdaptKeywords" in str(hints["options"])

@@ -248,7 +248,7 @@ GONE: tuple[Gone, ...] = (
     Gone(
         "funcmeta.options",
         "30d191b",
-        ("funcmeta.AdaptOptions", "funcmeta.takes_options"),
+        ("funcmeta.AdaptOptions", "funcmeta.AdaptKeywords"),
         module=True,
     ),
     Gone("funcmeta.precision", "30d191b", ("funcmeta.exact_float32",), module=True),

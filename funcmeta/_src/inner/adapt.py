@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.precision import warn_tf32_second_order
@@ -27,7 +28,7 @@ from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
 from funcmeta._src.inner.loop import inner_loop, split_adapted
-from funcmeta._src.inner.options import AdaptOptions, takes_options
+from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 
@@ -46,7 +47,7 @@ def adapt(
     steps: int,
     buffers: Mapping[str, Tensor] | None = None,
     state: Any = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> AdaptResult:
     """Take ``steps`` optimizer steps on ``loss_fn(fmodel(params, inputs), targets)``.
 

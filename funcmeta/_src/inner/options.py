@@ -23,7 +23,7 @@ import functools
 import inspect
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypedDict, TypeVar, cast
 
 from torch import Tensor
 from torch.amp import GradScaler
@@ -31,7 +31,14 @@ from torch.amp import GradScaler
 from funcmeta._src.core.checks import check_choice, check_int, check_max_norm, check_real
 from funcmeta._src.core.tree import Filter
 
-__all__ = ["AdaptOptions", "takes_options"]
+__all__ = [
+    "AdaptKeywords",
+    "AdaptOptions",
+    "FirstOrderKeywords",
+    "HeadKeywords",
+    "StepKeywords",
+    "takes_options",
+]
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,43 @@ class AdaptOptions:
         """Check ``steps`` and that ``truncate`` does not exceed it."""
         check_int(steps, "steps", what="a non-negative int")
         check_int(self.truncate, "truncate", high=steps, what=f"an int in [0, steps={steps}]")
+
+
+class StepKeywords(TypedDict, total=False):
+    """The options of :class:`AdaptOptions` but ``first_order`` and ``trainable``, as
+    keywords (see :class:`AdaptKeywords`)."""
+
+    clip_grad_norm: float | Tensor | None
+    truncate: int
+    loss_scale: float | GradScaler | None
+    on_nonfinite: Literal["raise", "skip"] | None
+    allow_unused: bool
+    checkpoint_steps: bool
+    offload_activations: bool
+
+
+class AdaptKeywords(StepKeywords, total=False):
+    """The options of :class:`AdaptOptions` as keywords, for type checkers: the ``**options``
+    of :func:`funcmeta.adapt`, :func:`funcmeta.adapt_tasks` and the recipes are
+    ``Unpack[AdaptKeywords]`` (a recipe that sets an option itself takes the others), so a
+    misspelled option or a value of the wrong type is an error before the code runs; the
+    same check happens at run time, for everyone."""
+
+    first_order: bool
+    trainable: Filter | None
+
+
+class FirstOrderKeywords(StepKeywords, total=False):
+    """:class:`AdaptKeywords` less ``first_order`` (a recipe that is first order by
+    definition)."""
+
+    trainable: Filter | None
+
+
+class HeadKeywords(StepKeywords, total=False):
+    """:class:`AdaptKeywords` less ``trainable`` (a recipe that chooses what it adapts)."""
+
+    first_order: bool
 
 
 @functools.cache

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.precision import warn_tf32_second_order
@@ -44,7 +45,7 @@ from funcmeta._src.core.types import AdaptResult, LossFn
 from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
 from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
 from funcmeta._src.inner.loop import inner_loop, split_adapted
-from funcmeta._src.inner.options import AdaptOptions, takes_options
+from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
 from funcmeta._src.inner.place import unless_set
 from funcmeta._src.module.executor import ChunkRun, TaskCall
 from funcmeta._src.module.functional import FunctionalModel
@@ -145,7 +146,7 @@ def adapt_tasks(
     steps: int,
     buffers: Mapping[str, Tensor] | None = None,
     state: Any = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> AdaptResult:
     """:func:`funcmeta.adapt` for T tasks at once; the batch carries a leading task axis.
 
