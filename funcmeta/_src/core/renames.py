@@ -191,6 +191,13 @@ GONE: tuple[Gone, ...] = (
         module=True,
         how="it was renamed fm.optim.values in 99e0883; its value checks are internal now",
     ),
+    # 6816053: typed options
+    Gone(
+        "funcmeta.takes_options",
+        "6816053",
+        ("funcmeta.AdaptKeywords",),
+        how="type a function's **options as Unpack[fm.AdaptKeywords]",
+    ),
     # eff52ee: fm.optim exports no internals
     Gone(
         "funcmeta.optim.step",
