@@ -158,7 +158,7 @@ def funcmeta_way(
             r = fm.adapt_tasks(
                 fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=shape["steps"], **options
             )
-            losses, _ = fm.task_losses(fmodel, r.params, F.mse_loss, (xq, yq))
+            losses = fm.task_losses(fmodel, r.params, F.mse_loss, (xq, yq)).losses
             loss = losses.mean()
         else:
             r = fm.adapt(

@@ -194,7 +194,7 @@ def float64_truth(
     r = fm.adapt_tasks(
         fmodel, fmodel.params, loss_fn, up(support), fm.optim.sgd(lr=lr), steps=steps
     )
-    losses, _ = fm.task_losses(fmodel, r.params, loss_fn, up(query))
+    losses = fm.task_losses(fmodel, r.params, loss_fn, up(query)).losses
     losses.mean().backward()
     return [p.grad.detach() for p in net64.parameters()]
 
@@ -232,7 +232,7 @@ def measure(
 
     def batched() -> None:
         r = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=steps)
-        losses, _ = fm.task_losses(fmodel, r.params, loss_fn, query)
+        losses = fm.task_losses(fmodel, r.params, loss_fn, query).losses
         losses.mean().backward()
 
     chunk: Any = "auto" if task_chunk == 0 else task_chunk

@@ -106,8 +106,8 @@ def evaluate(fmodel: fm.FunctionalModel, lr: object, batch: object) -> dict[str,
     with torch.no_grad():
         opt = fm.optim.sgd(lr=lr)
         adapted = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, batch.support, opt, steps=1)
-        before, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, batch.query)
-        after, _ = fm.task_losses(fmodel, adapted.params, F.mse_loss, batch.query)
+        before = fm.task_losses(fmodel, fmodel.params, F.mse_loss, batch.query).losses
+        after = fm.task_losses(fmodel, adapted.params, F.mse_loss, batch.query).losses
     return {"before": before.tolist(), "after": after.tolist()}
 
 

@@ -39,6 +39,7 @@ from funcmeta._src.core.replay import recomputing as recomputing
 from funcmeta._src.core.types import AdaptResult as AdaptResult
 from funcmeta._src.core.types import LossFn as LossFn
 from funcmeta._src.core.types import NonFiniteError as NonFiniteError
+from funcmeta._src.core.types import TaskLosses as TaskLosses
 from funcmeta._src.inner.adapt import adapt as adapt
 from funcmeta._src.inner.compiled import MetaStep as MetaStep
 from funcmeta._src.inner.compiled import compile_meta_step as compile_meta_step
@@ -71,6 +72,7 @@ __all__ = [
     "NonFiniteError",
     "TF32Warning",
     "TaskAxisWarning",
+    "TaskLosses",
     "__version__",
     "adapt",
     "adapt_tasks",

@@ -128,7 +128,7 @@ def imaml(
         # differentiated again by every Hessian-vector product: kernels that allow it
         with kernels.twice_differentiable():
             with at("the support batch"):
-                s_losses, _ = task_losses(fmodel, phi, loss_fn, support)
+                s_losses = task_losses(fmodel, phi, loss_fn, support).losses
             grads = torch.autograd.grad(s_losses.sum(), list(free.values()), create_graph=True)
 
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:

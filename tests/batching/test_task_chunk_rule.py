@@ -96,7 +96,7 @@ def _meta_gradients(fmodel: fm.FunctionalModel, support: tuple, query: tuple) ->
     result = fm.adapt_tasks(
         fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=0.1), steps=2
     )
-    losses, _ = fm.task_losses(fmodel, result.params, F.mse_loss, query, buffers=result.buffers)
+    losses = fm.task_losses(fmodel, result.params, F.mse_loss, query, buffers=result.buffers).losses
     return list(torch.autograd.grad(losses.mean(), list(fmodel.params.values())))
 
 

@@ -192,7 +192,7 @@ def test_in_place_changes_to_outputs_and_adapted_parameters_work_through_the_tri
         r.params["2.bias"].mul_(0.5)  # in place, on an adapted parameter
         out, _ = fm.apply_tasks(fmodel, r.params, b.query[0])
         out.mul_(2.0)  # in place, on the query outputs
-        losses, _ = fm.task_losses(fmodel, r.params, F.mse_loss, b.query)
+        losses = fm.task_losses(fmodel, r.params, F.mse_loss, b.query).losses
         losses.add_(1.0)
         loss = F.mse_loss(out, b.query[1]) + losses.mean()
         return torch.autograd.grad(loss, list(fmodel.params.values()))

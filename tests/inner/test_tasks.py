@@ -381,12 +381,15 @@ def test_task_losses_return_the_outputs_of_the_same_forward():
     net, support, query, loss_fn = make("conv4")
     fmodel = fm.functional_model(net)
     adapted = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, fm.optim.sgd(lr=0.1), steps=1)
-    plain, plain_buffers = fm.task_losses(
-        fmodel, adapted.params, loss_fn, query, buffers=adapted.buffers
-    )
-    losses, new_buffers, outputs = fm.task_losses(
+    result = fm.task_losses(fmodel, adapted.params, loss_fn, query, buffers=adapted.buffers)
+    # one result type, with or without the outputs
+    assert isinstance(result, fm.TaskLosses) and result.outputs is None
+    plain, plain_buffers = result.losses, result.buffers
+    with_outputs = fm.task_losses(
         fmodel, adapted.params, loss_fn, query, buffers=adapted.buffers, return_outputs=True
     )
+    assert isinstance(with_outputs, fm.TaskLosses)
+    losses, new_buffers, outputs = with_outputs
     expected, _ = fm.apply_tasks(fmodel, adapted.params, query[0], buffers=adapted.buffers)
     torch.testing.assert_close(outputs, expected, rtol=0, atol=0)
     torch.testing.assert_close(losses, plain, rtol=0, atol=0)

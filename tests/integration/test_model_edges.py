@@ -264,7 +264,7 @@ def test_per_task_fallback_is_reported():
     assert fmodel.per_task is None
     x, y = torch.randn(3, 4, 3, dtype=DTYPE), torch.randn(3, 4, 1, dtype=DTYPE)
     with pytest.warns(UserWarning, match="once per task: the model's forward cannot run under"):
-        losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y))
+        losses = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (x, y)).losses
     assert fmodel.per_task is True
     assert fmodel.per_task_layers == {
         "": "DataDependent: its forward branches on tensor values (data-dependent control flow)"
@@ -417,7 +417,9 @@ def test_keyword_only_forward_everywhere():
     )
     for k, v in single.params.items():
         torch.testing.assert_close(batched.params[k][1], v)
-    losses, _ = fm.task_losses(fmodel, batched.params, F.mse_loss, (fm.Args(x=x, scale=scale), y))
+    losses, _, _ = fm.task_losses(
+        fmodel, batched.params, F.mse_loss, (fm.Args(x=x, scale=scale), y)
+    )
     out, _ = fm.apply_tasks(fmodel, batched.params, {"x": x, "scale": scale})
     torch.testing.assert_close(losses[1], F.mse_loss(out[1], y[1]))
     loss = fm.recipes.maml(

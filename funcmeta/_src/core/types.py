@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-__all__ = ["AdaptResult", "LossFn", "NonFiniteError"]
+__all__ = ["AdaptResult", "LossFn", "NonFiniteError", "TaskLosses"]
 
 LossFn = Callable[[Any, Any], Tensor]
 """``(output, targets) -> scalar tensor``, e.g. ``torch.nn.functional.mse_loss``."""
@@ -48,6 +48,21 @@ class AdaptResult(NamedTuple):
     state: Any
     skipped: tuple[int, ...] = ()
     overflowed: bool = False
+
+
+class TaskLosses(NamedTuple):
+    """What :func:`funcmeta.task_losses` returns.
+
+    Attributes:
+        losses: each task's loss, shape ``(T,)``.
+        buffers: the buffers after the forward, per task (BatchNorm running statistics).
+        outputs: the model's outputs the losses were computed from, with a task axis, where
+            ``return_outputs=True`` was given (the query logits, for accuracy); else ``None``.
+    """
+
+    losses: Tensor
+    buffers: dict[str, Tensor]
+    outputs: Any = None
 
 
 class NonFiniteError(FloatingPointError):

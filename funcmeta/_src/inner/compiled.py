@@ -532,7 +532,7 @@ class MetaStep:
             **{k: getattr(self.options, k) for k in _OPTIONS},
         )
         with at("the query batch"):
-            losses, _ = task_losses(
+            losses, _, _ = task_losses(
                 self.fmodel, result.params, self.loss_fn, query, buffers=result.buffers
             )
         loss = losses.mean()

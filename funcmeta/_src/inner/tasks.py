@@ -41,7 +41,7 @@ from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.precision import warn_tf32_second_order
-from funcmeta._src.core.types import AdaptResult, LossFn
+from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
 from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
 from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
 from funcmeta._src.inner.loop import inner_loop, split_adapted
@@ -91,21 +91,22 @@ def task_losses(
     *,
     buffers: Mapping[str, Tensor] | None = None,
     return_outputs: bool = False,
-) -> tuple[Any, ...]:
-    """``(losses, new_buffers)``: ``loss_fn`` of each task's outputs and targets, shape ``(T,)``.
+) -> TaskLosses:
+    """``loss_fn`` of each task's outputs and targets, shape ``(T,)``, with the buffers after
+    the forward: a :class:`~funcmeta.TaskLosses` ``(losses, buffers, outputs)``.
 
     ``batch = (inputs, targets)`` with a leading task axis (``inputs`` as in
     :func:`funcmeta.adapt`: a tuple, a dict of keyword inputs or ``fm.Args``); ``params`` and
     ``buffers`` (default: the module's) shared or per task, as in :func:`apply_tasks`.
-    With ``return_outputs=True``, ``(losses, new_buffers, outputs)``: the model's outputs that
-    the losses were computed from, with a task axis (the query logits, for accuracy), from
-    the same forward pass.
+    With ``return_outputs=True``, ``outputs`` holds the model's outputs that the losses were
+    computed from, with a task axis (the query logits, for accuracy), from the same forward
+    pass; else it is ``None``.
 
     Example:
         >>> import torch, torch.nn.functional as F, funcmeta as fm
         >>> fmodel = fm.functional_model(torch.nn.Linear(1, 1))
         >>> b = fm.data.Sinusoid().sample(4, 5, 5)
-        >>> losses, _ = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query))
+        >>> losses = fm.task_losses(fmodel, fmodel.params, F.mse_loss, (b.x_query, b.y_query)).losses
         >>> losses.shape
         torch.Size([4])
         >>> losses, _, outputs = fm.task_losses(
@@ -129,9 +130,9 @@ def task_losses(
     )
     with unless_set("the batch given to fm.task_losses"):
         if not return_outputs:
-            return _counted_with_inner_loop(fmodel, run)
+            return TaskLosses(*_counted_with_inner_loop(fmodel, run))
         (losses, outputs), new_buffers = _counted_with_inner_loop(fmodel, run)
-    return losses, new_buffers, outputs
+    return TaskLosses(losses, new_buffers, outputs)
 
 
 @raised_at_the_call

@@ -96,7 +96,7 @@ def tune_task_chunk(
             fmodel, params, loss_fn, batch, opt, steps=steps, buffers=buffers, **options
         )
         target = batch if query is None else query
-        losses, _ = task_losses(fmodel, result.params, loss_fn, target, buffers=result.buffers)
+        losses = task_losses(fmodel, result.params, loss_fn, target, buffers=result.buffers).losses
         if leaves and losses.requires_grad:
             torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
         sync()
