@@ -118,18 +118,18 @@ def test_two_processes_give_bit_identical_float32_meta_gradients(tmp_path):
     for bit."""
     paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    saved = []
-    for i in range(2):
-        path = tmp_path / f"run{i}.pt"
-        subprocess.run(
-            [sys.executable, "-c", _RUN, str(Path(__file__).parent), str(path)],
-            check=True,
+    outs = [tmp_path / f"run{i}.pt" for i in range(2)]
+    # both at once: two processes, whatever else runs beside each
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RUN, str(Path(__file__).parent), str(out)],
             env=env,
             cwd=tmp_path,
-            timeout=600,
         )
-        saved.append(torch.load(path))
-    first, second = saved
+        for out in outs
+    ]
+    assert [run.wait(timeout=600) for run in runs] == [0, 0]
+    first, second = (torch.load(out) for out in outs)
     assert first["chunk"] == second["chunk"] == 4  # chunked: the case where the chunk matters
     for a_iter, b_iter in zip(first["grads"], second["grads"], strict=True):
         for a, b in zip(a_iter, b_iter, strict=True):
