@@ -41,6 +41,13 @@ def hand_sgd(model, params, batch, steps, lr):
     return torch.stack(losses).mean()
 
 
+def safe_sqrt(x):
+    """``sqrt(x)`` with finite derivatives of every order at 0, written as funcmeta's Adam
+    computes it (a double ``where``), so that the two do the same work."""
+    positive = x > 0
+    return torch.where(positive, torch.where(positive, x, 1.0).sqrt(), 0.0)
+
+
 def hand_adam(model, params, batch, steps, lr, b1=0.9, b2=0.999, eps=1e-8):
     losses = []
     for t in range(batch.x_support.shape[0]):
@@ -54,8 +61,7 @@ def hand_adam(model, params, batch, steps, lr, b1=0.9, b2=0.999, eps=1e-8):
             for (k, v), g in zip(p.items(), grads, strict=True):
                 m[k] = m[k].lerp(g, 1 - b1)
                 v2[k] = torch.addcmul(v2[k].mul(b2), g, g, value=1 - b2)
-                # same zero-safe sqrt as funcmeta, so the two do the same work
-                denom = fm.optim.safe_sqrt(v2[k]) / (1 - b2**step) ** 0.5 + eps
+                denom = safe_sqrt(v2[k]) / (1 - b2**step) ** 0.5 + eps
                 new[k] = v - lr * (m[k] / denom / (1 - b1**step))
             p = new
         losses.append(F.mse_loss(functional_call(model, p, (batch.x_query[t],)), batch.y_query[t]))

@@ -1,0 +1,19 @@
+"""``benchmarks/overhead.py`` runs end to end, and funcmeta's meta-gradients agree with the
+hand-written loop's for both inner optimizers (its "agree" column)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
+
+
+def test_the_benchmark_runs_and_both_rows_agree():
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--repeats", "1"], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith(("sgd", "adam"))]
+    assert [(r[0], r[1]) for r in rows] == [("sgd", "yes"), ("adam", "yes")], run.stdout
