@@ -285,7 +285,21 @@ def kept_for_the_gradient() -> Iterator[None]:
     """Within the block, a checkpointed function's first run keeps its graph until the first
     backward through it takes its VJP there (instead of recomputing); at the end of the
     block every graph still kept is dropped. For a forward whose gradient is taken right
-    after it, inside the block: an inner step of second-order MAML."""
+    after it, inside the block: an inner step of second-order MAML.
+
+    Example:
+        >>> import torch
+        >>> from funcmeta._src.checkpoint.engine import checkpoint, kept_for_the_gradient
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> with kept_for_the_gradient():
+        ...     y = checkpoint(torch.tanh, x)
+        ...     (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)  # on the kept graph
+        >>> torch.allclose(g, 1 - torch.tanh(x) ** 2)
+        True
+        >>> (h,) = torch.autograd.grad(g.sum(), x)  # the outer backward recomputes
+        >>> torch.allclose(h, -2 * torch.tanh(x) * (1 - torch.tanh(x) ** 2))
+        True
+    """
     saved = getattr(_KEEPING, "calls", None)
     calls: list[_Call] = []
     _KEEPING.calls = calls
