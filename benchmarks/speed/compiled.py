@@ -31,7 +31,7 @@ step must run compiled. A first call over S ends that row untimed. The last line
 ``RESULT PASS``, ``RESULT FAIL`` (exit status 1) or, where JAX is missing or has no backend for
 the device and nothing failed, ``RESULT SKIP (no JAX)`` (exit status 3: not judged).
 
-    python benchmarks/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
+    python benchmarks/speed/compiled.py [--workloads sinusoid conv4] [--tasks 8 32] [--steps 1 5]
         [--repeats 20] [--device cpu|cuda] [--threads 1] [--no-jax] [--no-loop]
         [--keep-freed-memory] [--task-chunk C] [--block N] [--max-jax-ratio R]
         [--max-compile-seconds S]
@@ -44,10 +44,10 @@ import contextlib
 import copy
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 THREADS = ("--threads" in sys.argv and sys.argv[sys.argv.index("--threads") + 1]) or "1"
@@ -62,6 +62,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import funcmeta as fm  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common  # noqa: E402
 
 try:  # the reference, where installed (the bench extra)
     import jax
@@ -94,11 +97,6 @@ def workload(name: str, tasks: int, device: str) -> tuple[nn.Module, Any, Any, A
         query = (torch.randn(tasks, 75, 1, 28, 28, generator=g), torch.arange(5).repeat(tasks, 15))
     move = lambda pair: tuple(t.to(device) for t in pair)  # noqa: E731
     return net.to(device), loss_fn, move(support), move(query), lr
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def grads_of(net: nn.Module, run: Callable[[], Any]) -> list[torch.Tensor]:
@@ -251,7 +249,7 @@ def measure(
     batched_grads = grads_of(net, batched)
     started = time.perf_counter()
     compiled = grads_of(net, lambda: step(support, query))
-    sync(device)
+    _common.sync(device)
     first = time.perf_counter() - started
     own = sum(step.compile_seconds.values())
     print(
@@ -305,13 +303,13 @@ def measure(
             for i in range(block):  # a block's first call follows another way's: not timed
                 for p in net.parameters():
                     p.grad = None
-                sync(device)
+                _common.sync(device)
                 t0 = time.perf_counter()
                 ways[k]()
-                sync(device)
+                _common.sync(device)
                 if r and (block == 1 or i > 0):
                     times[k].append((time.perf_counter() - t0) * 1e3)
-    ms = {k: statistics.median(v) for k, v in times.items()}
+    ms = _common.medians(times)
     return {**result, "ms": ms, "diff": errors(agree)}
 
 

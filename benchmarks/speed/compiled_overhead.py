@@ -5,7 +5,7 @@ gradients, so what is timed is the wrapper alone (the sinusoid MLP, T = 32, K = 
 tiny compiled ``grad_and_value`` called as it is and behind ``fence.with_own_code_object``, the frame
 that gives each step its own compiled code.
 
-    python benchmarks/compiled_overhead.py [--calls 3000]
+    python benchmarks/speed/compiled_overhead.py [--calls 3000]
 """
 
 from __future__ import annotations

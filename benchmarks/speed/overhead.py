@@ -5,7 +5,7 @@ backward to the initial parameters) written twice: with funcmeta and by hand. Th
 first checks that both give the same meta-gradients, then times them interleaved in one
 process and prints the median milliseconds and the ratio funcmeta / hand-written.
 
-    python benchmarks/overhead.py [--repeats 30] [--device cpu|cuda]
+    python benchmarks/speed/overhead.py [--repeats 30] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ from torch import nn
 from torch.func import functional_call
 
 import funcmeta as fm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 
 def sinusoid_mlp() -> nn.Module:
@@ -77,17 +81,6 @@ def ours(fmodel, opt, batch, steps):
     return torch.stack(losses).mean()
 
 
-def timed(fn, params, device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss = fn()
-    grads = torch.autograd.grad(loss, params)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3, grads
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=30)
@@ -127,18 +120,18 @@ def main() -> None:
     )
     print(f"{'inner opt':<10} {'agree':<6} {'hand ms':>9} {'funcmeta ms':>12} {'ratio':>7}")
     for label, (hand, mine) in workloads.items():
-        _, g_hand = timed(hand, params, device)
-        _, g_ours = timed(mine, params, device)
+        _, g_hand = _common.timed_grad(hand, params, device)
+        _, g_ours = _common.timed_grad(mine, params, device)
         agree = all(
             torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(g_hand, g_ours, strict=True)
         )
         for _ in range(3):  # warm-up
-            timed(hand, params, device)
-            timed(mine, params, device)
+            _common.timed_grad(hand, params, device)
+            _common.timed_grad(mine, params, device)
         t_hand, t_ours = [], []
         for _ in range(args.repeats):
-            t_hand.append(timed(hand, params, device)[0])
-            t_ours.append(timed(mine, params, device)[0])
+            t_hand.append(_common.timed_grad(hand, params, device)[0])
+            t_ours.append(_common.timed_grad(mine, params, device)[0])
         mh, mo = statistics.median(t_hand), statistics.median(t_ours)
         print(f"{label:<10} {'yes' if agree else 'NO':<6} {mh:9.2f} {mo:12.2f} {mo / mh:7.3f}")
 

@@ -25,7 +25,7 @@ from memory the warm-up had left in its heap (a GRU's first-order loop read 19 M
 way, 59 MiB counted by allocations; 4,500 tensors of 12.8 KB, 55 MiB, grew the resident set
 by 34 MiB even with glibc's mmap threshold at 4 KiB).
 
-    python benchmarks/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama encoder mha lstm gru lstm-packed gru-packed]
+    python benchmarks/speed/sequence_tasks.py [--tasks 4 16 32] [--models bert gpt2 llama encoder mha lstm gru lstm-packed gru-packed]
         [--orders second first] [--repeats 3] [--threads N] [--no-tune] [--skip-memory]
         [--skip-timing] [--memory-tasks 16] [--keep-freed-memory]
 """
@@ -37,20 +37,21 @@ import functools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tasks import ALLOCATOR_WHY, add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import funcmeta as fm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 WAYS, SHOTS, QUERIES, LENGTH, VOCAB, HIDDEN, LR = 5, 5, 5, 32, 1000, 128, 0.1
 
@@ -212,26 +213,6 @@ def on_device(batch: tuple) -> tuple:
     return {k: v.to(device) for k, v in inputs.items()}, labels.to(device)
 
 
-def timed(fn, params) -> tuple[float, list[torch.Tensor]]:
-    cuda = DEVICE[0].type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    grads = torch.autograd.grad(fn(), params, allow_unused=True)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3, [
-        g if g is not None else torch.zeros(()) for g in grads
-    ]
-
-
-def agree(grads, ref) -> bool:
-    return all(
-        float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
-        for a, b in zip(grads, ref, strict=True)
-    )
-
-
 def memory_worker(name: str, impl: str, tasks: int, first_order: bool) -> None:
     torch.manual_seed(0)
     fmodel = fm.functional_model(build(name), task_chunk=None)
@@ -246,29 +227,7 @@ def memory_worker(name: str, impl: str, tasks: int, first_order: bool) -> None:
         torch.profiler.record_function("measured"),
     ):
         torch.autograd.grad(meta(fmodel, support, query, first_order), params, allow_unused=True)
-    print(json.dumps({"peak": peak_allocated(prof, "measured")}))
-
-
-def peak_allocated(prof: torch.profiler.profile, window: str) -> int:
-    """The most bytes allocated at once inside the range ``window`` above the amount at its
-    start, from the profiler's ``[memory]`` events ("Total Allocated": the bytes the
-    allocator has handed out at that moment)."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    (span,) = [e for e in events if e.get("name") == window and e.get("ph") == "X"]
-    begin, end = span["ts"], span["ts"] + span["dur"]
-    memory = sorted(
-        (e for e in events if e.get("name") == "[memory]" and begin <= e["ts"] <= end),
-        key=lambda e: e["ts"],
-    )
-    if not memory:
-        return 0
-    first = memory[0]["args"]
-    start = first["Total Allocated"] - first["Bytes"]  # before the first event in the window
-    return max(e["args"]["Total Allocated"] for e in memory) - start
+    print(json.dumps({"peak": _common.peak_allocated(prof, "measured")}))
 
 
 def peak_memory(name: str, impl: str, tasks: int, first_order: bool, threads: int) -> float:
@@ -320,7 +279,7 @@ def main() -> None:
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--memory-tasks", type=int, default=16)
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
-    add_allocator_option(parser, False, ALLOCATOR_WHY)
+    _common.add_allocator_option(parser, False, _common.ALLOCATOR_WHY)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*once per task.*")
@@ -329,7 +288,7 @@ def main() -> None:
         memory_worker(name, impl, int(tasks), bool(int(first)))
         return
     DEVICE[0] = torch.device(args.device)
-    allocator = use_allocator(args)
+    allocator = _common.use_allocator(args)
     where = (
         f"GPU: {torch.cuda.get_device_name()}"
         if DEVICE[0].type == "cuda"
@@ -377,25 +336,21 @@ def main() -> None:
                     )
                     for k, m in impls.items()
                 }
-                times: dict[str, list[float]] = {k: [] for k in impls}
-                grads = {}
-                for k in impls:  # warm-up, and the gradients to compare
-                    grads[k] = timed(calls[k], params)[1]
-                tuning = until_chosen(
-                    functools.partial(timed, calls["default"], params), impls["default"]
-                )
-                order_keys = list(impls)
-                for r in range(args.repeats):
-                    for k in order_keys[r % len(order_keys) :] + order_keys[: r % len(order_keys)]:
-                        times[k].append(timed(calls[k], params)[0])
-                med = {k: statistics.median(v) for k, v in times.items()}
-                ok = all(agree(grads[k], grads["loop"]) for k in impls)
+                timings = {
+                    k: functools.partial(_common.timed_grad, c, params, DEVICE[0], True)
+                    for k, c in calls.items()
+                }
+                # warm-up, and the gradients to compare
+                grads = {k: timing()[1] for k, timing in timings.items()}
+                tuning = _common.until_chosen(timings["default"], impls["default"])
+                med = _common.medians(_common.rounds(timings, args.repeats))
+                ok = all(_common.agree(grads[k], grads["loop"]) for k in impls)
                 mode = "per task" if impls["batched"].per_task else "batched"
                 tuned_ms = f"{med['tuned']:9.1f}" if "tuned" in med else "        -"
                 tuned_ratio = (
                     f"{med['loop'] / med['tuned']:10.2f}" if "tuned" in med else "         -"
                 )
-                choice = default_choice(impls["default"], tuning, med["default"])
+                choice = _common.default_choice(impls["default"], tuning, med["default"])
                 print(
                     f"{name:6} {order:6} {tasks:3}  {'yes' if ok else 'NO ':5} {med['loop']:8.1f} "
                     f"{med['batched']:11.1f} {med['default']:11.1f} {choice:>22} "

@@ -28,7 +28,7 @@ memory freed just before is several times faster than one into fresh memory (a f
 of four saves had ``fm save`` always follow a save that freed nothing). Median of
 ``--repeats`` rounds.
 
-    python benchmarks/snapshot.py [--states 64MiB 1GiB bert-base] [--repeats 3]
+    python benchmarks/speed/snapshot.py [--states 64MiB 1GiB bert-base] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import funcmeta as fm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 
 def model_of(name: str) -> nn.Module:
@@ -75,11 +77,10 @@ def state(name: str) -> tuple[nn.Module, torch.optim.Optimizer, int]:
 
 
 def timed(fn) -> float:
-    # no dirty pages of an earlier write left: an fsync may flush those too (ext4's journal)
+    """Seconds of ``fn()``, after ``os.sync()``: no dirty pages of an earlier write left, which
+    an fsync may flush too (ext4's journal)."""
     os.sync()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return _common.timed(fn)[0] / 1e3
 
 
 def torch_save(payload: dict, path: Path, sync: bool) -> None:
@@ -135,7 +136,7 @@ def measure(name: str, folder: Path, repeats: int) -> dict[str, float]:
     for r in range(repeats):
         for k in loads if r % 2 == 0 else loads[::-1]:
             runs[k].append(timed(calls[k]))
-    out = {k: statistics.median(v) for k, v in runs.items()}
+    out: dict[str, float] = _common.medians(runs)
     out["bytes"] = nbytes
     for path in (ours, theirs, atomic):
         path.unlink()

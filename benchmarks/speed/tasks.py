@@ -21,7 +21,7 @@ timing, the script checks that the implementations give the same meta-gradients.
 each implementation's peak memory (resident set above the start of the meta-iteration,
 fresh process each, glibc's mmap threshold fixed so that freed memory leaves the process).
 
-    python benchmarks/tasks.py [--device cpu] [--repeats 9] [--meta-batch 4 16 32 64]
+    python benchmarks/speed/tasks.py [--device cpu] [--repeats 9] [--meta-batch 4 16 32 64]
         [--conv-steps 1 5] [--memory-tasks 16 32] [--skip-memory] [--keep-freed-memory]
         [--default-chunk auto|tune]
 """
@@ -33,10 +33,8 @@ import functools
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -45,11 +43,8 @@ from torch import nn
 
 import funcmeta as fm
 
-# the examples' allocator option, shared by the benchmarks that time task batching
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from _threads import add_allocator_option, use_allocator
-
-ALLOCATOR_WHY = "the C library's defaults, as a process gets them"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 STEPS, LR = 5, 0.01
 
@@ -108,16 +103,6 @@ def bmm_meta(net, support, query):
     return (forward(params, query[0]) - query[1]).pow(2).mean()
 
 
-def timed(fn, params, device) -> tuple[float, list[torch.Tensor]]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    grads = torch.autograd.grad(fn(), params)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3, list(grads)
-
-
 def make_data(workload: str, tasks: int, device: torch.device) -> tuple:
     g = torch.Generator().manual_seed(tasks)
     if workload == "sinusoid":
@@ -130,10 +115,6 @@ def make_data(workload: str, tasks: int, device: torch.device) -> tuple:
     return (xs, ys), (xq, yq), F.cross_entropy
 
 
-def fmt(value: float | None, width: int, digits: int) -> str:
-    return f"{value:{width}.{digits}f}" if value is not None else " " * (width - 1) + "-"
-
-
 def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
     """A functional model whose ``task_chunk`` ``fm.tune_task_chunk`` chose on this workload."""
     fmodel = fm.functional_model(net)
@@ -144,35 +125,6 @@ def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
     return fmodel
 
 
-def until_chosen(call, fmodel: fm.FunctionalModel, limit: int = 40) -> list[float]:
-    """The times in ms of the calls (``call()``: one timed meta-iteration, returning its ms
-    first) that a fresh ``task_chunk="tune"`` or ``"auto"`` model makes until it has chosen its
-    chunk (``"tune"`` on an accelerator measures nothing and reports no choice: do not call it
-    there). Shared by the benchmarks that time the default."""
-    times: list[float] = []
-    while not fmodel.task_chunk_choices and len(times) < limit:
-        times.append(call()[0])
-    return times
-
-
-def default_choice(fmodel: fm.FunctionalModel, tuning: list[float], ms: float) -> str:
-    """What the default chose and what the choice cost: ``"4 (9 calls, +0.9 s)"``, the extra
-    seconds those calls took beyond as many at ``ms``, its time once chosen."""
-    chosen = [c["chunk"] for c in fmodel.task_chunk_choices.values()]
-    chunk = (chosen[0] or "all") if chosen else "all"
-    return f"{chunk} ({len(tuning)} calls, {(sum(tuning) - len(tuning) * ms) / 1e3:+.1f} s)"
-
-
-def agree(grads, ref) -> bool:
-    # A float32 sanity check, relative to each tensor's largest entry: second order through
-    # conv and BatchNorm amplifies float32 rounding (up to 0.6% seen for conv4 at 4 tasks).
-    # Exactness is checked in float64 by tests/inner/test_tasks.py and tests/batching/test_task_layers.py.
-    return all(
-        float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
-        for a, b in zip(grads, ref, strict=True)
-    )
-
-
 def memory_worker(impl: str, tasks: int, steps: int, chunk: int | None) -> None:
     torch.manual_seed(0)
     net = conv4()
@@ -181,19 +133,15 @@ def memory_worker(impl: str, tasks: int, steps: int, chunk: int | None) -> None:
     meta = loop_meta if impl == "loop" else batched_meta
     params = list(net.parameters())
     torch.autograd.grad(meta(fmodel, loss_fn, support, query, 1), params)  # warm-up
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    meter = _common.Meter(torch.device("cpu"))
+    meter.start()
     torch.autograd.grad(meta(fmodel, loss_fn, support, query, steps), params)
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({"peak": hwm - base}))
+    print(json.dumps({"peak": meter.peak()}))
 
 
 def peak_memory(impl: str, tasks: int, steps: int, chunk: int | None) -> float:
     """MiB, in a fresh process (see the module docstring)."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **_common.MMAP_ENV}
     command = [sys.executable, __file__, "--memory-worker", impl, str(tasks), str(steps)]
     out = subprocess.run(
         [*command, str(chunk or 0)], check=True, capture_output=True, text=True, env=env
@@ -220,7 +168,7 @@ def main() -> None:
         help='the "default" column\'s task_chunk: "auto" (the default rule) or "tune" (measured)',
     )
     parser.add_argument("--memory-worker", nargs=4, default=None, help=argparse.SUPPRESS)
-    add_allocator_option(parser, False, ALLOCATOR_WHY)
+    _common.add_allocator_option(parser, False, _common.ALLOCATOR_WHY)
     args = parser.parse_args()
     if args.memory_worker:
         impl, tasks, steps, chunk = args.memory_worker
@@ -232,7 +180,7 @@ def main() -> None:
         if device.type == "cuda"
         else (platform.processor() or platform.machine())
     )
-    allocator = use_allocator(args)
+    allocator = _common.use_allocator(args)
     print(
         f"device: {device} ({name}); torch {torch.__version__}; threads {torch.get_num_threads()}"
         f"; {allocator}"
@@ -283,37 +231,34 @@ def main() -> None:
                     del impls["tuned"]
                 if workload == "sinusoid":
                     impls["bmm"] = functools.partial(bmm_meta, net, support, query)
-                grads = {k: timed(f, params, device)[1] for k, f in impls.items()}
-                ok = all(agree(g, grads["loop"]) for g in grads.values())
+                grads = {k: _common.timed_grad(f, params, device)[1] for k, f in impls.items()}
+                ok = all(_common.agree(g, grads["loop"]) for g in grads.values())
                 default = impls["default"].args[0]
                 tuning = (
-                    until_chosen(
-                        functools.partial(timed, impls["default"], params, device), default
+                    _common.until_chosen(
+                        functools.partial(_common.timed_grad, impls["default"], params, device),
+                        default,
                     )
                     if device.type == "cpu" or args.default_chunk == "auto"
                     else []
                 )
-                times: dict[str, list[float]] = {k: [] for k in impls}
-                names = list(impls)
-                for r in range(args.repeats):
-                    # each round in a rotated order: what runs right after another
-                    # implementation (after its memory was freed) is not always the same one
-                    for i in range(len(names)):
-                        k = names[(i + r) % len(names)]
-                        times[k].append(timed(impls[k], params, device)[0])
-                med = {k: statistics.median(v) for k, v in times.items()}
+                calls = {
+                    k: functools.partial(_common.timed_grad, f, params, device)
+                    for k, f in impls.items()
+                }
+                med = _common.medians(_common.rounds(calls, args.repeats))
                 bmm = med.get("bmm")
                 ratio_bmm = med["batched"] / bmm if bmm else None
                 chunk = "-" if args.skip_tuned else tuned.task_chunk or "all"
-                choice = default_choice(default, tuning, med["default"])
+                choice = _common.default_choice(default, tuning, med["default"])
                 tuned_ms = med.get("tuned")
                 print(
                     f"{workload:<9} {steps:>2} {tasks:>3} {'yes' if ok else 'NO':>5} "
-                    f"{med['loop']:9.1f} {med['batched']:11.1f} {fmt(tuned_ms, 9, 1)} "
-                    f"{chunk!s:>5} {med['default']:10.1f} {choice:>22} {fmt(bmm, 8, 1)} "
+                    f"{med['loop']:9.1f} {med['batched']:11.1f} {_common.fmt(tuned_ms, 9, 1)} "
+                    f"{chunk!s:>5} {med['default']:10.1f} {choice:>22} {_common.fmt(bmm, 8, 1)} "
                     f"{med['loop'] / med['batched']:13.2f} "
-                    f"{fmt(tuned_ms and med['loop'] / tuned_ms, 11, 2)} "
-                    f"{med['loop'] / med['default']:13.2f} {fmt(ratio_bmm, 12, 2)}",
+                    f"{_common.fmt(tuned_ms and med['loop'] / tuned_ms, 11, 2)} "
+                    f"{med['loop'] / med['default']:13.2f} {_common.fmt(ratio_bmm, 12, 2)}",
                     flush=True,
                 )
     if args.skip_memory or "conv4" not in args.workloads or device.type != "cpu":

@@ -1,0 +1,298 @@
+"""What the benchmark scripts share: timing, devices, memory, tables, and the examples' options.
+
+The scripts live in ``benchmarks/<purpose>/`` (``speed``, ``memory``, ``peers``, ``checks``) and
+run as ``python benchmarks/<purpose>/<name>.py``. Python puts the script's own folder on
+``sys.path``, not ``benchmarks/``, so each script makes this module importable with the same
+two lines, the only path edit a benchmark makes::
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+    import _common
+
+No benchmark imports another one: what two of them share is here (or, for a peer's stand-in,
+in a support module of ``peers/`` whose name starts with an underscore). Nothing here imports
+torch at import time: the parents of the memory benchmarks' fresh worker processes stay light.
+
+- Timing: :func:`timed` (milliseconds of one call, the device synchronized around it),
+  :func:`timed_grad` (the same for a loss and its gradient), :func:`rounds` (interleaved
+  rounds, each in a rotated order) and :func:`medians`.
+- Devices: :func:`sync`, :func:`pin_one_core`; the examples' ``--threads`` and
+  ``--keep-freed-memory`` options (:func:`add_threads_option`, :func:`use_threads`,
+  :func:`available_cores`, :func:`add_allocator_option`, :func:`use_allocator`, the same
+  code as ``examples/_threads.py``'s, so that an example and a benchmark run alike).
+- Memory: :class:`Meter` and :func:`measure` (peak resident set above the start on a CPU,
+  peak allocated bytes on CUDA), :data:`MMAP_ENV` (the workers' glibc setting),
+  :func:`peak_allocated` (the profiler's count of tensor bytes).
+- Tables: :func:`fmt`, :func:`ratio`, :func:`agree` (the float32 sanity check of
+  meta-gradients printed beside the times).
+- Task chunks: :func:`until_chosen`, :func:`default_choice`.
+- Examples: :func:`examples_importable` (``peers/omniglot_peers.py`` trains through
+  ``examples/omniglot.py``, the shared Omniglot example module).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+# glibc serves every allocation of 64 KiB or more with its own mmap and unmaps it when freed,
+# so that a process's resident set follows its live tensors (the memory workers' environment)
+MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+# the allocator setting the speed benchmarks default to, and why
+ALLOCATOR_WHY = "the C library's defaults, as a process gets them"
+
+
+# --- devices ------------------------------------------------------------------------------
+
+
+def sync(device: Any) -> None:
+    """Wait for the device's queued work (CUDA); nothing on a CPU. ``device``: a
+    :class:`torch.device`, its name, or ``None``."""
+    if device is None or getattr(device, "type", str(device).split(":")[0]) != "cuda":
+        return
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def pin_one_core() -> str:
+    """Pin the process to one core (the last it may run on); which core, or why not.
+
+    For single-threaded timings: some runtimes (XLA's CPU runtime) run part of a program on a
+    second thread whatever their flags say, which a pinned process cannot."""
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no sched_setaffinity here)"
+    core = max(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {core})
+    return f"pinned to core {core}"
+
+
+def examples_importable() -> None:
+    """Put ``examples/`` on ``sys.path``, as it is for a script run from there: its shared
+    modules (``omniglot.py``, ``_threads.py``) then import as the examples import them."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+
+
+def _threads() -> Any:
+    examples_importable()
+    import _threads
+
+    return _threads
+
+
+def available_cores() -> int:
+    """The cores this process may run on (``examples/_threads.py``)."""
+    return _threads().available_cores()
+
+
+def add_threads_option(parser: argparse.ArgumentParser, default: int, workload: str) -> None:
+    """The examples' ``--threads N`` (``examples/_threads.py``)."""
+    _threads().add_threads_option(parser, default, workload)
+
+
+def use_threads(args: argparse.Namespace) -> int:
+    """Set torch's intra-op threads from ``args.threads`` (``examples/_threads.py``)."""
+    return _threads().use_threads(args)
+
+
+def add_allocator_option(parser: argparse.ArgumentParser, default: bool, workload: str) -> None:
+    """The examples' ``--keep-freed-memory`` option (``examples/_threads.py``)."""
+    _threads().add_allocator_option(parser, default, workload)
+
+
+def use_allocator(args: argparse.Namespace) -> str:
+    """Apply ``args.keep_freed_memory``; the setting in words (``examples/_threads.py``)."""
+    return _threads().use_allocator(args)
+
+
+# --- timing -------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], Any], device: Any = None) -> tuple[float, Any]:
+    """Milliseconds of ``fn()``, the device synchronized before and after, and its result."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3, out
+
+
+def timed_grad(
+    fn: Callable[[], Any], params: Sequence[Any], device: Any = None, allow_unused: bool = False
+) -> tuple[float, list[Any]]:
+    """Milliseconds of ``fn()`` (a loss) and its gradient with respect to ``params``, and the
+    gradient (zeros for an unused tensor where ``allow_unused``)."""
+    import torch
+
+    ms, grads = timed(
+        lambda: torch.autograd.grad(fn(), list(params), allow_unused=allow_unused), device
+    )
+    return ms, [g if g is not None else torch.zeros(()) for g in grads]
+
+
+def medians(times: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """The median of each entry."""
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def rounds(calls: Mapping[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Each call's times over ``repeats`` interleaved rounds (``call()`` returns its time in ms
+    first, as :func:`timed` and :func:`timed_grad` do).
+    Each round runs them in a rotated order: what runs right after another call (after its
+    memory was freed) is not always the same one."""
+    names = list(calls)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeats):
+        for i in range(len(names)):
+            k = names[(i + r) % len(names)]
+            times[k].append(calls[k]()[0])
+    return times
+
+
+# --- memory -------------------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    """The process's resident set now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark of the resident set (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    """The kernel's high-water mark of the resident set (``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class Meter:
+    """Peak memory above the start of a block: RSS on CPU, allocated bytes on CUDA."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = rss_bytes()
+            reset_peak_rss()
+
+    def peak(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return peak_rss_bytes() - self.base
+
+
+def measure(run: Callable[[], Any], device: Any, repeats: int) -> tuple[int, float]:
+    """Run ``run()`` ``repeats`` times: the peak memory of the first run above its start, and
+    the median seconds."""
+    meter = Meter(device)
+    seconds = []
+    peak = 0
+    for r in range(repeats):
+        if r == 0:
+            meter.start()
+        start = time.perf_counter()
+        run()
+        sync(device)
+        seconds.append(time.perf_counter() - start)
+        if r == 0:
+            peak = meter.peak()
+    return peak, statistics.median(seconds)
+
+
+def peak_allocated(prof: Any, window: str) -> int:
+    """The most bytes allocated at once inside the range ``window`` of a
+    :class:`torch.profiler.profile` (``profile_memory=True``) above the amount at its start,
+    from the profiler's ``[memory]`` events ("Total Allocated": the bytes the allocator has
+    handed out at that moment)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    (span,) = [e for e in events if e.get("name") == window and e.get("ph") == "X"]
+    begin, end = span["ts"], span["ts"] + span["dur"]
+    memory = sorted(
+        (e for e in events if e.get("name") == "[memory]" and begin <= e["ts"] <= end),
+        key=lambda e: e["ts"],
+    )
+    if not memory:
+        return 0
+    first = memory[0]["args"]
+    start = first["Total Allocated"] - first["Bytes"]  # before the first event in the window
+    return max(e["args"]["Total Allocated"] for e in memory) - start
+
+
+# --- tables -------------------------------------------------------------------------------
+
+
+def fmt(value: float | None, width: int, digits: int) -> str:
+    """``value`` right-aligned in ``width`` with ``digits`` decimals, or ``-`` for none."""
+    return f"{value:{width}.{digits}f}" if value is not None else " " * (width - 1) + "-"
+
+
+def ratio(value: float, reference: float, width: int = 0, digits: int = 2) -> str:
+    """``value / reference`` as a table cell (``-`` where the reference is zero)."""
+    return fmt(value / reference if reference else None, width, digits)
+
+
+def agree(grads: Sequence[Any], ref: Sequence[Any]) -> bool:
+    """Whether float32 meta-gradients agree with the reference's, tensor by tensor, within 1%
+    of the largest entry: a sanity check printed beside the times (second order through conv
+    and BatchNorm amplifies float32 rounding: up to 0.6% seen for conv4 at 4 tasks).
+    Exactness is checked in float64 by the test suite."""
+    return all(
+        float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
+        for a, b in zip(grads, ref, strict=True)
+    )
+
+
+# --- task chunks --------------------------------------------------------------------------
+
+
+def until_chosen(call: Callable[[], Any], fmodel: Any, limit: int = 40) -> list[float]:
+    """The times in ms of the calls (``call()``: one timed meta-iteration, returning its ms
+    first) that a fresh ``task_chunk="tune"`` or ``"auto"`` model makes until it has chosen its
+    chunk (``"tune"`` on an accelerator measures nothing and reports no choice: do not call it
+    there)."""
+    times: list[float] = []
+    while not fmodel.task_chunk_choices and len(times) < limit:
+        times.append(call()[0])
+    return times
+
+
+def default_choice(fmodel: Any, tuning: list[float], ms: float) -> str:
+    """What the default chose and what the choice cost: ``"4 (9 calls, +0.9 s)"``, the extra
+    seconds those calls took beyond as many at ``ms``, its time once chosen."""
+    chosen = [c["chunk"] for c in fmodel.task_chunk_choices.values()]
+    chunk = (chosen[0] or "all") if chosen else "all"
+    return f"{chunk} ({len(tuning)} calls, {(sum(tuning) - len(tuning) * ms) / 1e3:+.1f} s)"
