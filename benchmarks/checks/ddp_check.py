@@ -10,7 +10,7 @@
 3. The same inner gradient through an FSDP-sharded model (``fully_shard``), then a double
    backward through it.
 
-    python benchmarks/ddp_check.py
+    python benchmarks/checks/ddp_check.py
 """
 
 from __future__ import annotations

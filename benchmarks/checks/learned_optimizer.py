@@ -14,7 +14,7 @@ for the learned optimizer and 1e-4 for the Meta-Curvature matrices, meta-gradien
 at 1; a meta-batch whose meta-gradient is not finite is skipped). The script prints each one's held-out query MSE with a
 95% interval over tasks, and the learned optimizer's ratio to tuned SGD (target: at most 0.8).
 
-    python benchmarks/learned_optimizer.py [--iterations 2000] [--seeds 3]
+    python benchmarks/checks/learned_optimizer.py [--iterations 2000] [--seeds 3]
 """
 
 from __future__ import annotations

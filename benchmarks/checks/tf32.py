@@ -13,7 +13,7 @@ compared with the float64 per-task loop (the exact value), as a relative 2-norm:
   cuDNN off (torch's own convolution kernels);
 - ``float64``: the batched path in float64 (exactness of the computation itself).
 
-    python benchmarks/tf32.py [--tasks 8] [--steps 5] [--max-exact-error 1e-3]
+    python benchmarks/checks/tf32.py [--tasks 8] [--steps 5] [--max-exact-error 1e-3]
 
 With ``--max-exact-error E`` it judges ``fm.exact_float32``: its last line is ``RESULT PASS``
 when the exact row's three errors (loop, loop again, batched) are all at most ``E``, else

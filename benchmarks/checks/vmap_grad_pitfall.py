@@ -5,7 +5,7 @@ tasks, with BatchNorm patched by ``torch.func.replace_all_batch_norm_modules_``.
 in train mode, its second-order meta-gradients differ from an exact per-task loop. The script measures that difference and the one of
 ``fm.adapt_tasks`` on the same network, tasks and weights (float64).
 
-    python benchmarks/vmap_grad_pitfall.py
+    python benchmarks/checks/vmap_grad_pitfall.py
 """
 
 from __future__ import annotations

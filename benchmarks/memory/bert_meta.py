@@ -10,10 +10,10 @@ length 128; an outer AdamW step with the meta-gradient clipped to norm 1.
 Settings: ``none``; ``per-layer``; ``step`` (``checkpoint_steps=True``); ``both``; and
 ``fomaml`` (first order, per-layer checkpointing): the floor second order is compared with.
 Each runs in a fresh process with a warm-up meta-iteration (one step) first; memory is
-measured as in ``benchmarks/memory.py`` (peak RSS above the start on CPU, with glibc's mmap
+measured as in ``benchmarks/memory/memory.py`` (peak RSS above the start on CPU, with glibc's mmap
 threshold fixed; peak allocated bytes on CUDA).
 
-    python benchmarks/bert_meta.py [--device cpu] [--batch 8] [--steps 5] [--repeats 1]
+    python benchmarks/memory/bert_meta.py [--device cpu] [--batch 8] [--steps 5] [--repeats 1]
 
 ``tests/integration/test_bert_meta.py`` runs :func:`meta_iteration` on a small config.
 """
@@ -26,7 +26,11 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 MODES = ("none", "per-layer", "step", "both", "fomaml")
 
@@ -172,14 +176,13 @@ def meta_iteration(
 
 def worker(args: argparse.Namespace) -> dict:
     import torch
-    from memory import measure
 
     device = torch.device(args.device)
     sc = Scenario(**json.loads(args.config))
     parts = setup(sc, args.mode, device)
     support, query = batches(sc, device)
     meta_iteration(sc, args.mode, parts, support, query, steps=1)  # warm-up
-    peak, seconds = measure(
+    peak, seconds = _common.measure(
         lambda: meta_iteration(sc, args.mode, parts, support, query), device, args.repeats
     )
     params = sum(p.numel() for p in parts["model"].parameters())
@@ -215,7 +218,7 @@ def main() -> None:
     for mode in args.modes:
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--device", args.device]
         cmd += ["--repeats", str(args.repeats), "--config", json.dumps(asdict(sc))]
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        env = {**os.environ, **_common.MMAP_ENV}
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
         results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         r = results[mode]

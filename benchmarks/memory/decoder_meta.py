@@ -19,10 +19,10 @@ Settings, one task (``fm.adapt``), second order unless said:
 
 Then the task batch against the loop (``fm.adapt_tasks`` against ``fm.adapt`` per task, both
 with per-layer checkpointing) at T = 4 and 16, time only. Each point runs in a fresh process
-after a warm-up meta-iteration (one step); memory as in ``benchmarks/memory.py`` (peak RSS
+after a warm-up meta-iteration (one step); memory as in ``benchmarks/memory/memory.py`` (peak RSS
 above the start on CPU with glibc's mmap threshold fixed; peak allocated bytes on CUDA).
 
-    python benchmarks/decoder_meta.py [--device cpu] [--steps 5] [--tasks 4 16] [--small]
+    python benchmarks/memory/decoder_meta.py [--device cpu] [--steps 5] [--tasks 4 16] [--small]
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 MODES = ("none", "per-layer", "model's own", "step", "first order")
 
@@ -98,9 +102,6 @@ def worker(args: argparse.Namespace) -> dict:
 
     import funcmeta as fm
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from memory import measure
-
     device = torch.device(args.device)
     model = build(args.small, device, gradient_checkpointing=args.mode == "model's own")
     layers = [n for n, _ in model.named_modules() if n.endswith("layers") and n.count(".") <= 3]
@@ -157,7 +158,7 @@ def worker(args: argparse.Namespace) -> dict:
         loss.backward()
 
     meta_iteration(1)  # warm-up
-    peak, seconds = measure(lambda: meta_iteration(args.steps), device, args.repeats)
+    peak, seconds = _common.measure(lambda: meta_iteration(args.steps), device, args.repeats)
     grad = torch.cat([p.grad.double().flatten() for p in adapters.values()])
     return {
         "peak": peak,
@@ -190,7 +191,7 @@ def run_point(args: argparse.Namespace, mode: str, tasks: int = 0, batched: bool
         + (["--batched"] if batched else [])
         + (["--small"] if args.small else [])
     )
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **_common.MMAP_ENV}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -25,7 +25,7 @@ On CUDA the figure is ``torch.cuda.max_memory_allocated`` minus the bytes alloca
 Time is the median over ``--repeats`` meta-iterations in the same process (the first of them
 is the one whose peak is taken).
 
-    python benchmarks/memory.py [--workloads residual encoder tanh] [--device cpu]
+    python benchmarks/memory/memory.py [--workloads residual encoder tanh] [--device cpu]
         [--steps 1 3 8] [--repeats 3] [--plot docs/img/memory_cpu.png]
 """
 
@@ -34,11 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 MODES = ("none", "per-layer", "self", "step", "both", "fomaml")
 WORKLOADS = {
@@ -46,72 +48,6 @@ WORKLOADS = {
     "encoder": {"width": 256, "depth": 4, "batch": 8, "seq": 128, "steps": [1, 3]},
     "tanh": {"width": 512, "depth": 6, "batch": 1024, "steps": [1, 3, 8]},
 }
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def reset_peak_rss() -> None:
-    """Reset the kernel's high-water mark of the resident set (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-class Meter:
-    """Peak memory above the start of a block: RSS on CPU, allocated bytes on CUDA."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-
-    def start(self) -> None:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            self.base = rss_bytes()
-            reset_peak_rss()
-
-    def peak(self) -> int:
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return peak_rss_bytes() - self.base
-
-
-def measure(run: Any, device: Any, repeats: int) -> tuple[int, float]:
-    """Run ``run()`` ``repeats`` times: the peak memory of the first run above its start, and
-    the median seconds."""
-    import torch
-
-    meter = Meter(device)
-    seconds = []
-    peak = 0
-    for r in range(repeats):
-        if r == 0:
-            meter.start()
-        start = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-        if r == 0:
-            peak = meter.peak()
-    return peak, statistics.median(seconds)
 
 
 def build(workload: str, cfg: dict[str, int]) -> tuple[Any, Any, Any]:
@@ -211,7 +147,7 @@ def worker(args: argparse.Namespace) -> dict:
         F.mse_loss(fmodel(result.params, xq), yq).backward()
 
     meta_iteration(1)  # warm-up: code paths, kernels and thread pools
-    peak, seconds = measure(lambda: meta_iteration(args.steps_one), device, args.repeats)
+    peak, seconds = _common.measure(lambda: meta_iteration(args.steps_one), device, args.repeats)
     grads = [p.grad for p in net.parameters()]
     grad_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
     return {
@@ -241,7 +177,7 @@ def run_point(args: argparse.Namespace, workload: str, mode: str, steps: int) ->
         "--config",
         json.dumps(cfg),
     ]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **_common.MMAP_ENV}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

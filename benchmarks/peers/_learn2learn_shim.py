@@ -7,6 +7,9 @@ module and attribute under them then resolves to a stand-in; instantiating or ca
 raises ``ImportError`` naming the missing package, except gym's ``register``, which
 learn2learn calls at import time to register its environments and which does nothing here.
 Installed packages are left alone.
+
+A support module of the peer benchmarks (``_peer_maml.py`` and ``build_learn2learn.sh`` use it),
+not a benchmark.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ rounds (each round calls every way once, in turn); the median over ``--repeats``
 wall time, and on the CPU of the process's CPU time too (less disturbed by other jobs on the
 machine). With one thread (the default) the process is pinned to one core: XLA's CPU runtime
 (JAX 0.10) otherwise runs part of a program on a second thread whatever its flags say
-(``--no-pin`` leaves the process free). Peak memory: each way in a fresh process (``benchmarks/memory.py``'s measure): on the
+(``--no-pin`` leaves the process free). Peak memory: each way in a fresh process (``benchmarks/_common.py``'s ``measure``): on the
 CPU the peak resident set above the start of one meta-iteration after a warm-up, with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that the resident set follows live tensors; on CUDA the
 peak of allocated bytes above the start (torch's allocator, and JAX's ``peak_bytes_in_use``
@@ -35,7 +35,7 @@ beside it.
 Each checkpointed meta-gradient is compared with its plain one (largest difference relative to
 the largest entry; float32 round-off), and JAX's with funcmeta's.
 
-    python benchmarks/checkpoint_jax.py [--device cpu|cuda] [--repeats 5] [--threads 1]
+    python benchmarks/peers/checkpoint_jax.py [--device cpu|cuda] [--repeats 5] [--threads 1]
         [--ways second takeover first tasks steps jax] [--width W --depth D --rows N --steps K]
         [--no-memory] [--no-pin]
 """
@@ -46,12 +46,15 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
 
 THREADS = ("--threads" in sys.argv and sys.argv[sys.argv.index("--threads") + 1]) or "1"
 os.environ.setdefault(
@@ -74,11 +77,7 @@ def pin() -> str:
     which core, or why not."""
     if THREADS != "1" or "--no-pin" in sys.argv:
         return "not pinned"
-    if not hasattr(os, "sched_setaffinity"):
-        return "not pinned (no sched_setaffinity here)"
-    core = max(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {core})
-    return f"pinned to core {core}"
+    return _common.pin_one_core()
 
 
 # --- funcmeta ------------------------------------------------------------------------------
@@ -247,13 +246,6 @@ def make_way(name: str, shape: dict[str, int], device: Any) -> Callable[[], Any]
     return meta_iteration
 
 
-def synchronize(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def jax_peak_above(run: Callable[[], Any]) -> int:
     """The peak of JAX's device memory during ``run()`` above the bytes in use before."""
     import jax
@@ -267,7 +259,6 @@ def jax_peak_above(run: Callable[[], Any]) -> int:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One way's peak memory, in a process of its own."""
     import torch
-    from memory import measure
 
     if args.device == "cpu":
         pin()
@@ -290,11 +281,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda":
             out["peak"] = jax_peak_above(run)
         else:
-            out["peak"], _ = measure(run, device, 1)
+            out["peak"], _ = _common.measure(run, device, 1)
         return out
     run = make_way(args.way, shape, device)
     run()  # warm-up: code paths, kernels, thread pools
-    out["peak"], _ = measure(run, device, 1)
+    out["peak"], _ = _common.measure(run, device, 1)
     return out
 
 
@@ -302,7 +293,7 @@ def peak_of(way: str, shape: dict[str, int], device: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--way", way, "--device", device]
     cmd += ["--config", json.dumps(shape), "--threads", THREADS]
     cmd += ["--no-pin"] if "--no-pin" in sys.argv else []
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **_common.MMAP_ENV}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -323,15 +314,13 @@ def timed(
     cpu: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(repeats):
         for name, run in ways.items():
-            synchronize(device)
+            _common.sync(device)
             start, start_cpu = time.perf_counter(), time.process_time()
             run()
-            synchronize(device)
+            _common.sync(device)
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
-    med = {k: statistics.median(v) for k, v in wall.items()}
-    med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
-    return med, med_cpu
+    return _common.medians(wall), _common.medians(cpu)
 
 
 def main() -> None:

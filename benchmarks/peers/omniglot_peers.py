@@ -6,7 +6,7 @@ BatchNorm on batch statistics), data, episodes, seeds, settings and budget of me
 seconds for each implementation; only the meta-iteration differs. funcmeta runs its recipe
 (``fm.recipes.maml``, ``anil`` or ``metasgd``: the tasks as one computation); each peer runs
 the method as its users write it, a loop over the tasks: MAML and Meta-SGD from
-``benchmarks/peers.py`` (higher with a per-tensor rate override, learn2learn's ``MetaSGD``;
+``_peer_maml.py`` beside this script (higher with a per-tensor rate override, learn2learn's ``MetaSGD``;
 TorchOpt's ``MetaSGD`` optimizer takes one scalar rate, so it has no Meta-SGD), ANIL below
 (the body's features computed once per task, the head adapted by the peer). Every
 implementation trains in turn with the others, one meta-iteration each, on its own clock
@@ -15,22 +15,22 @@ implementation is evaluated by the same code (``fm.evaluate``) on the same seede
 episodes and the official runs, with a learning curve on the way (``examples/omniglot.py``
 does the training, curves and evaluation; its options apply, ``--settings`` included).
 
-    python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --budget 240
-    python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --method anil
+    python benchmarks/peers/omniglot_peers.py --data ../shared/data/omniglot --budget 240
+    python benchmarks/peers/omniglot_peers.py --data ../shared/data/omniglot --method anil
 
 Runs with other ``--seed`` values (other initial weights and training episodes) are summed
 up with ``--summarize``: per implementation the mean and standard deviation over the runs,
 and per peer funcmeta's paired difference (its result minus the peer's in the same run):
 
-    python benchmarks/omniglot_peers.py --summarize run1.json run2.json run3.json
+    python benchmarks/peers/omniglot_peers.py --summarize run1.json run2.json run3.json
 
 ``--time-steps N`` only times the meta-iterations, N of each implementation in turn (no
 budget, curves or evaluation):
 
-    python benchmarks/omniglot_peers.py --data ../shared/data/omniglot --time-steps 60
+    python benchmarks/peers/omniglot_peers.py --data ../shared/data/omniglot --time-steps 60
 
 A peer that does not import is reported and skipped (``pip install -e .[bench]``; learn2learn:
-``bash benchmarks/build_learn2learn.sh``).
+``bash benchmarks/peers/build_learn2learn.sh``).
 """
 
 from __future__ import annotations
@@ -48,9 +48,12 @@ from torch import Tensor, nn
 
 import funcmeta as fm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import omniglot
-import peers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
+import _peer_maml  # beside this script
+
+_common.examples_importable()
+import omniglot  # noqa: E402  (examples/omniglot.py, the shared Omniglot example module)
 
 PEER_NAMES = ("higher", "torchopt", "learn2learn")
 METHODS = ("maml", "anil", "metasgd")
@@ -63,7 +66,7 @@ def features(net: nn.Module, x: Tensor) -> Tensor:
 
 def anil_higher(net, support, query, steps: int, lr: float) -> Tensor:
     """ANIL with higher: ``innerloop_ctx`` over the head, on the body's features."""
-    higher = peers.PEERS["higher"]
+    higher = _peer_maml.PEERS["higher"]
     opt = torch.optim.SGD(net.head.parameters(), lr=lr)
     losses = []
     for t in range(support[0].shape[0]):
@@ -77,7 +80,7 @@ def anil_higher(net, support, query, steps: int, lr: float) -> Tensor:
 
 def anil_torchopt(net, support, query, steps: int, lr: float) -> Tensor:
     """ANIL with TorchOpt: ``MetaSGD`` on the head, its state recovered after each task."""
-    torchopt = peers.PEERS["torchopt"]
+    torchopt = _peer_maml.PEERS["torchopt"]
     state = torchopt.extract_state_dict(net.head)
     losses = []
     for t in range(support[0].shape[0]):
@@ -92,7 +95,7 @@ def anil_torchopt(net, support, query, steps: int, lr: float) -> Tensor:
 
 def anil_learn2learn(net, support, query, steps: int, lr: float) -> Tensor:
     """ANIL as learn2learn's own ANIL example writes it: ``MAML`` around the head alone."""
-    head = peers.PEERS["learn2learn"].algorithms.MAML(net.head, lr=lr, first_order=False)
+    head = _peer_maml.PEERS["learn2learn"].algorithms.MAML(net.head, lr=lr, first_order=False)
     losses = []
     for t in range(support[0].shape[0]):
         fs, fq = features(net, support[0][t]), features(net, query[0][t])
@@ -113,7 +116,7 @@ ANIL: dict[str, Callable[..., Tensor]] = {
 def peers_of(method: str) -> tuple[str, ...]:
     """The peers that have ``method``: Meta-SGD needs a rate per element."""
     if method == "metasgd":
-        return tuple(n for n in PEER_NAMES if n not in peers.NO_PER_ELEMENT_RATES)
+        return tuple(n for n in PEER_NAMES if n not in _peer_maml.NO_PER_ELEMENT_RATES)
     return PEER_NAMES
 
 
@@ -139,7 +142,7 @@ class PeerRecipe(omniglot.Recipe):
             loss = ANIL[self.peer](self.net, batch.support, batch.query, self.steps, lr)
         else:  # MAML, or Meta-SGD with the rates the outer optimizer trains
             rates = None if self.rates is None else self.rates()
-            loss = peers.IMPLEMENTATIONS[self.peer](
+            loss = _peer_maml.IMPLEMENTATIONS[self.peer](
                 self.net, rates, batch.support, batch.query, F.cross_entropy, self.steps, lr=lr
             )
         return fm.recipes.RecipeResult(loss, loss.detach(), None)
@@ -323,13 +326,13 @@ def main(argv: list[str] | None = None) -> dict:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(summary, indent=1))
         return summary
-    installed = [n for n in peers_of(args.method) if n in peers.PEERS]
+    installed = [n for n in peers_of(args.method) if n in _peer_maml.PEERS]
     if args.peers is None:
         args.peers = installed
     for name in args.peers:
         if name not in peers_of(args.method):
             p.error(f"{name} has no {args.method} (Meta-SGD needs a rate per element)")
-        if name not in peers.PEERS:
+        if name not in _peer_maml.PEERS:
             p.error(f"{name} is not installed (pip install -e .[bench])")
     suffix = "" if args.method == "maml" else f"_{args.method}"
     if args.out == p.get_default("out"):

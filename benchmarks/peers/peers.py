@@ -14,7 +14,7 @@ Implementations:
   ``clone()`` and ``adapt()`` per task.
 
 The peers are optional: ``pip install -e .[bench]`` brings higher and torchopt;
-learn2learn 0.2.0 needs a build (``bash benchmarks/build_learn2learn.sh``: its published C
+learn2learn 0.2.0 needs a build (``bash benchmarks/peers/build_learn2learn.sh``: its published C
 files predate Python 3.11). A peer that does not import is reported and skipped.
 
 Workloads: conv4 5-way 1-shot 28x28 (meta-batch 4 and 32, 1 and 5 inner SGD steps), the
@@ -26,7 +26,7 @@ interleaved in one process, each round in a rotated order (median ms), and gives
 to the reference. Finally it measures peak memory per implementation for conv4 at 5 steps,
 a fresh process each.
 
-    python benchmarks/peers.py [--repeats 5] [--device cpu] [--skip-memory] [--keep-freed-memory]
+    python benchmarks/peers/peers.py [--repeats 5] [--device cpu] [--skip-memory] [--keep-freed-memory]
 """
 
 from __future__ import annotations
@@ -39,42 +39,22 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tasks import ALLOCATOR_WHY, add_allocator_option, default_choice, until_chosen, use_allocator
 from torch import nn
 from torch.func import functional_call
 
 import funcmeta as fm
 
-LR = 0.01
-PEERS = {}
-try:
-    import higher
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
+import _peer_maml  # beside this script
 
-    PEERS["higher"] = higher
-except ImportError as e:  # pragma: no cover - optional
-    print(f"higher is not available: {e}")
-try:
-    import torchopt
-
-    PEERS["torchopt"] = torchopt
-except ImportError as e:  # pragma: no cover - optional
-    print(f"torchopt is not available: {e}")
-try:
-    # learn2learn imports torchvision and gym at import time; the MAML code needs neither
-    from learn2learn_shim import install as _shim
-
-    _shimmed = _shim(["torchvision", "gym"])
-    import learn2learn
-
-    PEERS["learn2learn"] = learn2learn
-    if _shimmed:
-        print(f"learn2learn: stand-ins for {', '.join(_shimmed)} (not installed, not used)")
-except ImportError as e:  # pragma: no cover - optional
-    print(f"learn2learn is not available: {e} (bash benchmarks/build_learn2learn.sh)")
+LR = _peer_maml.LR
+PEERS = _peer_maml.PEERS
+NO_PER_ELEMENT_RATES = _peer_maml.NO_PER_ELEMENT_RATES
 
 
 def sinusoid_mlp() -> nn.Module:
@@ -171,69 +151,20 @@ def funcmeta_tuned(net, rates, support, query, loss_fn, steps):
     ).loss
 
 
-def with_higher(net, rates, support, query, loss_fn, steps, lr=LR):
-    # one parameter group per tensor, so that a per-element rate can be given to each
-    opt = torch.optim.SGD([{"params": [p]} for p in net.parameters()], lr=lr)
-    losses = []
-    for t in range(support[0].shape[0]):
-        with higher.innerloop_ctx(net, opt, copy_initial_weights=False) as (fnet, diffopt):
-            override = None
-            if rates is not None:
-                override = {"lr": [rates[k] for k, _ in net.named_parameters()]}
-            for _ in range(steps):
-                diffopt.step(loss_fn(fnet(support[0][t]), support[1][t]), override=override)
-            losses.append(loss_fn(fnet(query[0][t]), query[1][t]))
-    return torch.stack(losses).mean()
-
-
-def with_torchopt(net, rates, support, query, loss_fn, steps, lr=LR):
-    state = torchopt.extract_state_dict(net)
-    losses = []
-    for t in range(support[0].shape[0]):
-        inner = torchopt.MetaSGD(net, lr=lr)
-        for _ in range(steps):
-            inner.step(loss_fn(net(support[0][t]), support[1][t]))
-        losses.append(loss_fn(net(query[0][t]), query[1][t]))
-        torchopt.recover_state_dict(net, state)
-    return torch.stack(losses).mean()
-
-
-def with_learn2learn(net, rates, support, query, loss_fn, steps, lr=LR):
-    l2l = learn2learn.algorithms
-    if rates is None:
-        meta = l2l.MAML(net, lr=lr, first_order=False)
-    else:
-        meta = l2l.MetaSGD(net, lr=lr, first_order=False)
-        meta.lrs = nn.ParameterList([rates[k] for k, _ in net.named_parameters()])
-    losses = []
-    for t in range(support[0].shape[0]):
-        learner = meta.clone()
-        for _ in range(steps):
-            learner.adapt(loss_fn(learner(support[0][t]), support[1][t]))
-        losses.append(loss_fn(learner(query[0][t]), query[1][t]))
-    return torch.stack(losses).mean()
-
-
 IMPLEMENTATIONS = {
     "reference": reference,
     "funcmeta loop": funcmeta_loop,
     "funcmeta batched": funcmeta_batched,
     "funcmeta tuned": funcmeta_tuned,
-    "higher": with_higher,
-    "torchopt": with_torchopt,
-    "learn2learn": with_learn2learn,
+    **_peer_maml.IMPLEMENTATIONS,
 }
-
-
-# Meta-SGD needs per-element learning rates: torchopt's MetaSGD takes one scalar rate.
-NO_PER_ELEMENT_RATES = {"torchopt"}
 
 
 def available() -> dict:
     return {
         k: f
         for k, f in IMPLEMENTATIONS.items()
-        if k not in ("higher", "torchopt", "learn2learn") or k in PEERS
+        if k not in _peer_maml.IMPLEMENTATIONS or k in _peer_maml.PEERS
     }
 
 
@@ -268,26 +199,13 @@ def setup(name: str, tasks: int):
 
 def run(impl, net, rates, support, query, loss_fn, steps):
     tensors = [*net.parameters(), *(rates.values() if rates else [])]
-    cuda = DEVICE[0].type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss = impl(net, rates, support, query, loss_fn, steps)
-    grads = torch.autograd.grad(loss, tensors)
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3, grads
-
-
-def agree(grads, ref) -> bool:
-    return all(
-        float((a - b).abs().max()) <= 1e-2 * float(b.abs().max()) + 1e-6
-        for a, b in zip(grads, ref, strict=True)
+    return _common.timed_grad(
+        lambda: impl(net, rates, support, query, loss_fn, steps), tensors, DEVICE[0]
     )
 
 
 def peak_memory(impl_name: str) -> float:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **_common.MMAP_ENV}
     out = subprocess.run(
         [sys.executable, __file__, "--memory-worker", impl_name],
         check=True,
@@ -302,14 +220,10 @@ def memory_worker(impl_name: str) -> None:
     net, rates, support, query, loss_fn = setup("conv4", 4)
     impl = available()[impl_name]
     run(impl, copy.deepcopy(net), rates, support, query, loss_fn, 1)  # warm-up
-    with open("/proc/self/statm") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    meter = _common.Meter(DEVICE[0])
+    meter.start()
     run(impl, net, rates, support, query, loss_fn, 5)
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({"peak": hwm - base}))
+    print(json.dumps({"peak": meter.peak()}))
 
 
 def main() -> None:
@@ -319,13 +233,13 @@ def main() -> None:
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--workloads", nargs="+", default=None, help="e.g. conv4 sinusoid")
     parser.add_argument("--memory-worker", default=None, help=argparse.SUPPRESS)
-    add_allocator_option(parser, False, ALLOCATOR_WHY)
+    _common.add_allocator_option(parser, False, _common.ALLOCATOR_WHY)
     args = parser.parse_args()
     if args.memory_worker:
         memory_worker(args.memory_worker)
         return
     DEVICE[0] = torch.device(args.device)
-    allocator = use_allocator(args)
+    allocator = _common.use_allocator(args)
     impls = available()
     versions = {"torch": torch.__version__, "funcmeta": fm.__version__}
     versions.update({k: getattr(m, "__version__", "?") for k, m in PEERS.items()})
@@ -352,16 +266,9 @@ def main() -> None:
             fn = functools.partial(run, impl, nets[k], rates, support, query, loss_fn, steps)
             calls[k] = (fn, fn()[1])
             if k == "funcmeta batched":  # the default's measuring calls, until it chooses
-                tuning = until_chosen(fn, functional_model_of(nets[k]))
+                tuning = _common.until_chosen(fn, functional_model_of(nets[k]))
         ref = calls["reference"][1]
-        times = {k: [] for k, c in calls.items() if c}
-        names = [k for k, c in calls.items() if c]
-        for r in range(args.repeats):
-            # each round in a rotated order: what runs right after another implementation
-            # (after its memory was freed) is not always the same one
-            for i in range(len(names)):
-                k = names[(i + r) % len(names)]
-                times[k].append(calls[k][0]()[0])
+        times = _common.rounds({k: c[0] for k, c in calls.items() if c}, args.repeats)
         ref_ms = statistics.median(times["reference"])
         cells = []
         for k in impls:
@@ -369,12 +276,14 @@ def main() -> None:
                 cells.append(f"{'n/a':>17}")
                 continue
             ms = statistics.median(times[k])
-            mark = "" if agree(calls[k][1], ref) else " DISAGREE"
+            mark = "" if _common.agree(calls[k][1], ref) else " DISAGREE"
             cells.append(f"{ms:8.1f} ({ms / ref_ms:4.2f}x){mark}".rjust(17))
         print(f"{f'{name} T={tasks} K={steps}':<22} " + " ".join(cells))
         if "funcmeta batched" in times:
             ms = statistics.median(times["funcmeta batched"])
-            choice = default_choice(functional_model_of(nets["funcmeta batched"]), tuning, ms)
+            choice = _common.default_choice(
+                functional_model_of(nets["funcmeta batched"]), tuning, ms
+            )
             print(f"{'':<22} funcmeta batched (the default) chose {choice}")
     if args.skip_memory or DEVICE[0].type == "cuda":
         return
