@@ -41,22 +41,22 @@ lint: setup-dev
 
 bench: setup-dev
 	$(PIP) install -q -e ".[dev,bench]"
-	PYTHON=$(PYTHON) bash benchmarks/build_learn2learn.sh || echo "learn2learn not built: peers.py runs without it"
-	$(PYTHON) benchmarks/overhead.py
-	$(PYTHON) benchmarks/memory.py --repeats 2 --plot docs/img/memory_cpu.png
-	$(PYTHON) benchmarks/checkpoint_jax.py
-	$(PYTHON) benchmarks/bert_meta.py
-	$(PYTHON) benchmarks/decoder_meta.py
-	$(PYTHON) benchmarks/tasks.py --repeats 5
-	$(PYTHON) benchmarks/sequence_tasks.py --repeats 3
-	$(PYTHON) benchmarks/recurrent_evaluation.py
-	$(PYTHON) benchmarks/vmap_grad_pitfall.py
-	$(PYTHON) benchmarks/ddp_check.py
-	$(PYTHON) benchmarks/peers.py
-	$(PYTHON) benchmarks/learned_optimizer.py
-	$(PYTHON) benchmarks/snapshot.py
-	$(PYTHON) benchmarks/compiled.py
-	$(PYTHON) benchmarks/compiled_overhead.py
+	PYTHON=$(PYTHON) bash benchmarks/peers/build_learn2learn.sh || echo "learn2learn not built: peers/peers.py runs without it"
+	$(PYTHON) benchmarks/speed/overhead.py
+	$(PYTHON) benchmarks/memory/memory.py --repeats 2 --plot docs/img/memory_cpu.png
+	$(PYTHON) benchmarks/peers/checkpoint_jax.py
+	$(PYTHON) benchmarks/memory/bert_meta.py
+	$(PYTHON) benchmarks/memory/decoder_meta.py
+	$(PYTHON) benchmarks/speed/tasks.py --repeats 5
+	$(PYTHON) benchmarks/speed/sequence_tasks.py --repeats 3
+	$(PYTHON) benchmarks/speed/recurrent_evaluation.py
+	$(PYTHON) benchmarks/checks/vmap_grad_pitfall.py
+	$(PYTHON) benchmarks/checks/ddp_check.py
+	$(PYTHON) benchmarks/peers/peers.py
+	$(PYTHON) benchmarks/checks/learned_optimizer.py
+	$(PYTHON) benchmarks/speed/snapshot.py
+	$(PYTHON) benchmarks/speed/compiled.py
+	$(PYTHON) benchmarks/speed/compiled_overhead.py
 
 # Every CUDA test and the CUDA benchmarks on one GPU, and the tables for benchmarks/RESULTS.md
 # (benchmarks/out/gpu_check.md); installs nothing from the network. Without a GPU it says so.

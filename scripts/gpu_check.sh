@@ -97,28 +97,28 @@ section scenario "scenario" 80 result "query loss falls; memory <= 0.4x, time <=
     $PYTHON examples/checkpointed_maml.py --device cuda --width 768 --rows 4096 --iterations 10 \
     --repeats 3 --max-memory-ratio 0.4 --max-time-ratio 2.5
 section tf32 "TF32" 40 result "fm.exact_float32 error vs float64 <= 1e-3 (loop and batched)" \
-    "TF32 and second order" $PYTHON benchmarks/tf32.py --tasks 8 --steps 5 --max-exact-error 1e-3
+    "TF32 and second order" $PYTHON benchmarks/checks/tf32.py --tasks 8 --steps 5 --max-exact-error 1e-3
 section "compiled sinusoid" "compiled sinusoid" 80 result "compiled <= 1.5x JAX's time" \
     "The compiled meta-step, sinusoid: against adapt_tasks and JAX on the GPU (where jax[cuda] is installed)" \
-    $PYTHON benchmarks/compiled.py --device cuda --workloads sinusoid --tasks 32 --steps 5 \
+    $PYTHON benchmarks/speed/compiled.py --device cuda --workloads sinusoid --tasks 32 --steps 5 \
     --repeats 50 --no-loop --task-chunk 0 --max-jax-ratio 1.5
 section "compiled conv4" "compiled conv4" 150 result "first call (compile) <= 120 s; compiled <= JAX's time" \
     "The compiled meta-step, conv4" \
-    $PYTHON benchmarks/compiled.py --device cuda --workloads conv4 --tasks 32 --steps 5 \
+    $PYTHON benchmarks/speed/compiled.py --device cuda --workloads conv4 --tasks 32 --steps 5 \
     --repeats 20 --no-loop --task-chunk 0 --max-jax-ratio 1.0 --max-compile-seconds 120
 
 # the sections without one, as far as the budget goes
 section memory "memory" 120 none "" \
     "Per-layer checkpointing: funcmeta's layers and the model's own checkpoints (residual MLP, 5 steps)" \
-    $PYTHON benchmarks/memory.py --device cuda --workloads residual --steps 5 --repeats 3 \
+    $PYTHON benchmarks/memory/memory.py --device cuda --workloads residual --steps 5 --repeats 3 \
     --plot benchmarks/out/memory_cuda.png
 section tasks "tasks" 120 none "" "Task batching against the loop" \
-    $PYTHON benchmarks/tasks.py --device cuda --repeats 5 --meta-batch 32 --skip-memory
+    $PYTHON benchmarks/speed/tasks.py --device cuda --repeats 5 --meta-batch 32 --skip-memory
 section peers "peers" 120 none "" "Task batching against the peers" \
-    bash -c "cd benchmarks && $PYTHON peers.py --device cuda --repeats 5"
+    $PYTHON benchmarks/peers/peers.py --device cuda --repeats 5
 section sequence "sequence" 180 none "" "Sequence models" \
-    bash -c "cd benchmarks && $PYTHON sequence_tasks.py --device cuda \
-    --models bert gpt2 llama lstm gru --tasks 16 --repeats 3 --no-tune"
+    $PYTHON benchmarks/speed/sequence_tasks.py --device cuda \
+    --models bert gpt2 llama lstm gru --tasks 16 --repeats 3 --no-tune
 
 say
 say "## Summary (${SECONDS} s of ${BUDGET})"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
-import sys
+import json
+import os
+import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -165,12 +167,8 @@ def next_token_loss(out, ids: Tensor) -> Tensor:
 
 def profiled(fn: Callable[[], object]) -> int:
     """The most bytes tensors held at once while ``fn()`` ran, above what they held before
-    (from the profiler's allocation events, as ``benchmarks/sequence_tasks.py`` counts them)."""
-    benchmarks = str(Path(__file__).resolve().parents[1] / "benchmarks")
-    if benchmarks not in sys.path:
-        sys.path.insert(0, benchmarks)
-    import sequence_tasks
-
+    (from the profiler's allocation events, counted as the sequence benchmark counts them:
+    ``benchmarks/_common.py``'s ``peak_allocated``, whose test checks the two agree)."""
     with (
         torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
@@ -178,7 +176,29 @@ def profiled(fn: Callable[[], object]) -> int:
         torch.profiler.record_function("window"),
     ):
         fn()
-    return sequence_tasks.peak_allocated(prof, "window")
+    return peak_allocated(prof, "window")
+
+
+def peak_allocated(prof: torch.profiler.profile, window: str) -> int:
+    """The most bytes allocated at once inside the range ``window`` above the amount at its
+    start, from the profiler's ``[memory]`` events ("Total Allocated": the bytes the
+    allocator has handed out at that moment)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    (span,) = [e for e in events if e.get("name") == window and e.get("ph") == "X"]
+    begin, end = span["ts"], span["ts"] + span["dur"]
+    memory = sorted(
+        (e for e in events if e.get("name") == "[memory]" and begin <= e["ts"] <= end),
+        key=lambda e: e["ts"],
+    )
+    if not memory:
+        return 0
+    first = memory[0]["args"]
+    start = first["Total Allocated"] - first["Bytes"]  # before the first event in the window
+    return max(e["args"]["Total Allocated"] for e in memory) - start
 
 
 def flip_stored_bit(

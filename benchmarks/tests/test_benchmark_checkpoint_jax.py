@@ -1,16 +1,17 @@
-"""``benchmarks/checkpoint_jax.py`` runs end to end on a tiny residual stack: every funcmeta
+"""``benchmarks/peers/checkpoint_jax.py`` runs end to end on a tiny residual stack: every funcmeta
 way gives the plain run's meta-gradient checkpointed, and the table and the ratios line come
 out (JAX is left out: the suite does not install it; peak memory too, each way's fresh
-process costs seconds, and the workers are ``benchmarks/memory.py``'s, tested beside it)."""
+process costs seconds, and the workers measure with ``benchmarks/_common.py``'s ``measure``, which ``benchmarks/memory/memory.py`` uses too)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_jax.py"
+from bench_scripts import script
+
+SCRIPT = script("peers/checkpoint_jax.py")
 
 
 def test_the_benchmark_runs_and_each_checkpointed_way_matches_its_plain_one():

@@ -1,19 +1,17 @@
-"""The decoder benchmark (benchmarks/decoder_meta.py) runs each setting on a tiny decoder:
+"""The decoder benchmark (benchmarks/memory/decoder_meta.py) runs each setting on a tiny decoder:
 the meta-gradients of the settings agree to bf16 rounding, and the model's own gradient
 checkpointing, run by funcmeta, keeps less memory than no checkpointing."""
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load
 
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import decoder_meta
+decoder_meta = load("memory/decoder_meta.py")
 
 
 def test_the_decoder_benchmark_runs_every_setting_on_a_tiny_decoder():

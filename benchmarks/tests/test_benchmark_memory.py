@@ -1,15 +1,10 @@
-"""The sequence benchmark's peak memory (``benchmarks/sequence_tasks.py``) counts the bytes
+"""The sequence benchmark's peak memory (``benchmarks/speed/sequence_tasks.py``, through ``benchmarks/_common.py``) counts the bytes
 tensors take from the profiler's allocation events: many small tensors count in full (the
 resident set undercounted them), and the peak is the most held at once inside the window."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from helpers import profiled
 
 MIB = 2**20

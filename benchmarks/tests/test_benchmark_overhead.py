@@ -1,13 +1,14 @@
-"""``benchmarks/overhead.py`` runs end to end, and funcmeta's meta-gradients agree with the
+"""``benchmarks/speed/overhead.py`` runs end to end, and funcmeta's meta-gradients agree with the
 hand-written loop's for both inner optimizers (its "agree" column)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
+from bench_scripts import script
+
+SCRIPT = script("speed/overhead.py")
 
 
 def test_the_benchmark_runs_and_both_rows_agree():

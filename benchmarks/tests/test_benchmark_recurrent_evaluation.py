@@ -1,13 +1,14 @@
-"""``benchmarks/recurrent_evaluation.py`` runs end to end, and the task-batched evaluation it
+"""``benchmarks/speed/recurrent_evaluation.py`` runs end to end, and the task-batched evaluation it
 times agrees with the loop over the tasks on every row (its "agree" column)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "recurrent_evaluation.py"
+from bench_scripts import script
+
+SCRIPT = script("speed/recurrent_evaluation.py")
 
 
 def test_the_benchmark_runs_and_every_row_agrees():

@@ -1,36 +1,21 @@
 """The targets ``make gpu-check`` holds the benchmarks to, judged on a CPU: the compiled
-meta-step against JAX's time and its compile time (``benchmarks/compiled.py``), and
-``fm.exact_float32``'s error against float64 (``benchmarks/tf32.py``, which on a CPU says it
+meta-step against JAX's time and its compile time (``benchmarks/speed/compiled.py``), and
+``fm.exact_float32``'s error against float64 (``benchmarks/checks/tf32.py``, which on a CPU says it
 judged nothing)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from bench_scripts import load
 
 import funcmeta as fm
 
-BENCHMARKS = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-compiled = _load("compiled")
-tf32 = _load("tf32")
+compiled = load("speed/compiled.py")
+tf32 = load("checks/tf32.py")
 
 
 def _row(ms: dict[str, float], compile_s: float = 27.4, **more: Any) -> dict[str, Any]:
@@ -38,7 +23,7 @@ def _row(ms: dict[str, float], compile_s: float = 27.4, **more: Any) -> dict[str
     return {**r, **more}
 
 
-# ------------------------------------------------------------------ benchmarks/compiled.py
+# ------------------------------------------------------------ benchmarks/speed/compiled.py
 
 
 def test_the_compiled_step_passes_at_or_under_its_share_of_jax_time():
@@ -126,7 +111,7 @@ def test_the_benchmark_judges_a_small_sinusoid_on_a_cpu(monkeypatch, capsys):
     assert "RESULT" not in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------ benchmarks/tf32.py
+# --------------------------------------------------------------- benchmarks/checks/tf32.py
 
 
 def test_exact_float32_passes_at_or_under_the_target():

@@ -392,18 +392,6 @@ def test_the_port_keeps_freed_memory_by_default_and_says_why(monkeypatch, capsys
     assert said.endswith("(fm.keep_freed_memory does not apply: the C library is musl)")
 
 
-def test_the_benchmarks_share_the_examples_allocator_option(capsys):
-    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
-    import tasks as bench
-
-    assert bench.use_allocator.__module__ == bench.add_allocator_option.__module__ == "_threads"
-    parser = argparse.ArgumentParser()
-    bench.add_allocator_option(parser, False, bench.ALLOCATOR_WHY)
-    args = parser.parse_args([])
-    assert args.keep_freed_memory is False
-    assert bench.use_allocator(args) == "allocator: the C library's defaults"
-
-
 def test_omniglot_combine_puts_runs_in_one_file_and_refuses_what_does_not_fit(tmp_path):
     """``--combine``: the results of runs made apart in one file and one plot; a file that is
     not one of its results, from other data, or naming a recipe twice is refused by name."""

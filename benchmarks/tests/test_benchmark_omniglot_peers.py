@@ -1,26 +1,21 @@
-"""The peers' MAML, ANIL and Meta-SGD on Omniglot (benchmarks/omniglot_peers.py) compute the
+"""The peers' MAML, ANIL and Meta-SGD on Omniglot (benchmarks/peers/omniglot_peers.py) compute the
 same meta-gradients as funcmeta's recipes, so that the comparison at equal time compares
 implementations of one algorithm. Peers that are not installed are skipped."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load
 
 import funcmeta as fm
 
-ROOT = Path(__file__).resolve().parents[2]
-for folder in ("benchmarks", "examples"):
-    if str(ROOT / folder) not in sys.path:
-        sys.path.insert(0, str(ROOT / folder))
-
-import omniglot  # noqa: E402
-import omniglot_peers  # noqa: E402
-import peers  # noqa: E402
+omniglot_peers = load("peers/omniglot_peers.py")
+omniglot = omniglot_peers.omniglot  # examples/omniglot.py, which it trains through
+peers = omniglot_peers._peer_maml  # the peers' meta-iterations
 
 # two inner steps at a small rate, a random head (no zeroing): every term of the meta-gradient
 ARGS = ["--settings", "shared", "--steps", "2", "--inner-lr", "0.1", "--hidden", "8", "--ways", "5"]

@@ -1,4 +1,4 @@
-"""The BERT scenario of ``benchmarks/bert_meta.py`` at small scale: a HuggingFace BERT
+"""The BERT scenario of ``benchmarks/memory/bert_meta.py`` at small scale: a HuggingFace BERT
 classifier, every encoder layer checkpointed, learnable per-layer softplus rates, only the last
 layers and the head adapted, dropout on, meta-gradients clipped in the outer step. The
 meta-gradients of every checkpointing setting equal the unchecked ones (float64), and under
@@ -6,16 +6,12 @@ bf16 autocast they differ from them by far less than bf16 itself does."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from bench_scripts import load
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import bert_meta
+bert_meta = load("memory/bert_meta.py")
 
 SMALL = bert_meta.Scenario(
     layers=4,
