@@ -8,6 +8,10 @@ its slowest thread. Measured on 2 cores with another process spinning on one of 
 28x28 images do gain (conv4 MAML, 20-way, meta-batch 4: 0.61 s per iteration with 1 thread,
 0.35 s with 2), so those examples take every core they may run on.
 
+A shared module of the examples, not an example: each one imports it plainly (``from _threads
+import ...``), as Python puts a script's own folder on ``sys.path``; the benchmarks reach it
+through ``benchmarks/_common.py``, so that an example and a benchmark take the same options.
+
 Example:
     >>> import argparse
     >>> from _threads import add_threads_option, use_threads

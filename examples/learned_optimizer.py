@@ -15,7 +15,7 @@ core (150 s of CPU time), so an idle machine runs it faster. It ended with a hel
 MSE of 3.685 for SGD at its best rate (0.00562) and 2.917 for the learned optimizer (0.79x).
 ``--iterations`` (1000 meta-iterations) and ``--tasks`` (25 per meta-batch) set its length.
 
-``benchmarks/learned_optimizer.py`` is the measured version (several seeds, Adam and
+``benchmarks/checks/learned_optimizer.py`` is the measured version (several seeds, Adam and
 Meta-Curvature too); its figures are in benchmarks/RESULTS.md.
 """
 

@@ -43,7 +43,14 @@ are adapted and scored on its first 5 outputs (``fm.evaluate`` does this). Proto
 Networks and R2D2 (a closed-form ridge-regression head) use the same conv4 without a head.
 ``--budget`` is the meta-training time of each recipe in seconds; evaluation comes on top.
 Results go to ``--out`` (JSON) and a plot (errors on the runs, and the learning curves).
-``benchmarks/omniglot_peers.py`` runs MAML here against higher, TorchOpt and learn2learn.
+It is also the shared Omniglot example module: ``benchmarks/peers/omniglot_peers.py`` runs
+MAML, ANIL and Meta-SGD here against higher, TorchOpt and learn2learn, and the tests import it.
+What it offers them: :func:`parser` (the options), :func:`prepare` (the data, held-out split and
+official runs), :class:`Recipe` (a recipe with its settings and outer optimizer),
+:func:`training_episodes`, :class:`Trainer` and :func:`meta_train` (training on a clock, with the
+learning curve), :func:`curve_sets`, :func:`evaluate_recipe`, :func:`save_results` and
+:func:`read_results`. The Omniglot files themselves are read by ``funcmeta.data``
+(:func:`funcmeta.data.load_omniglot`, :func:`funcmeta.data.download_omniglot`).
 """
 
 from __future__ import annotations
@@ -469,7 +476,7 @@ class Trainer:
     Every ``args.curve_every`` seconds of training, and at the end, the recipe is scored on
     each of ``curve_sets`` (the same seeded episodes every time); its clock stops meanwhile,
     so the budget is training time alone. Several trainers stepped in turn share whatever the
-    machine does meanwhile (``benchmarks/omniglot_peers.py``)."""
+    machine does meanwhile (``benchmarks/peers/omniglot_peers.py``)."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(
     "workload, parameters, inputs, tasks, want",
     [
-        # the rows of docs/tasks.md: benchmarks/tasks.py's workloads and the Omniglot one
+        # the rows of docs/tasks.md: benchmarks/speed/tasks.py's workloads and the Omniglot one
         *[("sinusoid MLP", 1_761, 10, t, None) for t in (4, 16, 32, 64)],
         ("conv4 5-way 1-shot", 112_261, 5 * 28 * 28, 4, None),
         *[("conv4 5-way 1-shot", 112_261, 5 * 28 * 28, t, 4) for t in (16, 32, 64)],
