@@ -73,6 +73,12 @@ def setup(name: str):
         options["trainable"] = ["4"]
     elif name == "clip":
         opt = fm.optim.chain(fm.optim.clip_by_global_norm(0.05), fm.optim.sgd(lr=0.1))
+    elif name == "clip_grad_norm":  # the inner-loop option: each task's gradient clipped
+        options["clip_grad_norm"] = 0.05
+    elif name == "truncate":  # the first step without a graph, the second order after it
+        options["truncate"] = 1
+    elif name == "truncate-first-order-anil":
+        options.update(truncate=2, first_order=True, trainable=["4"], allow_unused=True)
     return net, fmodel, opt, hyper, options, loss_fn, data
 
 
@@ -125,6 +131,9 @@ CONFIGS = [
     "per-step-rates",
     "anil",
     "clip",
+    "clip_grad_norm",
+    "truncate",
+    "truncate-first-order-anil",
     "batchnorm",
 ]
 
@@ -432,10 +441,76 @@ def test_real_sequence_models_fall_back_with_the_plain_paths_numbers(kind):
     falls_back_exactly(net, fmodel, F.cross_entropy, support, query, steps=2)
 
 
+def test_the_inner_loop_options_compile_with_the_plain_paths_meta_gradients():
+    """torch.compile for real on the options the graph holds beside first_order and
+    trainable: clip_grad_norm, truncate and allow_unused, float64, to 1e-10."""
+    net, fmodel, opt, _, _, loss_fn, (support, query) = setup("sgd")
+    options = {"clip_grad_norm": 0.05, "truncate": 1, "allow_unused": True}
+    reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False, **options)
+    _, plain = meta_grads(net, [], lambda: reference(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, **options)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert not [w for w in said if "compile_meta_step" in str(w.message)]  # no fallback
+    assert step.eager_reason is None
+    assert relative(ours, plain) < 1e-10
+
+
+UNTRACED_OPTIONS = [
+    {"checkpoint_steps": True},
+    {"offload_activations": True},
+    {"on_nonfinite": "raise"},
+    {"loss_scale": 8.0},
+    {"loss_scale": torch.amp.GradScaler("cpu", init_scale=8.0)},
+]
+
+
+@pytest.mark.parametrize("option", UNTRACED_OPTIONS, ids=lambda o: next(iter(o)))
+def test_an_option_the_graph_cannot_hold_runs_eagerly_naming_it(option):
+    """compile_meta_step accepts every option of fm.adapt_tasks: one a graph cannot hold
+    makes the step run fm.adapt_tasks with it, and the warning and eager_reason name it;
+    the meta-gradients are those of fm.adapt_tasks with the option."""
+    name = next(iter(option))
+    net, fmodel, opt, _, _, loss_fn, (support, query) = setup("sgd")
+
+    def plain():
+        result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=2, **option)
+        loss = fm.task_losses(fmodel, result.params, loss_fn, query, buffers=result.buffers)
+        loss.losses.mean().backward()
+        return loss.losses.mean()
+
+    _, theirs = meta_grads(net, [], plain)
+    with pytest.warns(UserWarning, match=f"compile_meta_step runs eagerly: {name}="):
+        step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, **option)
+    assert step.eager_reason is not None and step.eager_reason.startswith(f"{name}=")
+    assert f"leave {name} out to compile" in step.eager_reason
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, when the step was made
+        _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert relative(ours, theirs) == 0.0
+
+
+def test_every_option_of_adapt_tasks_is_compiled_or_named():
+    """The options compile_meta_step compiles and those it names cover AdaptOptions."""
+    from dataclasses import fields
+
+    from funcmeta._src.inner.eager_reasons import UNTRACED
+
+    traced = {"first_order", "trainable", "clip_grad_norm", "truncate", "allow_unused"}
+    assert traced | set(UNTRACED) == {f.name for f in fields(fm.AdaptOptions)}
+    covered = {k for name in CONFIGS for k in setup(name)[4]}
+    assert traced <= covered  # each is checked against the plain path above
+
+
 def test_bad_calls_are_named():
     net, fmodel, opt, *_ = setup("sgd")
-    with pytest.raises(TypeError, match=r"\['checkpoint_steps'\] are not compiled"):
-        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, checkpoint_steps=True)
+    with pytest.raises(TypeError, match="unknown option 'checkpoint_step'"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, checkpoint_step=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="truncate must be"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, truncate=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"truncate must be an int in \[0, steps=1\]"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, truncate=2)
     with pytest.raises(ValueError, match="steps"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=0)
     with pytest.raises(

@@ -138,7 +138,9 @@ _PATHS_CACHE: dict[optree.PyTreeSpec, tuple[str, ...]] = {}
 
 def spec_paths(spec: optree.PyTreeSpec) -> list[str]:
     """Dotted paths of the leaves of a tree with structure ``spec`` (worked out once per
-    structure)."""
+    structure; a graph ``torch.compile`` traces works them out, as it keeps no cache)."""
+    if compiling():
+        return [path_str(p) for p in spec.paths()]
     found = _PATHS_CACHE.get(spec)
     if found is None:
         found = tuple(path_str(p) for p in spec.paths())

@@ -62,6 +62,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
@@ -75,20 +76,17 @@ from funcmeta._src.core.fence import (
 )
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.eager_reasons import COMPILE_FALSE, explain
-from funcmeta._src.inner.inputs import split_batch, task_count, warn_one_task_as_many
-from funcmeta._src.inner.loop import split_adapted
-from funcmeta._src.inner.options import AdaptOptions
+from funcmeta._src.inner.eager_reasons import COMPILE_FALSE, explain, untraced
+from funcmeta._src.inner.forward import task_losses_of
+from funcmeta._src.inner.inputs import per_task, split_batch, task_count, warn_one_task_as_many
+from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions
 from funcmeta._src.inner.passes import cpu_passes
 from funcmeta._src.inner.place import at
-from funcmeta._src.inner.tasks import adapt_tasks, task_losses
+from funcmeta._src.inner.tasks import adapt_tasks, task_inner_loop, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta._src.optim.base import step as optim_step
 
 __all__ = ["CompilePlan", "MetaStep", "compile_meta_step", "compile_plan"]
-
-_OPTIONS = frozenset({"first_order", "trainable"})
 
 # the torch.compile modes whose inductor options include "triton.cudagraphs"
 _GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
@@ -224,7 +222,7 @@ class MetaStep:
         *,
         steps: int,
         hyper: Sequence[nn.Module],
-        options: dict[str, Any],
+        options: Mapping[str, Any],
         compile: bool,
         plan: CompilePlan,
     ) -> None:
@@ -235,7 +233,12 @@ class MetaStep:
         self.hyper = list(hyper)
         self.options = AdaptOptions.of(options)
         self.compile_seconds: dict[tuple[Any, ...], float] = {}
+        self._given = dict(options)
         self.eager_reason: str | None = None if compile else COMPILE_FALSE
+        if compile and untraced(options) is not None:
+            self.eager_reason = untraced(options)
+            compile = False
+            warnings.warn(f"compile_meta_step runs eagerly: {self.eager_reason}", stacklevel=3)
         self._buffer_names = list(fmodel.buffers)
         grad_fn = torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
         self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
@@ -275,34 +278,6 @@ class MetaStep:
 
     # ---------------------------------------------------------------- the pure function
 
-    def _task_loss(
-        self,
-        params: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        targets: Any,
-    ) -> Tensor:
-        module = self.fmodel.module
-        out = torch.func.functional_call(module, (params, buffers), args, kwargs)
-        return self.loss_fn(out, targets)
-
-    def _losses(
-        self,
-        adapted: dict[str, Tensor],
-        fixed: dict[str, Tensor],
-        buffers: dict[str, Tensor],
-        batch: tuple[tuple[tuple[Any, ...], dict[str, Any]], Any],
-    ) -> Tensor:
-        """The per-task losses ``(T,)``: adapted parameters and buffers with a task axis,
-        fixed parameters shared, the batch with a task axis."""
-        (args, kwargs), targets = batch
-
-        def one(a: dict[str, Tensor], b: dict[str, Tensor], x: Any, kw: Any, y: Any) -> Tensor:
-            return self._task_loss({**fixed, **a}, b, x, kw, y)
-
-        return torch.func.vmap(one)(adapted, buffers, args, kwargs, targets)
-
     def _meta_loss(
         self,
         params: dict[str, Tensor],
@@ -329,38 +304,29 @@ class MetaStep:
         query: Any,
         tasks: int,
     ) -> Tensor:
-        opts = self.options
-        adapted_tree, fixed_tree = split_adapted(dict(params), opts.trainable, self.fmodel.frozen)
-        adapted = {k: v.expand(tasks, *v.shape) for k, v in adapted_tree.items() if v is not None}
-        fixed = {} if fixed_tree is None else {k: v for k, v in fixed_tree.items() if v is not None}
-        # every task keeps its own buffers (BatchNorm's running statistics)
-        task_buffers = {k: v.expand(tasks, *v.shape).clone() for k, v in buffers.items()}
-        # the optimizer sees the tree the eager loop gives it: every adapted name, None where
-        # trainable= holds a parameter fixed, so that hyperparameter trees built over all
-        # parameters (fm.hyper.per_layer(fmodel.params, ...)) match it as they do there
-        keys = list(adapted_tree)
-
-        def with_fixed(values: dict[str, Tensor]) -> dict[str, Tensor | None]:
-            return {k: values.get(k) for k in keys}
-
-        state = self.opt.init(with_fixed(adapted))
-        for _ in range(self.steps):
-
-            def summed(
-                a: dict[str, Tensor], b: dict[str, Tensor]
-            ) -> tuple[Tensor, dict[str, Tensor]]:
-                # the buffers are an input: the forward updates them in place (BatchNorm's
-                # running statistics), and they go on to the next step as the loop's do
-                return self._losses(a, fixed, b, support).sum(), b
-
-            grads, task_buffers = torch.func.grad(summed, has_aux=True)(adapted, task_buffers)
-            if opts.first_order:
-                grads = {k: g.detach() for k, g in grads.items()}
-            stepped, state = optim_step(
-                self.opt, with_fixed(grads), state, with_fixed(adapted), tasks=True
-            )
-            adapted = {k: v for k, v in stepped.items() if v is not None}
-        return self._losses(adapted, fixed, task_buffers, query).mean()
+        """The mean query loss after the inner loop: :func:`funcmeta.adapt_tasks`'s loop
+        (:func:`~funcmeta._src.inner.tasks.task_inner_loop`) and
+        :func:`funcmeta.task_losses`'s forward, as ``torch.compile`` traces them."""
+        # the model's parameters and buffers are shared by the tasks; each task updates
+        # its own copy of the buffers (BatchNorm's running statistics)
+        task_buffers = per_task(buffers, dict.fromkeys(buffers), tasks, copy=True)
+        result, dims = task_inner_loop(
+            self.fmodel,
+            self.loss_fn,
+            support,
+            params,
+            dict.fromkeys(params),
+            task_buffers,
+            self.opt,
+            self.steps,
+            self.options,
+            tasks=tasks,
+            traced=True,
+        )
+        losses, _ = task_losses_of(
+            self.fmodel, self.loss_fn, query, dims, result.params, result.buffers, traced=True
+        )
+        return losses.mean()
 
     # ---------------------------------------------------------------- calling it
 
@@ -529,7 +495,7 @@ class MetaStep:
             support,
             self.opt,
             steps=self.steps,
-            **{k: getattr(self.options, k) for k in _OPTIONS},
+            **self._given,
         )
         with at("the query batch"):
             losses, _, _ = task_losses(
@@ -655,17 +621,23 @@ def compile_meta_step(
     compile: bool = True,
     mode: str | None = None,
     task_chunk: int | Literal["auto"] | None = "auto",
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> MetaStep:
     """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
     :mod:`funcmeta._src.inner.compiled`).
 
     ``fmodel``, ``loss_fn``, ``opt`` and ``steps`` are those of :func:`funcmeta.adapt_tasks`;
     ``hyper`` lists the modules whose parameters the optimizer reads (``fm.hyper`` trees of
-    learnable rates, a learned optimizer), which get meta-gradients too. Options:
-    ``first_order`` and ``trainable`` (a subset adapted, as ANIL's head); others raise
-    ``TypeError`` naming them. ``compile=False`` runs the plain path eagerly (the reference
-    the compiled graph is tested against).
+    learnable rates, a learned optimizer), which get meta-gradients too. ``**options`` are
+    :func:`funcmeta.adapt_tasks`'s, and the graph runs its inner loop (the same functions,
+    traced). ``first_order``, ``trainable``, ``clip_grad_norm``, ``truncate`` and
+    ``allow_unused`` compile; ``loss_scale``, ``on_nonfinite``, ``checkpoint_steps`` and
+    ``offload_activations`` decide on the host at every step or use autograd machinery that
+    torch.compile does not trace: given, the step runs :func:`funcmeta.adapt_tasks` with them
+    and says so once, naming the option (:attr:`MetaStep.eager_reason`). In the graph, an
+    adapted parameter the inner loss does not use gets a zero inner gradient, as with
+    ``allow_unused=True`` (the plain path raises unless it is given). ``compile=False`` runs
+    the plain path eagerly (the reference the compiled graph is tested against).
 
     ``mode`` is ``torch.compile``'s. ``None``, the default, picks per device
     (:func:`compile_plan`; :attr:`MetaStep.plan` says what it picked): on a CPU, inductor's
@@ -689,12 +661,8 @@ def compile_meta_step(
     check_int(steps, "steps", low=1, what="a positive int")
     if task_chunk is not None and task_chunk != "auto":
         check_int(task_chunk, "task_chunk", low=1, what="a positive int, 'auto' or None")
-    unknown = sorted(set(options) - _OPTIONS)
-    if unknown:
-        raise TypeError(
-            f"compile_meta_step takes the options {sorted(_OPTIONS)}; {unknown} are not "
-            "compiled: use fm.adapt_tasks for them"
-        )
+    # an unknown option or a bad value raises here, naming it, as fm.adapt_tasks would
+    AdaptOptions.of(options).check_steps(steps)
     if not isinstance(fmodel, FunctionalModel):
         raise TypeError(
             f"compile_meta_step expects a FunctionalModel (fm.functional_model(net)), got "

@@ -14,11 +14,23 @@ Example:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
-__all__ = ["COMPILE_FALSE", "RULES", "Rule", "explain"]
+__all__ = ["COMPILE_FALSE", "RULES", "UNTRACED", "Rule", "explain", "untraced"]
 
 COMPILE_FALSE = "compile=False was given: pass compile=True (the default) to compile the step"
+
+#: The inner-loop options a compiled graph cannot hold, and why: each needs a decision
+#: on the host per step, or autograd machinery that torch.compile does not trace.
+UNTRACED: dict[str, str] = {
+    "loss_scale": "checks every step for an overflow on the host and stops the loop there",
+    "on_nonfinite": "checks every step's numbers on the host",
+    "checkpoint_steps": "recomputes each step in the backward (torch.utils.checkpoint), "
+    "which torch.compile does not trace inside torch.func",
+    "offload_activations": "moves what autograd saves through saved-tensor hooks, which "
+    "torch.compile does not trace inside torch.func",
+}
 
 #: The plain path every reason offers, with the same meta-gradients.
 _PLAIN = "fm.adapt_tasks (the same meta-gradients; the step runs it now)"
@@ -75,6 +87,20 @@ RULES: list[Rule] = [
         "for; keep the tasks, shots and queries the same from call to call",
     ),
 ]
+
+
+def untraced(options: Mapping[str, Any]) -> str | None:
+    """Why the inner-loop ``options`` given to :func:`funcmeta.compile_meta_step` keep its
+    meta-iteration eager, naming the first of them that does (:data:`UNTRACED`), else
+    ``None``; an option given at its default value compiles."""
+    for name, why in UNTRACED.items():
+        value = options.get(name)
+        if value not in (None, False):
+            return (
+                f"{name}={value!r} is not compiled: it {why}; use {_PLAIN}, or leave "
+                f"{name} out to compile"
+            )
+    return None
 
 
 def _text(error: BaseException) -> str:

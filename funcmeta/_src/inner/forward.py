@@ -56,10 +56,14 @@ def forward_loss(
     batch: tuple[CallInputs, Any],
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
+    *,
+    traced: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
     ``((args, kwargs), targets)`` made by :func:`funcmeta._src.inner.inputs.check_adapt_call`."""
-    (loss, _), new_buffers = forward_loss_outputs(fmodel, loss_fn, batch, params, buffers)
+    (loss, _), new_buffers = forward_loss_outputs(
+        fmodel, loss_fn, batch, params, buffers, traced=traced
+    )
     return loss, new_buffers
 
 
@@ -69,12 +73,15 @@ def forward_loss_outputs(
     batch: tuple[CallInputs, Any],
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
+    *,
+    traced: bool = False,
 ) -> tuple[tuple[Tensor, Any], dict[str, Tensor]]:
     """:func:`forward_loss` that also gives the model's outputs: ``((loss, outputs),
-    new_buffers)``."""
+    new_buffers)``; ``traced``: the model runs as :func:`traced_run` runs it."""
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
-    out, new_buffers = run_model(fmodel, params, buffers, args, kwargs)
+    run = traced_run if traced else run_model
+    out, new_buffers = run(fmodel, params, buffers, args, kwargs)
     _check_elementwise(loss_fn, out, targets)
     try:
         loss = loss_fn(out, targets)
@@ -115,6 +122,22 @@ def raised_at_the_call(function: _F) -> _F:
             raise error.with_traceback(None) from None
 
     return cast(_F, call)
+
+
+def traced_run(
+    fmodel: FunctionalModel,
+    params: Mapping[str, Tensor],
+    buffers: Mapping[str, Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[Any, dict[str, Tensor]]:
+    """The model's run as ``torch.compile`` traces it (:func:`funcmeta.compile_meta_step`):
+    ``torch.func.functional_call`` on fresh copies of the buffers, ``(out, new_buffers)``, the
+    numbers of :func:`run_model` (which swaps the tensors in itself and goes through the
+    task executor, neither of which dynamo traces)."""
+    new_buffers = {k: b.clone() for k, b in buffers.items()}
+    out = torch.func.functional_call(fmodel.module, (dict(params), new_buffers), args, kwargs)
+    return out, new_buffers
 
 
 def run_model(
@@ -284,20 +307,25 @@ def task_losses_of(
     *,
     outputs: bool = False,
     chunk: int | Literal["model"] | None = "model",
+    traced: bool = False,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
     ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
 
     ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
     buffers carry it. ``chunk``: the tasks run at once (``"model"``: the model's choice now).
+    ``traced``: as ``torch.compile`` traces it, all tasks in one ``torch.func.vmap`` and the
+    model run by :func:`traced_run`.
     """
     forward = forward_loss_outputs if outputs else forward_loss
 
     def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
-        return forward(fmodel, loss_fn, b, p, bufs)
+        return forward(fmodel, loss_fn, b, p, bufs, traced=traced)
 
     trees = (batch, dict(params), buffers)
     in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
+    if traced:
+        return torch.func.vmap(one_task, in_dims=in_dims)(*trees)
     return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now() if chunk == "model" else chunk)
 
 

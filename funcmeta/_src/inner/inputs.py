@@ -60,6 +60,7 @@ __all__ = [
     "check_call",
     "check_model",
     "split_batch",
+    "per_task",
     "split_inputs",
     "leftover_task_axis",
     "warn_one_task_as_many",
@@ -249,10 +250,29 @@ def _task_trees(
     buffers (default: the module's) with one copy per task."""
     buffers = fmodel.buffers if buffers is None else buffers
     dims = check_tree(buffers, fmodel.buffer_shapes, "buffers", tasks=tasks)
-    per_task = {
-        k: v if dims[k] == 0 else v.expand(tasks, *v.shape).clone() for k, v in buffers.items()
+    copies = per_task(buffers, dims, tasks, copy=True)
+    return check_tree(params, fmodel.param_shapes, "params", tasks=tasks), copies
+
+
+def per_task(
+    values: Mapping[str, Tensor | None],
+    dims: Mapping[str, int | None],
+    tasks: int,
+    *,
+    copy: bool = False,
+) -> dict[str, Any]:
+    """``values`` with a task axis: an entry the tasks share (``dims[k]`` is ``None``)
+    expanded to ``(tasks, *shape)``, a view (``copy``: a copy for each task, which the
+    forward may update in place, as BatchNorm its running statistics); an entry that has
+    the axis (0), or is ``None``, as it is."""
+    return {
+        k: v if v is None or dims[k] == 0 else _expanded(v, tasks, copy) for k, v in values.items()
     }
-    return check_tree(params, fmodel.param_shapes, "params", tasks=tasks), per_task
+
+
+def _expanded(value: Tensor, tasks: int, copy: bool) -> Tensor:
+    view = value.expand(tasks, *value.shape)
+    return view.clone() if copy else view
 
 
 def check_adapt_call(

@@ -78,7 +78,10 @@ class InnerLoop:
     (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
     of their sum, which is each task's own gradient since the tasks share nothing.
     ``param_spec`` is the tree structure of the adapted parameters, whose leaves the steps
-    take and return as a flat list (in the order of ``names``).
+    take and return as a flat list (in the order of ``names``). ``traced``: the steps are
+    traced by ``torch.compile`` inside ``torch.func`` transforms
+    (:func:`funcmeta.compile_meta_step`): the inner gradient is ``torch.func.grad``'s and the
+    loop runs without the eager path's error reports and kernel choice.
     """
 
     forward: Forward
@@ -88,6 +91,7 @@ class InnerLoop:
     fixed: Tree | None
     options: AdaptOptions
     tasks: int | None = None
+    traced: bool = False
 
     def unrolled_step(
         self,
@@ -113,42 +117,13 @@ class InnerLoop:
         buffers: dict[str, Tensor],
         leaves: list[Tensor],
     ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
-        graph, second = mode.graph, mode.second_order
-        with torch.enable_grad():
-            if second:
-                if not all(p.requires_grad for p in leaves):
-                    leaves = [p if p.requires_grad else graph_input(p) for p in leaves]
-                wrt = leaves
-            else:
-                wrt = [graph_input(p) for p in leaves]
-            current = tree.unflatten(self.param_spec, wrt)
-            full = current if self.fixed is None else tree.combine(current, self.fixed)
-            # A second-order step's checkpointed layers take their inner gradient on their
-            # forward's graph, dropped right after it: one recomputation fewer, for one step's
-            # activations held for a moment. Not where the activations are offloaded (the
-            # least device memory asked for), nor under a step checkpoint, which runs the
-            # step's forward again inside its inner gradient: that would hold the graphs of
-            # both runs at once.
-            keep = second and not (mode.offload or self.options.checkpoint_steps)
-            with kept_for_the_gradient() if keep else contextlib.nullcontext():
-                loss, new_buffers = self.forward(full, buffers)
-                objective = loss if self.tasks is None else loss.sum()
-                if not objective.requires_grad:
-                    raise ValueError(
-                        "the inner loss does not depend on the adapted parameters (it has no "
-                        "gradient history): loss_fn must compute the loss from the model's "
-                        "output (a loss of the targets alone, or one computed under "
-                        "torch.no_grad() or from .detach()ed outputs, cannot be adapted on)"
-                    )
-                scale = self.options.scale
-                if scale is not None:
-                    objective = objective * scale
-                found = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
-        grads = _fill_unused(found, wrt, self.names, self.options.allow_unused)
+        gradient = self._traced_gradient if self.traced else self._autograd_gradient
+        loss, grads, new_buffers = gradient(mode, buffers, leaves)
+        scale = self.options.scale
         if scale is not None:
             inv = 1.0 / scale
             grads = [g * inv for g in grads]
-        if not second:
+        if not mode.second_order:
             loss = loss.detach()
         grad_tree = tree.unflatten(self.param_spec, grads)
         if self.options.clip_grad_norm is not None:
@@ -156,7 +131,7 @@ class InnerLoop:
                 grad_tree, self.options.clip_grad_norm, task_axis=self.tasks is not None
             )
         adapted = tree.unflatten(self.param_spec, leaves)
-        with contextlib.nullcontext() if graph else torch.no_grad():
+        with contextlib.nullcontext() if mode.graph else torch.no_grad():
             adapted, new_state = optim_step(
                 self.opt, grad_tree, state, adapted, tasks=self.tasks is not None
             )
@@ -171,6 +146,71 @@ class InnerLoop:
                 )
             return leaves, state, buffers, loss, True
         return new_leaves, new_state, new_buffers, loss, False
+
+    def _objective(
+        self, wrt: list[Tensor], buffers: dict[str, Tensor]
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``(objective, loss, new_buffers)`` at the adapted leaves ``wrt``: the objective is
+        the loss (summed over the tasks), scaled by ``loss_scale``."""
+        current = tree.unflatten(self.param_spec, wrt)
+        full = current if self.fixed is None else tree.combine(current, self.fixed)
+        loss, new_buffers = self.forward(full, buffers)
+        objective = loss if self.tasks is None else loss.sum()
+        scale = self.options.scale
+        return (objective if scale is None else objective * scale), loss, new_buffers
+
+    def _autograd_gradient(
+        self, mode: StepMode, buffers: dict[str, Tensor], leaves: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+        """``(loss, scaled gradients, new_buffers)`` by ``torch.autograd.grad`` on the
+        forward's graph (``create_graph`` in second order)."""
+        second = mode.second_order
+        with torch.enable_grad():
+            if second:
+                if not all(p.requires_grad for p in leaves):
+                    leaves = [p if p.requires_grad else graph_input(p) for p in leaves]
+                wrt = leaves
+            else:
+                wrt = [graph_input(p) for p in leaves]
+            # A second-order step's checkpointed layers take their inner gradient on their
+            # forward's graph, dropped right after it: one recomputation fewer, for one step's
+            # activations held for a moment. Not where the activations are offloaded (the
+            # least device memory asked for), nor under a step checkpoint, which runs the
+            # step's forward again inside its inner gradient: that would hold the graphs of
+            # both runs at once.
+            keep = second and not (mode.offload or self.options.checkpoint_steps)
+            with kept_for_the_gradient() if keep else contextlib.nullcontext():
+                objective, loss, new_buffers = self._objective(wrt, buffers)
+                if not objective.requires_grad:
+                    raise ValueError(
+                        "the inner loss does not depend on the adapted parameters (it has no "
+                        "gradient history): loss_fn must compute the loss from the model's "
+                        "output (a loss of the targets alone, or one computed under "
+                        "torch.no_grad() or from .detach()ed outputs, cannot be adapted on)"
+                    )
+                found = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
+        grads = _fill_unused(found, wrt, self.names, self.options.allow_unused)
+        return loss, grads, new_buffers
+
+    def _traced_gradient(
+        self, mode: StepMode, buffers: dict[str, Tensor], leaves: list[Tensor]
+    ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
+        """``(loss, scaled gradients, new_buffers)`` by ``torch.func.grad``, which
+        ``torch.compile`` traces and which nests in the outer ``torch.func.grad`` of
+        :func:`funcmeta.compile_meta_step`. In first order (and in steps without a graph) the
+        gradients are constants; a parameter the loss does not use gets a zero gradient."""
+
+        def objective(
+            wrt: list[Tensor], bufs: dict[str, Tensor]
+        ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
+            total, loss, new_buffers = self._objective(wrt, bufs)
+            return total, (loss, new_buffers)
+
+        at = leaves if mode.graph else [p.detach() for p in leaves]
+        grads, (loss, new_buffers) = torch.func.grad(objective, has_aux=True)(at, buffers)
+        if not mode.second_order:
+            grads = [g.detach() for g in grads]
+        return loss, list(grads), new_buffers
 
 
 def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
@@ -210,19 +250,18 @@ def _take_steps(
         for k in range(steps):
             if k == truncate and truncate > 0:
                 leaves = _reenter(leaves, start)
-            if k == truncate and not first_order:
+            if k == truncate and not first_order and not inner.traced:
                 kernel_choice.enter_context(kernels.twice_differentiable())
             graph = k >= truncate
-            try:
-                mode = StepMode(graph, graph and not first_order, offload)
-                with at(f"the support batch at inner step {k}"):
-                    leaves, state, buffers, loss, was_skipped = checkpointed_step(
-                        inner, k, mode, outer, leaves, state, buffers
-                    )
-            except RuntimeError as error:  # torch.OutOfMemoryError is one
-                if not _out_of_memory(error):
-                    raise
-                raise _memory_error(error, k, steps, inner.options) from error
+            mode = StepMode(graph, graph and not first_order, offload)
+            if inner.traced:
+                leaves, state, buffers, loss, was_skipped = inner.unrolled_step(
+                    k, mode, state, buffers, *leaves
+                )
+            else:
+                leaves, state, buffers, loss, was_skipped = _reported_step(
+                    inner, k, mode, outer, steps, leaves, state, buffers
+                )
             losses.append(loss)
             if was_skipped:
                 skipped.append(k)
@@ -242,6 +281,27 @@ def _take_steps(
         torch.stack(losses) if losses else torch.empty(0, device=start[0].device if start else None)
     )
     return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped), overflowed)
+
+
+def _reported_step(
+    inner: InnerLoop,
+    k: int,
+    mode: StepMode,
+    outer: bool,
+    steps: int,
+    leaves: list[Tensor],
+    state: Any,
+    buffers: dict[str, Tensor],
+) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
+    """Step ``k`` (:func:`checkpointed_step`), an error in the model naming the step and
+    running out of memory naming the options that bound it."""
+    try:
+        with at(f"the support batch at inner step {k}"):
+            return checkpointed_step(inner, k, mode, outer, leaves, state, buffers)
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not _out_of_memory(error):
+            raise
+        raise _memory_error(error, k, steps, inner.options) from error
 
 
 class _NonFiniteGradient(torch.autograd.Function):
@@ -326,10 +386,12 @@ def inner_loop(
     forward: Forward,
     tasks: int | None = None,
     state: Any = None,
+    traced: bool = False,
 ) -> AdaptResult:
     """Once the arguments are checked and the adapted parameters split off
     (:func:`split_adapted`): initialise the optimizer unless ``state`` is given, and run
-    ``steps`` steps with ``forward`` (the forward for the adapted parameters)."""
+    ``steps`` steps with ``forward`` (the forward for the adapted parameters); ``traced``
+    as in :class:`InnerLoop`."""
     names, leaves, spec = _adapted_leaves(adapted, frozen)
     if state is None:
         state = opt.init(adapted)
@@ -343,6 +405,7 @@ def inner_loop(
         fixed=fixed,
         options=options,
         tasks=tasks,
+        traced=traced,
     )
     return _take_steps(inner, leaves, state, buffers, steps)
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -43,7 +43,14 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
 from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
-from funcmeta._src.inner.inputs import CheckedCall, check_adapt_call, check_batch_call, task_count
+from funcmeta._src.inner.inputs import (
+    CallInputs,
+    CheckedCall,
+    check_adapt_call,
+    check_batch_call,
+    per_task,
+    task_count,
+)
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
 from funcmeta._src.inner.place import unless_set
@@ -51,7 +58,7 @@ from funcmeta._src.module.executor import ChunkRun, TaskCall
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 
-__all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
+__all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_inner_loop", "task_losses"]
 
 
 def apply_tasks(
@@ -172,36 +179,81 @@ def adapt_tasks(
     assert tasks is not None and dims is not None  # task-batched: both are set
     chunking = _chunk_run(fmodel, checked, params, steps, opts)
 
+    result, _ = task_inner_loop(
+        fmodel,
+        loss_fn,
+        checked.batch,
+        params,
+        dims,
+        checked.buffers,
+        opt,
+        steps,
+        opts,
+        tasks=tasks,
+        state=state,
+        chunk=chunking.chunk,
+        watch=chunking.watch_initial,
+    )
+    chunking.watch_adapted(result.params)
+    return result
+
+
+def task_inner_loop(
+    fmodel: FunctionalModel,
+    loss_fn: LossFn,
+    batch: tuple[CallInputs, Any],
+    params: Mapping[str, Tensor],
+    dims: dict[str, int | None],
+    buffers: dict[str, Tensor],
+    opt: GradientTransformation,
+    steps: int,
+    opts: AdaptOptions,
+    *,
+    tasks: int,
+    state: Any = None,
+    chunk: int | Literal["model"] | None = "model",
+    watch: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    traced: bool = False,
+) -> tuple[AdaptResult, dict[str, int | None]]:
+    """The inner loop of T tasks on a checked call: the adapted parameters split off
+    (:func:`~funcmeta._src.inner.loop.split_adapted`), given a task axis
+    (:func:`~funcmeta._src.inner.inputs.per_task`), and the steps of
+    :func:`~funcmeta._src.inner.loop.inner_loop` on the forward
+    :func:`~funcmeta._src.inner.forward.task_losses_of`. Returns the result and which of its
+    parameters carry the task axis (0) and which are shared (``None``).
+
+    ``dims`` says that of ``params``, and ``buffers`` carry the axis. ``chunk`` is the forward's
+    chunk of tasks, ``watch`` sees the parameters given the task axis (the measured chunk
+    tuner's marks), and ``traced`` is the loop ``torch.compile`` traces
+    (:func:`funcmeta.compile_meta_step`).
+    """
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     # Every task adapts its own copy: shared initial parameters get a task axis (a view).
     # The view is made with grad enabled: a view made under no_grad reports requires_grad
     # but is no graph node of its own, so gradients would skip it.
     with torch.enable_grad():
-        adapted = chunking.watch_initial(
-            {
-                k: v if v is None or dims[k] == 0 else v.expand(tasks, *v.shape)
-                for k, v in adapted.items()
-            }
-        )
+        adapted = per_task(adapted, dims, tasks)
+        if watch is not None:
+            adapted = watch(adapted)
     # adapted parameters carry the task axis now; fixed ones keep their dims
     step_dims = {k: 0 if adapted.get(k) is not None else dims[k] for k in dims}
     forward = functools.partial(
-        task_losses_of, fmodel, loss_fn, checked.batch, step_dims, chunk=chunking.chunk
+        task_losses_of, fmodel, loss_fn, batch, step_dims, chunk=chunk, traced=traced
     )
     result = inner_loop(
         adapted,
         fixed,
         opt,
         steps,
-        checked.buffers,
+        buffers,
         opts,
         frozen=fmodel.frozen,
         forward=forward,
         tasks=tasks,
         state=state,
+        traced=traced,
     )
-    chunking.watch_adapted(result.params)
-    return result
+    return result, step_dims
 
 
 def _chunk_run(
