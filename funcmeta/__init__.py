@@ -32,6 +32,8 @@ from funcmeta import (
     snapshot,
     tree,
 )
+from funcmeta._src.compiled.step import MetaStep as MetaStep
+from funcmeta._src.compiled.step import compile_meta_step as compile_meta_step
 from funcmeta._src.core.precision import TF32Warning as TF32Warning
 from funcmeta._src.core.precision import exact_float32 as exact_float32
 from funcmeta._src.core.renames import install as _point_old_names
@@ -41,8 +43,6 @@ from funcmeta._src.core.types import LossFn as LossFn
 from funcmeta._src.core.types import NonFiniteError as NonFiniteError
 from funcmeta._src.core.types import TaskLosses as TaskLosses
 from funcmeta._src.inner.adapt import adapt as adapt
-from funcmeta._src.inner.compiled import MetaStep as MetaStep
-from funcmeta._src.inner.compiled import compile_meta_step as compile_meta_step
 from funcmeta._src.inner.inputs import Args as Args
 from funcmeta._src.inner.inputs import TaskAxisWarning as TaskAxisWarning
 from funcmeta._src.inner.model import functional_model as functional_model

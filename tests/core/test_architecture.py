@@ -76,6 +76,7 @@ def test_vmap_refusals_are_recognised_on_this_torch():
         "funcmeta._src.checkpoint",
         "funcmeta._src.batching",
         "funcmeta._src.inner",
+        "funcmeta._src.compiled",
         "funcmeta.checkpoint",
         "funcmeta.optim",
         "funcmeta.implicit",

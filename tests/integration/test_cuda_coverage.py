@@ -11,10 +11,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: Tests that need the device itself, and why (their logic runs on the CPU elsewhere).
 GPU_ONLY = {
-    "tests/inner/test_compiled_cuda_plan.py::test_cuda_graphs_on_a_gpu_give_the_plain_paths_meta_gradients": (
+    "tests/compiled/test_compiled_cuda_plan.py::test_cuda_graphs_on_a_gpu_give_the_plain_paths_meta_gradients": (
         "CUDA graph capture and replay; the CUDA plan's logic runs on a CPU in the same file"
     ),
-    "tests/inner/test_compiled_cuda_plan.py::test_a_conv_net_on_a_gpu_runs_one_task_per_graph_replay": (
+    "tests/compiled/test_compiled_cuda_plan.py::test_a_conv_net_on_a_gpu_runs_one_task_per_graph_replay": (
         "CUDA graph replays of a conv net; the plan and the chunking run on a CPU in the same file"
     ),
 }

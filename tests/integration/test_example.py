@@ -461,7 +461,7 @@ def test_lora_maml_example_learns_adapters_that_adapt(order):
 def test_omniglot_example_compiled_trains_as_the_recipes_do(tmp_path):
     """``--compiled`` runs MAML as one compiled graph (one task per graph call): the same
     training losses as the recipe, to float32 rounding, over the same episodes. (The other
-    compiled recipes are held to their recipes in ``tests/inner/test_compiled.py``.)"""
+    compiled recipes are held to their recipes in ``tests/compiled/test_compiled.py``.)"""
     shared = shared_file("omniglot/all_runs.zip").parent
     common = [
         "--data",

@@ -7,7 +7,7 @@ RuntimeError when making fake tensor call``), not what in the model did it; each
 the whole chain of errors for the words of one known cause.
 
 Example:
-    >>> from funcmeta._src.inner.eager_reasons import explain
+    >>> from funcmeta._src.compiled.eager_reasons import explain
     >>> explain(RuntimeError("Attempted to wrap RNN, GRU, or LSTM"))[:44]
     'the model has an nn.RNN, nn.LSTM or nn.GRU: '
 """

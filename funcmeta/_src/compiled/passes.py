@@ -10,7 +10,7 @@ the orientation the kernel runs fast, so the result differs by rounding only.
 Example:
     >>> import torch
     >>> from torch.fx.experimental.proxy_tensor import make_fx
-    >>> from funcmeta._src.inner.passes import orient_bmm
+    >>> from funcmeta._src.compiled.passes import orient_bmm
     >>> a, b = torch.randn(3, 8, 5, dtype=torch.float64), torch.randn(3, 5, 2, dtype=torch.float64)
     >>> g = make_fx(torch.bmm, tracing_mode="fake")(a, b)
     >>> orient_bmm(g.graph)

@@ -1,4 +1,4 @@
-"""The compiled meta-step's CPU choices: the graph rewrite (``_src/inner/passes.py``), which
+"""The compiled meta-step's CPU choices: the graph rewrite (``_src/compiled/passes.py``), which
 products it turns, and that the rewritten graph computes what the original does; max
 pooling's backward as aten's kernel, with the same values (float64)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from funcmeta._src.inner.passes import cpu_passes, orient_bmm
+from funcmeta._src.compiled.passes import cpu_passes, orient_bmm
 
 
 def products(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import funcmeta as fm
-from funcmeta._src.inner.eager_reasons import COMPILE_FALSE, RULES, explain
+from funcmeta._src.compiled.eager_reasons import COMPILE_FALSE, RULES, explain
 
 #: What each reason tells the user to do: each names a change or the plain call.
 FIXES = ("use fm.adapt_tasks", "pass ", "compile=True", "keep the tasks", "turn it off")

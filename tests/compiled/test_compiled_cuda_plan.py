@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from test_compiled import conv, images, meta_grads, relative, setup, sinusoid
 
 import funcmeta as fm
-import funcmeta._src.inner.compiled as compiled_module
+import funcmeta._src.compiled.step as compiled_module
+from funcmeta._src.compiled.plan import compile_plan
 from funcmeta._src.core import fence, tree
-from funcmeta._src.inner.compiled import compile_plan
 
 # ---------------------------------------------------------------- the plan per device
 

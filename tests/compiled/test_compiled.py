@@ -328,7 +328,7 @@ def test_a_torch_without_the_max_pooling_choice_compiles_without_it_and_says_so(
     step runs its graph as inductor lowers it, with the same meta-gradients, and says so."""
     import contextlib
 
-    import funcmeta._src.inner.compiled as compiled_module
+    import funcmeta._src.compiled.plan as compiled_module
 
     @contextlib.contextmanager
     def lacking():
@@ -495,7 +495,7 @@ def test_every_option_of_adapt_tasks_is_compiled_or_named():
     """The options compile_meta_step compiles and those it names cover AdaptOptions."""
     from dataclasses import fields
 
-    from funcmeta._src.inner.eager_reasons import UNTRACED
+    from funcmeta._src.compiled.eager_reasons import UNTRACED
 
     traced = {"first_order", "trainable", "clip_grad_norm", "truncate", "allow_unused"}
     assert traced | set(UNTRACED) == {f.name for f in fields(fm.AdaptOptions)}

@@ -1,0 +1,126 @@
+"""How :func:`funcmeta.compile_meta_step` compiles its graph for a kind of device and model:
+:func:`compile_plan`, a pure function of the device type, whether the model has
+convolutions, and the caller's ``mode`` and ``task_chunk`` (:class:`CompilePlan`), so that
+a test on a CPU can ask what a CUDA device gets.
+
+Example:
+    >>> import funcmeta as fm
+    >>> plan = fm.MetaStep.plan_for("cpu", convolutional=True)
+    >>> plan.task_chunk, plan.cuda_graphs
+    (1, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from funcmeta._src.compiled.passes import cpu_passes
+from funcmeta._src.core.fence import inductor_aten_max_pool_backward
+
+__all__ = ["CompilePlan", "compile_plan"]
+
+# the torch.compile modes whose inductor options include "triton.cudagraphs"
+_GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
+
+
+@dataclasses.dataclass(frozen=True)
+class CompilePlan:
+    """How :func:`compile_meta_step` compiles its graph for one kind of device and model:
+    what :func:`compile_plan` chose (:attr:`MetaStep.plan`).
+
+    Attributes:
+        device: the device type the model's parameters are on (``"cpu"``, ``"cuda"``, ...).
+        mode: ``torch.compile``'s mode this amounts to (``None``: its default). Where
+            ``options`` is set, torch.compile gets the options alone (it takes a mode or
+            options, not both), and they spell the mode out: ``"reduce-overhead"`` is
+            ``{"triton.cudagraphs": True}``.
+        options: inductor options, or ``None``.
+        graph_passes: whether the options get the step's CPU graph passes
+            (:func:`funcmeta._src.compiled.passes.cpu_passes`), added by
+            :meth:`compile_kwargs`: making them imports inductor, which a plan does not.
+        task_chunk: how many tasks one graph call takes (``None``: all of them).
+        cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into
+            the same output tensors, so the step copies a graph call's results before it
+            keeps them, and marks each call a new step
+            (``torch.compiler.cudagraph_mark_step_begin``).
+        lowering: the context a compile of the graph runs inside (inductor's lowering
+            choices for this device).
+        note: why the plan is not what the device would get otherwise, else ``None``.
+    """
+
+    device: str
+    mode: str | None
+    options: Mapping[str, Any] | None
+    task_chunk: int | None
+    cuda_graphs: bool
+    lowering: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    note: str | None = None
+    graph_passes: bool = False
+
+    def compile_kwargs(self) -> dict[str, Any]:
+        """What ``torch.compile`` gets besides ``fullgraph`` and ``dynamic``."""
+        if self.options is None:
+            return {"mode": self.mode}
+        return {"options": {**self.options, **(cpu_passes() if self.graph_passes else {})}}
+
+
+def compile_plan(
+    device: str,
+    convolutional: bool,
+    mode: str | None = None,
+    task_chunk: int | Literal["auto"] | None = "auto",
+) -> CompilePlan:
+    """How :func:`compile_meta_step` compiles for a model on ``device`` (a device type),
+    with convolutions or without, given the caller's ``mode`` and ``task_chunk``: a pure
+    function, so that a test on a CPU can ask what a CUDA device gets.
+
+    - ``mode=None`` on a CPU: inductor's C++ wrapper (a few hundred small kernels launched
+      without a Python call each), the double backward's batched products in the
+      orientation torch's CPU kernel runs fast, convolutions in the model's layout
+      (``layout_optimization`` off), and max pooling's backward as aten's kernel
+      (``docs/decisions/inductor-on-cpu.md``).
+    - ``mode=None`` on CUDA: ``"reduce-overhead"``, CUDA graphs: the whole meta-iteration
+      is one graph launch (the sinusoid at T = 32 ran 0.79 ms against 3.74-7.0 ms without,
+      on an H200). For a model with convolutions, also ``layout_optimization`` off: the
+      model's layout, as on the CPU and as the eager path runs it, and no layout
+      conversions to compile.
+    - a ``mode`` given is torch.compile's, as it is; CUDA graphs where it asks for them on
+      CUDA (``"reduce-overhead"``, ``"max-autotune"``).
+    - ``task_chunk="auto"``: 1 for a model with convolutions on a CPU or CUDA, all tasks in
+      one graph otherwise. All tasks of conv4 in one graph compiled for 6 to over 20 minutes
+      on a CPU and did not finish in 140 s on an H200; the graph of one task compiled in
+      3-5 minutes on the CPU. A number or ``None`` is kept.
+
+    Example:
+        >>> from funcmeta._src.compiled.plan import compile_plan
+        >>> plan = compile_plan("cuda", convolutional=True)
+        >>> plan.mode, plan.cuda_graphs, plan.task_chunk, dict(plan.options)
+        ('reduce-overhead', True, 1, {'triton.cudagraphs': True, 'layout_optimization': False})
+        >>> compile_plan("cuda", convolutional=False).compile_kwargs()
+        {'mode': 'reduce-overhead'}
+    """
+    chunk = task_chunk
+    if chunk == "auto":
+        chunk = 1 if convolutional and device in ("cpu", "cuda") else None
+    if mode is not None:
+        graphs = mode in _GRAPH_MODES
+        note = (
+            f"mode={mode!r} asks for CUDA graphs, which capture CUDA tensors only: on "
+            f"{device} the graph runs without them"
+            if graphs and device != "cuda"
+            else None
+        )
+        return CompilePlan(device, mode, None, chunk, graphs and device == "cuda", note=note)
+    if device == "cpu":
+        options = {"cpp_wrapper": True, "layout_optimization": False}
+        lowering = inductor_aten_max_pool_backward
+        return CompilePlan("cpu", None, options, chunk, False, lowering, graph_passes=True)
+    if device == "cuda":
+        conv_options = {"triton.cudagraphs": True, "layout_optimization": False}
+        return CompilePlan(
+            "cuda", "reduce-overhead", conv_options if convolutional else None, chunk, True
+        )
+    return CompilePlan(device, None, None, chunk, False)
