@@ -32,15 +32,15 @@ Example:
     (torch.Size([]), torch.Size([3, 8]))
 """
 
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.anil import anil
-from funcmeta.recipes.imaml import ConvergenceWarning, imaml
-from funcmeta.recipes.maml import fomaml, maml
-from funcmeta.recipes.mamlpp import mamlpp, mamlpp_step_weights
-from funcmeta.recipes.metasgd import metasgd, metasgd_rates
-from funcmeta.recipes.protonet import protonet, prototype_logits
-from funcmeta.recipes.r2d2 import r2d2
-from funcmeta.recipes.reptile import reptile
+from funcmeta._src.recipes.anil import anil
+from funcmeta._src.recipes.common import RecipeResult
+from funcmeta._src.recipes.imaml import ConvergenceWarning, imaml
+from funcmeta._src.recipes.maml import fomaml, maml
+from funcmeta._src.recipes.mamlpp import mamlpp, mamlpp_step_weights
+from funcmeta._src.recipes.metasgd import metasgd, metasgd_rates
+from funcmeta._src.recipes.protonet import protonet, prototype_logits
+from funcmeta._src.recipes.r2d2 import r2d2
+from funcmeta._src.recipes.reptile import reptile
 
 __all__ = [
     "ConvergenceWarning",

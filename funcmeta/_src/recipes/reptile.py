@@ -30,7 +30,7 @@ from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.common import RecipeResult, check_recipe, query_loss, resolve_opt
 
 __all__ = ["reptile"]
 

@@ -32,7 +32,7 @@ from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.sgd import sgd
-from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss
+from funcmeta._src.recipes.common import RecipeResult, check_recipe, query_loss
 
 __all__ = ["mamlpp", "mamlpp_step_weights"]
 

@@ -38,14 +38,14 @@ from typing_extensions import Unpack
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int, check_real
 from funcmeta._src.core.types import LossFn
+from funcmeta._src.implicit.solvers import CG, ConvergenceWarning
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation, chain
 from funcmeta._src.optim.primitives import add_proximal
-from funcmeta.implicit.solvers import CG, ConvergenceWarning
-from funcmeta.recipes._common import RecipeResult, check_recipe, resolve_opt
+from funcmeta._src.recipes.common import RecipeResult, check_recipe, resolve_opt
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
 

@@ -46,7 +46,7 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_choice, check_real
 from funcmeta._src.core.fence import inside_transform
 from funcmeta._src.core.tree import Tree
-from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
+from funcmeta._src.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
 
 __all__ = ["ConvergenceError", "Report", "root"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.tempfiles import make_temp, remove_stale
-from funcmeta.data._files import KNOWN_SHA256, KNOWN_SIZE, sha256
+from funcmeta._src.data.files import KNOWN_SHA256, KNOWN_SIZE, sha256
 
 __all__ = ["OMNIGLOT_FILES", "OMNIGLOT_URL", "download_omniglot"]
 

@@ -26,9 +26,9 @@ from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta.hyper import HyperTree, per_element
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.maml import maml
+from funcmeta._src.optim.hyper import HyperTree, per_element
+from funcmeta._src.recipes.common import RecipeResult
+from funcmeta._src.recipes.maml import maml
 
 __all__ = ["metasgd", "metasgd_rates"]
 

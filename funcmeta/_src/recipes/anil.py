@@ -34,9 +34,9 @@ from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.options import HeadKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.maml import maml
-from funcmeta.recipes.protonet import embed_episodes
+from funcmeta._src.recipes.common import RecipeResult
+from funcmeta._src.recipes.maml import maml
+from funcmeta._src.recipes.protonet import embed_episodes
 
 __all__ = ["anil"]
 

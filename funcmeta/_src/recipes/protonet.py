@@ -32,7 +32,7 @@ from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta.recipes._common import RecipeResult
+from funcmeta._src.recipes.common import RecipeResult
 
 __all__ = ["prototype_logits", "protonet"]
 

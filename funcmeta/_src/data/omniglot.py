@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_choice, check_int
-from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
-from funcmeta.data._files import check_sha256, safe_members
-from funcmeta.data.episodes import ClassLabels, EpisodeBatch, omniglot_characters
+from funcmeta._src.data.download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
+from funcmeta._src.data.episodes import ClassLabels, EpisodeBatch, omniglot_characters
+from funcmeta._src.data.files import check_sha256, safe_members
 
 __all__ = ["RESAMPLE", "load_omniglot", "load_omniglot_runs", "missing_omniglot_files"]
 
