@@ -343,9 +343,9 @@ GONE: tuple[Gone, ...] = (
         ("funcmeta.FunctionalModel.per_task_layers",),
         renamed=True,
     ),
-    # PENDING: every implementation in funcmeta/_src; the public packages re-export it
+    # 5b32348: every implementation in funcmeta/_src; the public packages re-export it
     *(
-        Gone(f"funcmeta.{package}.{name}", "PENDING", (f"funcmeta.{package}",), module=True)
+        Gone(f"funcmeta.{package}.{name}", "5b32348", (f"funcmeta.{package}",), module=True)
         for package, names in _PACKAGE_MODULES.items()
         for name in names
     ),
