@@ -14,8 +14,6 @@ Example:
     (['0', '2'], 5)
 """
 
-from __future__ import annotations
-
 from funcmeta._src.optim.hyper import HyperTree as HyperTree
 from funcmeta._src.optim.hyper import Parameterization as Parameterization
 from funcmeta._src.optim.hyper import per_element as per_element

@@ -48,6 +48,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from funcmeta._src.checkpoint.engine import checkpoint
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.tree import Predicate
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
@@ -99,6 +100,7 @@ say *which layers* are checkpointed, not what a checkpoint saves, as a ``jax.che
 policy would.)"""
 
 
+@exposed_in("funcmeta.checkpoint")
 def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
     """The names of the submodules ``spec`` chooses, outermost only, in module order.
 

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import (
     get_fast_path,
     sdp_backends,
@@ -40,6 +41,7 @@ class _Local(threading.local):
 _LOCAL = _Local()
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 @dataclass(frozen=True)
 class KernelState:
     """The kernel choice in force: attention backends (and their priority), the MHA fast
@@ -53,6 +55,7 @@ class KernelState:
     """Contexts in force that a recomputation enters again (:func:`entered_again`)."""
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def capture() -> KernelState:
     """The kernel choice in force now."""
     return KernelState(
@@ -64,6 +67,7 @@ def capture() -> KernelState:
     )
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 @contextlib.contextmanager
 def entered_again(make: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
     """Mark the block as running inside ``make()`` (entered by the caller), so that a
@@ -89,6 +93,7 @@ def _apply(state: KernelState, current: KernelState) -> None:
     _LOCAL.again = state.again
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 class KernelRestore(contextlib.AbstractContextManager):
     """Put ``state`` (from :func:`capture`) in force for the block; the choice before it
     comes back afterwards. Reusable: a checkpoint may recompute more than once."""
@@ -114,6 +119,7 @@ class KernelRestore(contextlib.AbstractContextManager):
             _apply(before, now)
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def restore(state: KernelState) -> KernelRestore:
     """A reusable context manager that puts ``state`` (from :func:`capture`) in force for its
     block and the choice before it back afterwards (:class:`KernelRestore`)."""
@@ -159,23 +165,27 @@ class _Override:
         _LOCAL.twice = twice
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def twice_differentiable() -> contextlib.AbstractContextManager[None]:
     """A block whose graph can be differentiated twice: math attention only, RNNs without
     cuDNN, no MHA inference fast path (see the module docstring)."""
     return _Override(math=True, twice=True)
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def no_fast_path() -> contextlib.AbstractContextManager[None]:
     """A block without the MHA/Transformer inference fast path (which has no derivative and no
     vmap support); other choices unchanged."""
     return _Override(math=False, twice=False)
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def in_twice_differentiable() -> bool:
     """Whether a :func:`twice_differentiable` block (or a recomputation of one) is running."""
     return _LOCAL.twice
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def recompute_with(
     state: KernelState,
 ) -> Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]:

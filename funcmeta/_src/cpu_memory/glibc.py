@@ -7,6 +7,8 @@ import ctypes
 import platform
 import sys
 
+from funcmeta._src.core.exposed import exposed_in
+
 __all__ = ["keep_freed_memory", "why_not_kept"]
 
 # glibc's mallopt parameters (malloc.h)
@@ -17,6 +19,7 @@ _INT_MAX = 2**31 - 1
 _state: dict[str, bool] = {"kept": False}
 
 
+@exposed_in("funcmeta.cpu_memory")
 def why_not_kept() -> str | None:
     """Why :func:`keep_freed_memory` cannot apply in this process (not Linux, not glibc, no
     ``mallopt``), or ``None`` when it can."""
@@ -30,6 +33,7 @@ def why_not_kept() -> str | None:
     return None
 
 
+@exposed_in("funcmeta")
 def keep_freed_memory() -> bool:
     """Keep memory that tensors free inside the process, for later tensors to reuse.
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from funcmeta._src.core.checks import check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tempfiles import make_temp, remove_stale
 from funcmeta._src.data.files import KNOWN_SHA256, KNOWN_SIZE, sha256
 
@@ -77,6 +78,7 @@ def _fetch(
         raise
 
 
+@exposed_in("funcmeta.data")
 def download_omniglot(
     root: str | Path,
     files: Iterable[str] = DEFAULT_FILES,

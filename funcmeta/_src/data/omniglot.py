@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_choice, check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.data.download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
 from funcmeta._src.data.episodes import ClassLabels, EpisodeBatch, omniglot_characters
 from funcmeta._src.data.files import check_sha256, safe_members
@@ -127,6 +128,7 @@ def _decode(where: str, opener: Opener, size: int, resample: str = "lanczos") ->
     return pixels.reshape(size, size).float() / 255
 
 
+@exposed_in("funcmeta.data")
 def load_omniglot(
     root: str | Path,
     split: str | Sequence[str] = "background",
@@ -257,6 +259,7 @@ def _has_runs(folder: Path) -> bool:
     )
 
 
+@exposed_in("funcmeta.data")
 def missing_omniglot_files(
     root: str | Path,
     splits: str | Sequence[str] = (),
@@ -311,6 +314,7 @@ def _run_files(source: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Ope
     return files, f"{base}/"
 
 
+@exposed_in("funcmeta.data")
 def load_omniglot_runs(
     root: str | Path,
     *,

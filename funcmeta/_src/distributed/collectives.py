@@ -16,6 +16,7 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_real
+from funcmeta._src.core.exposed import exposed_in
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -30,6 +31,7 @@ DEFAULT_TIMEOUT = 600.0
 """Seconds a collective of :func:`average_gradients` waits for the other ranks by default."""
 
 
+@exposed_in("funcmeta.distributed")
 class PeerError(RuntimeError):
     """A collective with the other ranks failed or timed out: a peer process is gone or stalled.
 
@@ -37,6 +39,7 @@ class PeerError(RuntimeError):
     snapshot (``fm.snapshot.load``; docs/distributed.md)."""
 
 
+@exposed_in("funcmeta.distributed")
 class MismatchError(ValueError):
     """The ranks disagree on what they average (names, shapes, dtypes, count); raised on
     every rank, with the same message naming the first difference."""
@@ -91,6 +94,7 @@ def _wait(work: Any, timeout: float, what: str) -> None:
         ) from e
 
 
+@exposed_in("funcmeta.distributed")
 def world(group: Any = None) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group``, or ``(0, 1)`` without an initialised process group."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -98,6 +102,7 @@ def world(group: Any = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+@exposed_in("funcmeta.distributed")
 def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
     """This rank's contiguous share of the leading task axis of every tensor in ``batch``.
 
@@ -123,6 +128,7 @@ def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
     return share, count
 
 
+@exposed_in("funcmeta.distributed")
 def average_gradients(
     tensors: Iterable[Tensor] | Mapping[str, Tensor],
     count: int | float = 1,

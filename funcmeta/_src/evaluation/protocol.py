@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import NonFiniteError
 from funcmeta._src.data.episodes import EpisodeBatch, Episodes
 from funcmeta._src.inner.adapt import adapt
@@ -37,6 +38,7 @@ def _t_quantile(dof: int) -> float:
     return z + g1 / dof + g2 / dof**2 + g3 / dof**3
 
 
+@exposed_in("funcmeta.evaluation")
 def mean_ci(values: Tensor) -> tuple[float, float]:
     """``(mean, half-width)`` of the 95% confidence interval of the mean of ``values``
     (Student's t with ``n - 1`` degrees of freedom; 1.96 standard errors for large ``n``,
@@ -51,6 +53,7 @@ def mean_ci(values: Tensor) -> tuple[float, float]:
     return mean, _t_quantile(v.numel() - 1) * sem
 
 
+@exposed_in("funcmeta")
 class Evaluation(NamedTuple):
     """What :func:`evaluate` returns: ``accuracy`` (mean over episodes), ``ci95`` (the
     half-width of its 95% confidence interval) and ``per_episode`` accuracies ``(N,)``."""
@@ -128,6 +131,7 @@ def _adapted_logits(
     return torch.stack(outs)
 
 
+@exposed_in("funcmeta")
 def evaluate(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

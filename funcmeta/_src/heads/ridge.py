@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_choice, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.implicit.ift import root
 from funcmeta._src.implicit.solvers import CG, Solver
 
@@ -39,6 +40,7 @@ def _condition(w: Tensor, p: dict[str, Tensor]) -> Tensor:
     return x.mT @ (x @ w - p["targets"]) + p["lam"][..., None, None] * w
 
 
+@exposed_in("funcmeta.heads")
 def ridge(
     features: Tensor,
     targets: Tensor,
@@ -104,6 +106,7 @@ def ridge(
     )
 
 
+@exposed_in("funcmeta.heads")
 class RidgeHead(nn.Module):
     """The R2D2 head: ridge regression of one-hot labels on the support embeddings, then
     ``logits = scale * (z_query @ W) + bias``.

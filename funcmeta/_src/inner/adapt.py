@@ -23,6 +23,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import error_like
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
@@ -35,6 +36,7 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["AdaptResult", "LossFn", "NonFiniteError", "adapt"]
 
 
+@exposed_in("funcmeta")
 @raised_at_the_call
 @takes_options
 def adapt(

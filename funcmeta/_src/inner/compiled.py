@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import (
     cudagraph_skips,
     inductor_aten_max_pool_backward,
@@ -194,6 +195,7 @@ def compile_plan(
     return CompilePlan(device, None, None, chunk, False)
 
 
+@exposed_in("funcmeta")
 class MetaStep:
     """A compiled meta-iteration (see the module docstring); build it with
     :func:`compile_meta_step`.
@@ -645,6 +647,7 @@ def _first_line(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
+@exposed_in("funcmeta")
 def compile_meta_step(
     fmodel: FunctionalModel,
     loss_fn: LossFn,

@@ -19,6 +19,7 @@ from funcmeta._src.batching.executor import TaskExecutor
 from funcmeta._src.batching.recurrent import recurrent_layers
 from funcmeta._src.checkpoint import takeover
 from funcmeta._src.checkpoint.layers import CheckpointSpec, checkpointed_runner, select
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.module.functional import FunctionalModel, check_layers
 
 __all__ = ["functional_model"]
@@ -28,6 +29,7 @@ assert (
 )  # checkpoints a model takes itself go to funcmeta (see the module)
 
 
+@exposed_in("funcmeta")
 def functional_model(
     module: nn.Module,
     *,

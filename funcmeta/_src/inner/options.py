@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.amp import GradScaler
 
 from funcmeta._src.core.checks import check_choice, check_int, check_max_norm, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Filter
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 
+@exposed_in("funcmeta")
 @dataclass(frozen=True)
 class AdaptOptions:
     """Keyword options of the inner loop (all optional).
@@ -168,6 +170,7 @@ class StepKeywords(TypedDict, total=False):
     offload_activations: bool
 
 
+@exposed_in("funcmeta")
 class AdaptKeywords(StepKeywords, total=False):
     """The options of :class:`AdaptOptions` as keywords, for type checkers: the ``**options``
     of :func:`funcmeta.adapt`, :func:`funcmeta.adapt_tasks` and the recipes are

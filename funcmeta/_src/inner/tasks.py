@@ -40,6 +40,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
 from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
@@ -54,6 +55,7 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_losses"]
 
 
+@exposed_in("funcmeta")
 def apply_tasks(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
@@ -82,6 +84,7 @@ def apply_tasks(
         )
 
 
+@exposed_in("funcmeta")
 @raised_at_the_call
 def task_losses(
     fmodel: FunctionalModel,
@@ -135,6 +138,7 @@ def task_losses(
     return TaskLosses(losses, new_buffers, outputs)
 
 
+@exposed_in("funcmeta")
 @raised_at_the_call
 @takes_options
 def adapt_tasks(

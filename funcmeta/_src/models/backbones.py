@@ -9,6 +9,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 
 __all__ = ["ResidualBlock", "conv4", "conv4_miniimagenet", "conv4_omniglot", "resnet12"]
 
@@ -38,6 +39,7 @@ def _with_head(features: nn.Module, width: int, out_features: int | None) -> nn.
     return nn.Sequential(parts)
 
 
+@exposed_in("funcmeta.models")
 def conv4(
     out_features: int | None,
     *,
@@ -64,18 +66,21 @@ def conv4(
     return _with_head(blocks, hidden * side * side, out_features)
 
 
+@exposed_in("funcmeta.models")
 def conv4_omniglot(out_features: int | None, **kwargs: int | bool) -> nn.Sequential:
     """conv4 for 1x28x28 Omniglot: 64 filters, 64 features."""
     options: dict[str, Any] = {"in_channels": 1, "hidden": 64, "image_size": 28, **kwargs}
     return conv4(out_features, **options)
 
 
+@exposed_in("funcmeta.models")
 def conv4_miniimagenet(out_features: int | None, **kwargs: int | bool) -> nn.Sequential:
     """conv4 for 3x84x84 mini-ImageNet: 32 filters, 800 features."""
     options: dict[str, Any] = {"in_channels": 3, "hidden": 32, "image_size": 84, **kwargs}
     return conv4(out_features, **options)
 
 
+@exposed_in("funcmeta.models")
 class ResidualBlock(nn.Module):
     """ResNet-12's block: three conv 3x3 + BatchNorm (LeakyReLU 0.1 after the first two), a
     1x1 conv + BatchNorm shortcut, the sum through LeakyReLU, then 2x2 max-pooling."""
@@ -102,6 +107,7 @@ class ResidualBlock(nn.Module):
         return self.pool(self.act(out + self.shortcut(x)))
 
 
+@exposed_in("funcmeta.models")
 def resnet12(
     out_features: int | None,
     *,

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.vmap import any_batched
 from funcmeta._src.module import scope
@@ -35,6 +36,7 @@ from funcmeta._src.module.shadow import synced
 __all__ = ["FunctionalModel", "Swap", "check_layers", "execute"]
 
 
+@exposed_in("funcmeta")
 class FunctionalModel:
     """A module as a pure function ``(params, buffers, *args) -> (out, new_buffers)``.
 

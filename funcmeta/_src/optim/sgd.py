@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.optim.base import GradientTransformation, chain
 from funcmeta._src.optim.hyper import Hyperparameter, is_zero
 from funcmeta._src.optim.primitives import (
@@ -22,6 +23,7 @@ from funcmeta._src.optim.primitives import (
 __all__ = ["sgd"]
 
 
+@exposed_in("funcmeta.optim")
 def sgd(
     lr: Hyperparameter = 1e-3,
     momentum: Hyperparameter = 0.0,

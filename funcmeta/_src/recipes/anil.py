@@ -28,6 +28,7 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import Unpack
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Filter
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
@@ -41,6 +42,7 @@ from funcmeta._src.recipes.protonet import embed_episodes
 __all__ = ["anil"]
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def anil(
     fmodel: FunctionalModel,

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import AdaptResult, LossFn
 from funcmeta._src.inner.inputs import check_model, split_batch, task_count
 from funcmeta._src.inner.place import at
@@ -19,6 +20,7 @@ from funcmeta._src.optim.sgd import sgd
 __all__ = ["RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
 
 
+@exposed_in("funcmeta.recipes")
 class RecipeResult(NamedTuple):
     """What every recipe returns.
 

@@ -37,6 +37,7 @@ from typing_extensions import Unpack
 
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.implicit.solvers import CG, ConvergenceWarning
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
@@ -55,6 +56,7 @@ LAM_DAMPING = 10.0
 """``d`` of the authors' damped system ``(1 + c) v + H v / (lam + d)``."""
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def imaml(
     fmodel: FunctionalModel,

@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import Unpack
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, FirstOrderKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
@@ -27,6 +28,7 @@ from funcmeta._src.recipes.common import RecipeResult, check_recipe, query_loss,
 __all__ = ["fomaml", "maml"]
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def maml(
     fmodel: FunctionalModel,
@@ -57,6 +59,7 @@ def maml(
     return RecipeResult(loss, loss.detach(), adapted, logits=logits)
 
 
+@exposed_in("funcmeta.recipes")
 def fomaml(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

@@ -26,6 +26,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
@@ -37,6 +38,7 @@ from funcmeta._src.recipes.common import RecipeResult, check_recipe, query_loss
 __all__ = ["mamlpp", "mamlpp_step_weights"]
 
 
+@exposed_in("funcmeta.recipes")
 def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
     """The multi-step loss weights of MAML++ at ``epoch`` (its reference schedule).
 
@@ -55,6 +57,7 @@ def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
     return weights
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def mamlpp(
     fmodel: FunctionalModel,

@@ -22,6 +22,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
@@ -33,6 +34,7 @@ from funcmeta._src.recipes.maml import maml
 __all__ = ["metasgd", "metasgd_rates"]
 
 
+@exposed_in("funcmeta.recipes")
 def metasgd_rates(
     params: Tree,
     low: float = 0.005,
@@ -53,6 +55,7 @@ def metasgd_rates(
     return rates
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def metasgd(
     fmodel: FunctionalModel,

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.place import at
@@ -43,6 +44,7 @@ def _labels(y: Any, what: str) -> Tensor:
     return y
 
 
+@exposed_in("funcmeta.recipes")
 def prototype_logits(
     support_embeddings: Tensor, support_labels: Tensor, query_embeddings: Tensor, ways: int
 ) -> Tensor:
@@ -78,6 +80,7 @@ def embed_episodes(
     return out[:, : x_support.shape[1]], out[:, x_support.shape[1] :]
 
 
+@exposed_in("funcmeta.recipes")
 def protonet(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

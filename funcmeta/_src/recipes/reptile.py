@@ -25,6 +25,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
@@ -35,6 +36,7 @@ from funcmeta._src.recipes.common import RecipeResult, check_recipe, query_loss,
 __all__ = ["reptile"]
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def reptile(
     fmodel: FunctionalModel,

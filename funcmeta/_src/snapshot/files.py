@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tempfiles import make_temp, remove_stale
 from funcmeta._src.snapshot.records import RecordCheck, check_records, compute_crc32, file_stamp
 from funcmeta._src.snapshot.rng_state import check_state, get_state, set_state
@@ -36,10 +37,12 @@ checksums) and format 1 (NumPy's random state as an array, which a safe load ref
 file loads only if NumPy was not in use)."""
 
 
+@exposed_in("funcmeta.snapshot")
 class SnapshotError(ValueError):
     """A file that :func:`load` will not restore from; the message names the file and why."""
 
 
+@exposed_in("funcmeta.snapshot")
 class Snapshot(NamedTuple):
     """What :func:`load` returns besides restoring objects in place."""
 
@@ -194,6 +197,7 @@ def _checksums(payload: Mapping[str, Any]) -> dict[str, str]:
     return sums
 
 
+@exposed_in("funcmeta.snapshot")
 def save(
     path: str | os.PathLike[str],
     *,
@@ -373,6 +377,7 @@ def _materialised(payload: dict[str, Any]) -> dict[str, Any]:
     return {k: v if k == "modules" else copy_out(v) for k, v in payload.items()}
 
 
+@exposed_in("funcmeta.snapshot")
 def load(
     path: str | os.PathLike[str],
     *,
