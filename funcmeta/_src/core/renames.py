@@ -137,8 +137,6 @@ GONE: tuple[Gone, ...] = (
         ("funcmeta.tree.flatten_with_paths",),
         how="map over its paths and leaves and rebuild with fm.tree.unflatten",
     ),
-    Gone("funcmeta.recipes.ImamlResult", "93801d2", ("funcmeta.recipes.RecipeResult",)),
-    Gone("funcmeta.recipes.MamlppResult", "93801d2", ("funcmeta.recipes.RecipeResult",)),
     # 833d885, 2026-11-21: task batching speed
     Gone(
         "funcmeta.checkpoint.shadow",

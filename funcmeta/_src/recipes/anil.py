@@ -35,9 +35,9 @@ from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.options import HeadKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta._src.recipes.common import RecipeResult
 from funcmeta._src.recipes.maml import maml
 from funcmeta._src.recipes.protonet import embed_episodes
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["anil"]
 

@@ -46,7 +46,8 @@ from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation, chain
 from funcmeta._src.optim.primitives import add_proximal
-from funcmeta._src.recipes.common import RecipeResult, check_recipe, resolve_opt
+from funcmeta._src.recipes.common import check_recipe, resolve_opt
+from funcmeta._src.recipes.results import ImamlResult
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
 
@@ -75,7 +76,7 @@ def imaml(
     lam_damping: float = LAM_DAMPING,
     max_residual: float = 1e-2,
     **options: Unpack[AdaptKeywords],
-) -> RecipeResult:
+) -> ImamlResult:
     """The iMAML meta-gradient for a batch of tasks, as a surrogate for ``.backward()``.
 
     The inner loop is ``steps`` steps of ``opt`` (or SGD with ``lr``; one of them is required) on the proximal
@@ -150,7 +151,7 @@ def imaml(
     surrogate = sum((params[k] * g).sum() for k, g in meta_grad.items())
     residual = solution.residual.detach()
     _check_convergence(residual, max_residual, s_losses.detach(), free, theta, lam, adapted)
-    return RecipeResult(
+    return ImamlResult(
         surrogate,
         q_losses.detach().mean(),
         adapted,

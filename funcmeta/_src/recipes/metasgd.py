@@ -28,8 +28,8 @@ from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.hyper import HyperTree, per_element
-from funcmeta._src.recipes.common import RecipeResult
 from funcmeta._src.recipes.maml import maml
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["metasgd", "metasgd_rates"]
 

@@ -33,7 +33,7 @@ from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.recipes.common import RecipeResult
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["prototype_logits", "protonet"]
 

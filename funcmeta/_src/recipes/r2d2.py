@@ -33,8 +33,8 @@ from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.heads.ridge import RidgeHead
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.recipes.common import RecipeResult
 from funcmeta._src.recipes.protonet import classify_embeddings
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["r2d2"]
 

@@ -31,7 +31,8 @@ from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta._src.recipes.common import RecipeResult, check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.common import check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["reptile"]
 
