@@ -4,7 +4,6 @@ Each constructor returns a :class:`HyperTree`, an ``nn.Module`` holding the raw 
 values as Parameters and callable as ``hyper(step)``; it is used directly as an optimizer
 hyperparameter (``fm.optim.sgd(lr=hyper)`` calls ``hyper(k)`` at the k-th update). What an
 optimizer hyperparameter may be, learnable or not, is :data:`funcmeta.optim.Hyperparameter`.
-Both live in ``funcmeta/_src/optim/hyper.py``.
 
 Example:
     >>> import torch, funcmeta as fm

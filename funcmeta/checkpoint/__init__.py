@@ -5,8 +5,8 @@ Public names: :func:`select` and :data:`PRESETS` choose layers
 ``checkpoint_layers`` takes, and :mod:`funcmeta.checkpoint.kernels` the kernels a twice-differentiated step runs
 on (``fm.checkpoint.kernels.twice_differentiable()``). Whether a run is a recomputation:
 :func:`funcmeta.recomputing`. Step-level checkpointing is the inner loop's option
-``checkpoint_steps`` (:class:`funcmeta.AdaptOptions`). The engine lives in
-``funcmeta/_src/checkpoint/`` (``docs/design.md``).
+``checkpoint_steps`` (:class:`funcmeta.AdaptOptions`). How the engine works:
+``docs/memory.md`` and ``docs/design.md``.
 
 Example:
     >>> import torch, funcmeta as fm

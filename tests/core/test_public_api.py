@@ -85,3 +85,18 @@ def test_a_public_class_s_methods_share_its_home():
         for name, value in vars(cls).items():
             if inspect.isfunction(value) and value.__qualname__.startswith(cls.__qualname__):
                 assert value.__module__ == cls.__module__, f"{cls.__qualname__}.{name}"
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_public_docstrings_name_public_places_only(name):
+    """The reference renders these: they name public modules and names, never ``_src``."""
+    module = importlib.import_module(name)
+    assert "_src" not in (module.__doc__ or ""), name
+    for attr, obj in exported(module):
+        if inspect.ismodule(obj):
+            continue
+        members = list(vars(obj).values()) if inspect.isclass(obj) else []
+        for x in [obj, *members]:
+            doc = getattr(x, "__doc__", None)
+            if isinstance(doc, str) and (inspect.isclass(x) or callable(x) or x is obj):
+                assert "_src" not in doc, f"{name}.{attr}: {getattr(x, '__name__', x)}"

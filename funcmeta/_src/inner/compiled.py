@@ -108,7 +108,7 @@ class CompilePlan:
             ``{"triton.cudagraphs": True}``.
         options: inductor options, or ``None``.
         graph_passes: whether the options get the step's CPU graph passes
-            (:func:`funcmeta._src.inner.passes.cpu_passes`), added by
+            (``funcmeta._src.inner.passes.cpu_passes``), added by
             :meth:`compile_kwargs`: making them imports inductor, which a plan does not.
         task_chunk: how many tasks one graph call takes (``None``: all of them).
         cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into
@@ -661,7 +661,7 @@ def compile_meta_step(
     **options: Any,
 ) -> MetaStep:
     """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
-    :mod:`funcmeta._src.inner.compiled`).
+    :class:`funcmeta.MetaStep` and ``docs/tasks.md``).
 
     ``fmodel``, ``loss_fn``, ``opt`` and ``steps`` are those of :func:`funcmeta.adapt_tasks`;
     ``hyper`` lists the modules whose parameters the optimizer reads (``fm.hyper`` trees of

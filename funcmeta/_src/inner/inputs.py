@@ -137,7 +137,7 @@ def check_model(fmodel: Any) -> None:
 @exposed_in("funcmeta.inputs")
 def split_batch(batch: Any) -> tuple[CallInputs, Any]:
     """``((args, kwargs), targets)`` for a batch ``(inputs, targets)``
-    (see :mod:`funcmeta._src.inner.inputs`)."""
+    (see :mod:`funcmeta.inputs`)."""
     if not isinstance(batch, tuple | list) or len(batch) != 2:
         raise TypeError(
             "batch must be a pair (inputs, targets); inputs may be a tuple of positional "

@@ -51,7 +51,7 @@ class AdaptOptions:
         first_order: take gradients of detached parameters (FOMAML): the result is exactly the
             meta-gradient of the unroll in which each inner gradient is a constant. The paths
             through the parameters, the optimizer state and the hyperparameters are kept.
-        trainable: a filter choosing the parameters to adapt (:data:`funcmeta._src.core.tree.Filter`: a
+        trainable: a filter choosing the parameters to adapt (:data:`funcmeta.tree.Filter`: a
             predicate ``(name, tensor) -> bool``, a name prefix or several); the rest are held
             fixed in the inner loop and still receive outer gradients through the forward
             (ANIL). Parameters frozen on the module (``requires_grad=False``, see

@@ -216,7 +216,7 @@ def _chunk_run(
     opts: AdaptOptions,
 ) -> ChunkRun:
     """The chunk of this inner loop, as the model's executor chooses it (see
-    :mod:`funcmeta._src.batching.chunks`): the call described for it."""
+    ``funcmeta._src.batching.chunks``): the call described for it."""
     if fmodel.executor is None:
         return ChunkRun(fmodel.chunk_now())
     # checked by check_adapt_call(task_batched=True): both are set

@@ -42,7 +42,7 @@ class FunctionalModel:
 
     Build one with :func:`funcmeta.functional_model`, which chooses the checkpointed layers
     (the ``runner``: a shadow of the module with those layers checkpointed, and its
-    ``copies`` kept in step) and gives it the task executor (:mod:`funcmeta._src.module.executor`).
+    ``copies`` kept in step) and gives it the task executor.
 
     Attributes:
         module: the wrapped module; never mutated by calls.
@@ -222,7 +222,7 @@ def execute(
 ) -> tuple[Any, dict[str, Tensor]]:
     """Run ``runner`` (the module or its shadow) with ``params`` and fresh copies of
     ``buffers`` in place: ``(out, new_buffers)``, inside a model-run scope
-    (:mod:`funcmeta._src.module.scope`)."""
+    (``funcmeta._src.module.scope``)."""
     new_buffers = {k: b.clone() for k, b in buffers.items()}
     with (
         synced(copies) if copies else contextlib.nullcontext(),

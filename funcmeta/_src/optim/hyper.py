@@ -90,7 +90,7 @@ def per_leaf(
 ) -> list[Any]:
     """``value`` resolved to one entry per leaf of ``grads`` (numbers or broadcastable tensors).
 
-    Raises ``TypeError``/``ValueError``/:class:`funcmeta._src.core.tree.TreeMismatchError` naming the
+    Raises ``TypeError``/``ValueError``/:class:`funcmeta.tree.TreeMismatchError` naming the
     hyperparameter and the offending parameter path.
     """
     if callable(value) and not isinstance(value, Tensor):

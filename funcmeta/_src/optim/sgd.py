@@ -36,7 +36,8 @@ def sgd(
     Per step: ``g += weight_decay * p``; with momentum ``buf = momentum * buf +
     (1 - dampening) * g`` (``buf = g`` on the first step) and ``g = buf`` (or
     ``g + momentum * buf`` with ``nesterov``); ``p -= lr * g``. Any hyperparameter may be a
-    tensor, a tree of tensors or a schedule (see :mod:`funcmeta._src.optim.hyper`).
+    tensor, a tree of tensors or a schedule (see
+    :data:`funcmeta.optim.Hyperparameter`).
     """
     parts = []
     if not is_zero(weight_decay):
