@@ -8,7 +8,7 @@ one 4 KiB page at a time, at every step of a training loop. Task batching makes 
 times larger, so it pays this most (``benchmarks/RESULTS.md``, "Keeping freed memory on a CPU":
 second-order MAML through conv4 and a batched GPT-2 path).
 
-:func:`keep_freed_memory` turns both off for the rest of the process: every block comes
+:func:`funcmeta.keep_freed_memory` turns both off for the rest of the process: every block comes
 from the heap, and freed memory stays there for the next tensor, as a GPU caching allocator
 keeps it. The cost is memory: the process keeps its peak resident size (and whatever the
 heap fragments into) until it exits. It changes no result, only where tensors live.

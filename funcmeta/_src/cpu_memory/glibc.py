@@ -21,7 +21,7 @@ _state: dict[str, bool] = {"kept": False}
 
 @exposed_in("funcmeta.cpu_memory")
 def why_not_kept() -> str | None:
-    """Why :func:`keep_freed_memory` cannot apply in this process (not Linux, not glibc, no
+    """Why :func:`funcmeta.keep_freed_memory` cannot apply in this process (not Linux, not glibc, no
     ``mallopt``), or ``None`` when it can."""
     if not sys.platform.startswith("linux"):
         return f"the C library's allocator settings are glibc's, and this is {sys.platform}"
@@ -41,7 +41,7 @@ def keep_freed_memory() -> bool:
     ``M_TRIM_THRESHOLD`` to the largest value (the heap is not trimmed), for the rest of the
     process; it cannot be undone. Call it once, before training; calling it again does
     nothing. Returns True when the settings are in force, False where they do not exist
-    (:func:`why_not_kept` says why: macOS, Windows, musl); nothing changes then.
+    (:func:`funcmeta.cpu_memory.why_not_kept` says why: macOS, Windows, musl); nothing changes then.
 
     It speeds up CPU training whose tensors are large, task batching above all (see
     ``docs/tasks.md``), and leaves the results as they are. The process's resident memory

@@ -150,7 +150,7 @@ def load_omniglot(
     from the folder is fetched into it from the dataset's public repository and verified
     (the minimal splits, whose sha256 is known; ``url`` is the base address, a mirror with
     the repository's layout works). An archive named like an
-    official file must have its sha256 (:data:`funcmeta.data._files.KNOWN_SHA256`); member
+    official file must have its sha256 (the checksums funcmeta knows); member
     names that would leave the archive (absolute, ``..``) are refused; an image that does not
     decode raises ``ValueError`` naming it.
 
@@ -162,7 +162,7 @@ def load_omniglot(
 
     ``images``: ``(N, 1, size, size)`` float32 in [0, 1], strokes 1 when ``invert`` (the
     drawings are black on white), resized from 105x105 with Pillow's filter ``resample`` (one
-    of :data:`RESAMPLE`; ``"bicubic"`` is Pillow's own default, which other loaders use).
+    of ``RESAMPLE``; ``"bicubic"`` is Pillow's own default, which other loaders use).
     ``labels``: ``(N,)`` class index per image, as :class:`~funcmeta.data.ClassLabels` that
     carry each class's character (``labels.groups``). ``class_names``:
     ``"alphabet/characterNN"`` per class, sorted. With ``rotations``, each character also
@@ -273,7 +273,7 @@ def missing_omniglot_files(
     repository). A split counts as there unpacked (``images_background/``) or as its archive;
     the runs as ``all_runs.zip``, ``all_runs/`` or ``runNN/``. Empty when everything is there,
     or when ``root`` is a file (an archive, read as given). Only the minimal splits and the
-    runs can be fetched (``download=True``, :data:`OMNIGLOT_FILES`); the others must be put in
+    runs can be fetched (``download=True``, :data:`funcmeta.data.OMNIGLOT_FILES`); the others must be put in
     ``root`` by hand. Raises ``ValueError`` for an unknown split.
 
     Example:

@@ -18,15 +18,15 @@ Calling the step writes the meta-gradients into ``.grad`` (added, as ``backward`
 returns the mean query loss, so a training loop stays ordinary PyTorch: ``outer.step()``.
 
 Compiled once per kind of input (shapes, dtypes, devices); the first call of each kind is
-timed (:attr:`MetaStep.compile_seconds`) and a new kind says so once. Where the step cannot
+timed (``MetaStep.compile_seconds``) and a new kind says so once. Where the step cannot
 be compiled (a graph break, an operator ``torch.compile`` or ``vmap`` refuses, a torch
 without ``torch.compile`` support for ``torch.func``), it runs :func:`funcmeta.adapt_tasks`
 and :func:`funcmeta.task_losses` eagerly instead, with the same meta-gradients, and says
-once why (:attr:`MetaStep.eager_reason`).
+once why (``MetaStep.eager_reason``).
 
-How it compiles depends on the device (:func:`compile_plan`, a pure function of the device
+How it compiles depends on the device (``compile_plan``, a pure function of the device
 type, whether the model has convolutions, and the caller's ``mode`` and ``task_chunk``;
-:attr:`MetaStep.plan` keeps what it chose):
+``MetaStep.plan`` keeps what it chose):
 
 - on a CPU, inductor's C++ wrapper and the step's CPU choices, and conv nets one task per
   graph call;
@@ -36,7 +36,7 @@ type, whether the model has convolutions, and the caller's ``mode`` and ``task_c
   results before it adds them to ``.grad`` or runs the next chunk of tasks, and marks each
   call a new step for torch's CUDA graph trees. A new batch shape compiles and captures a
   graph of its own. Where inductor runs the graph without a CUDA graph (it logs "skipping
-  cudagraphs due to ..."), the step keeps the reason (:attr:`MetaStep.graph_note`) and says
+  cudagraphs due to ..."), the step keeps the reason (``MetaStep.graph_note``) and says
   once what to change. Conv nets run one task per graph call with convolutions in the
   model's layout, a graph that compiles in bounded time.
 
@@ -98,7 +98,7 @@ _GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 @dataclasses.dataclass(frozen=True)
 class CompilePlan:
     """How :func:`compile_meta_step` compiles its graph for one kind of device and model:
-    what :func:`compile_plan` chose (:attr:`MetaStep.plan`).
+    what ``compile_plan`` chose (``MetaStep.plan``).
 
     Attributes:
         device: the device type the model's parameters are on (``"cpu"``, ``"cuda"``, ...).
@@ -207,8 +207,8 @@ class MetaStep:
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
         task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
             as ``"auto"`` chose.
-        plan: how the graph is compiled (:class:`CompilePlan`: mode, inductor options, task
-            chunk, CUDA graphs), chosen by :func:`compile_plan` for the model's device.
+        plan: how the graph is compiled (``CompilePlan``: mode, inductor options, task
+            chunk, CUDA graphs), chosen by ``compile_plan`` for the model's device.
         options_note: why the graph is compiled with torch.compile's defaults instead of
             the plan's options or ``mode`` (a torch without one of them), or without
             one of the step's CPU choices, or why a ``mode`` asking for CUDA graphs gets
@@ -265,7 +265,7 @@ class MetaStep:
     ) -> CompilePlan:
         """What :func:`compile_meta_step` would choose for a model on ``device`` (a device
         type: ``"cpu"``, ``"cuda"``), with convolutions or without, given ``mode`` and
-        ``task_chunk`` (:func:`compile_plan`); asking needs no such device.
+        ``task_chunk`` (``compile_plan``); asking needs no such device.
 
         Example:
             >>> import funcmeta as fm
@@ -671,18 +671,18 @@ def compile_meta_step(
     the compiled graph is tested against).
 
     ``mode`` is ``torch.compile``'s. ``None``, the default, picks per device
-    (:func:`compile_plan`; :attr:`MetaStep.plan` says what it picked): on a CPU, inductor's
+    (``compile_plan``; ``MetaStep.plan`` says what it picked): on a CPU, inductor's
     C++ wrapper and the step's CPU options; on CUDA, ``"reduce-overhead"``: CUDA graphs,
     with ``layout_optimization`` off for a model with convolutions; elsewhere torch's
     default. Where inductor runs the graph without a CUDA graph after all,
-    :attr:`MetaStep.graph_note` says why and the step warns once.
+    ``MetaStep.graph_note`` says why and the step warns once.
 
     ``task_chunk=c`` runs the graph on ``c`` tasks at a time, one chunk after another, and
     adds their meta-gradients (the same numbers, to rounding): on a CPU a conv net's
     batched activations outgrow the caches, and one task at a time runs faster
     (``docs/tasks.md``). ``None``: all tasks in one graph. ``"auto"``, the default: 1 for a
     model with convolutions on a CPU or on CUDA (the graph of all tasks of conv4 took many
-    minutes to compile on either), ``None`` otherwise (:attr:`MetaStep.task_chunk` says
+    minutes to compile on either), ``None`` otherwise (``MetaStep.task_chunk`` says
     which).
 
     Returns a :class:`MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean

@@ -134,7 +134,7 @@ class AdaptOptions:
 
     @property
     def scale(self) -> float | None:
-        """The loss scale in force: ``loss_scale``, a GradScaler's current scale, or ``None``
+        """The loss scale in force, that is ``loss_scale``, a GradScaler's current scale, or ``None``
         (a disabled GradScaler included)."""
         scale = self.loss_scale
         if isinstance(scale, GradScaler):
@@ -143,7 +143,7 @@ class AdaptOptions:
 
     @property
     def nonfinite(self) -> str | None:
-        """The check in force: ``on_nonfinite``; else ``"scaler"`` with an enabled GradScaler
+        """The check in force, that is ``on_nonfinite``; else ``"scaler"`` with an enabled GradScaler
         (an overflow makes the meta-iteration a skipped step), ``"raise"`` with a number."""
         if self.on_nonfinite is None and self.loss_scale is not None:
             if isinstance(self.loss_scale, GradScaler):

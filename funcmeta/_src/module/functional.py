@@ -99,7 +99,7 @@ class FunctionalModel:
 
     @property
     def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
-        """What was chosen per kind of call: under ``task_chunk="auto"``, ``{"chunk": c,
+        """The chunk chosen for each kind of call. Under ``task_chunk="auto"``, ``{"chunk": c,
         "parameters": p, "inputs_per_task": n}`` (what the rule read); under ``"tune"``,
         ``{"chunk": c, "seconds": {candidate: seconds}}``, a candidate's seconds the least of
         its two trials. Empty for a pinned chunk."""

@@ -83,14 +83,14 @@ def imaml(
     objective with strength ``lam``. Then ``cg_steps`` conjugate-gradient iterations solve
     ``((1 + damping) I + H / (lam + lam_damping)) x = grad L_query(phi*)`` per task, stopping
     early once the residual is below ``cg_tol`` relative to the right-hand side. The defaults
-    (:data:`DAMPING`, :data:`LAM_DAMPING`) are the authors'; ``damping=0, lam_damping=0``
+    (``DAMPING``, ``LAM_DAMPING``) are the authors'; ``damping=0, lam_damping=0``
     solves ``(I + H/lam) x = grad L_query(phi*)``, the exact implicit gradient. The parameters must all be adapted
     (the option ``trainable`` is refused); the other options of
     :class:`funcmeta.AdaptOptions` apply to the inner loop. Buffers (BatchNorm) are used as
     the module holds them. ``result.residual`` and ``result.curvature_stop`` report on the
     solve.
 
-    A :class:`ConvergenceWarning` names the tasks whose returned solution has a relative
+    A :class:`funcmeta.implicit.ConvergenceWarning` names the tasks whose returned solution has a relative
     residual above ``max_residual`` (or a non-finite one), and the tasks whose inner loop
     ended with a larger proximal objective than it started with (a diverging inner
     optimizer: lower its learning rate); the meta-gradient of such a task is not the
