@@ -122,9 +122,13 @@ def public_statements(path: Path) -> list[str]:
     for i, node in enumerate(tree.body):
         if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module in ("funcmeta", "__future__") or node.module.startswith("funcmeta."):
-                continue
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and (node.module in ("funcmeta", "__future__") or node.module.startswith("funcmeta."))
+        ):
+            continue
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
             "__all__"
         ]:
