@@ -99,10 +99,12 @@ class FunctionalModel:
 
     @property
     def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
-        """The chunk chosen for each kind of call. Under ``task_chunk="auto"``, ``{"chunk": c,
-        "parameters": p, "inputs_per_task": n}`` (what the rule read); under ``"tune"``,
-        ``{"chunk": c, "seconds": {candidate: seconds}}``, a candidate's seconds the least of
-        its two trials. Empty for a pinned chunk."""
+        """The chunk chosen for each kind of call, and why.
+
+        Under ``task_chunk="auto"``, ``{"chunk": c, "parameters": p, "inputs_per_task": n}``
+        (what the rule read); under ``"tune"``, ``{"chunk": c, "seconds": {candidate:
+        seconds}}``, a candidate's seconds the least of its two trials. Empty for a pinned
+        chunk."""
         return {} if self.executor is None else self.executor.choices
 
     def chunk_now(self) -> int | None:
