@@ -32,12 +32,14 @@ docs: setup-dev
 	$(PYTHON) -m sphinx -W --keep-going -b html -q docs docs/_build/html
 	@echo "docs/_build/html/index.html"
 
+# Lint includes the docs: every cross-reference resolves (nitpicky), warnings are errors.
 lint: setup-dev
 	$(PYTHON) -m ruff check funcmeta tests examples benchmarks scripts docs/conf.py
 	$(PYTHON) scripts/check_layers.py
 	$(PYTHON) -m mypy
 	$(PYTHON) scripts/check_type_errors.py
 	$(PYTHON) -m ruff format --check funcmeta tests examples benchmarks scripts docs/conf.py
+	$(PYTHON) -m sphinx -n -W --keep-going -b dummy -q -d docs/_build/doctrees docs docs/_build/lint
 
 bench: setup-dev
 	$(PIP) install -q -e ".[dev,bench]"

@@ -423,7 +423,7 @@ class Recipe:
             warnings.simplefilter("always", fm.recipes.ConvergenceWarning)
             out = getattr(fm.recipes, self.method)(*args, **own)
         self.warnings += len(caught)
-        if out.residual is not None:
+        if isinstance(out, fm.recipes.ImamlResult):
             self.residuals.append(out.residual.max().item())
             self.curvature_stops += int(out.curvature_stop.sum())
         return out

@@ -19,8 +19,10 @@ Example:
 
 from funcmeta import (
     checkpoint,
+    cpu_memory,
     data,
     distributed,
+    evaluation,
     heads,
     hyper,
     implicit,
@@ -79,9 +81,11 @@ __all__ = [
     "apply_tasks",
     "apply_updates",
     "compile_meta_step",
+    "cpu_memory",
     "data",
     "distributed",
     "evaluate",
+    "evaluation",
     "exact_float32",
     "functional_model",
     "heads",

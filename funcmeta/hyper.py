@@ -4,7 +4,6 @@ Each constructor returns a :class:`HyperTree`, an ``nn.Module`` holding the raw 
 values as Parameters and callable as ``hyper(step)``; it is used directly as an optimizer
 hyperparameter (``fm.optim.sgd(lr=hyper)`` calls ``hyper(k)`` at the k-th update). What an
 optimizer hyperparameter may be, learnable or not, is :data:`funcmeta.optim.Hyperparameter`.
-Both live in ``funcmeta/_src/optim/hyper.py``.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -13,8 +12,6 @@ Example:
     >>> lrs.groups, lrs.steps
     (['0', '2'], 5)
 """
-
-from __future__ import annotations
 
 from funcmeta._src.optim.hyper import HyperTree as HyperTree
 from funcmeta._src.optim.hyper import Parameterization as Parameterization

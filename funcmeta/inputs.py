@@ -1,7 +1,7 @@
 """What a batch's inputs mean as a call of the model.
 
 A batch is ``(inputs, targets)``. ``inputs`` become the model's arguments: a tuple is
-positional arguments, a mapping keyword arguments, :class:`Args` both, anything else the one
+positional arguments, a mapping keyword arguments, :class:`funcmeta.Args` both, anything else the one
 positional argument. Under task batching every tensor among the inputs carries the leading
 task axis; :class:`TaskAxisError` names a batch whose task axis is wrong, and
 :class:`TaskAxisSuspect` a batch for a single task that still seems to carry one.

@@ -8,9 +8,16 @@ two packages of one row never import each other::
     2  _src.module                     FunctionalModel, the shadow base, the executor protocol
     3  _src.checkpoint | _src.batching  checkpointing | the task executor
     4  _src.inner                      the batch, forward, the loop, adapt and adapt_tasks
-    5  _src.compiled                   compile_meta_step: the inner loop traced as one graph
-    6  the public modules and packages (everything outside _src)
-    7  the facade (funcmeta/__init__.py)
+    5  _src.compiled | _src.implicit | _src.learned | _src.models | _src.data | _src.snapshot | _src.distributed
+       | _src.cpu_memory               the features that need only the engine, never each other
+    6  _src.heads                      closed-form heads (on _src.implicit)
+    7  _src.recipes                    the meta-learning methods (on _src.heads, _src.implicit)
+    8  _src.evaluation                 the evaluation protocol (on _src.data, _src.recipes)
+    9  the public modules and packages (everything outside _src): imports and __all__ only
+    10 the facade (funcmeta/__init__.py)
+
+A public module (row 9) holds a docstring, imports from funcmeta and ``__all__``, nothing else:
+every implementation is in ``_src``.
 
 Only the ``_src/core/fence`` package touches torch's (and Python's) private internals; the check reads
 code only (strings and comments are skipped), with no exceptions.
@@ -35,7 +42,19 @@ ROWS: list[list[str]] = [
     ["_src.module"],
     ["_src.checkpoint", "_src.batching"],
     ["_src.inner"],
-    ["_src.compiled"],
+    [
+        "_src.compiled",
+        "_src.implicit",
+        "_src.learned",
+        "_src.models",
+        "_src.data",
+        "_src.snapshot",
+        "_src.distributed",
+        "_src.cpu_memory",
+    ],
+    ["_src.heads"],
+    ["_src.recipes"],
+    ["_src.evaluation"],
     ["public"],
     ["__init__"],
 ]
@@ -96,6 +115,29 @@ def imports(path: Path, root: Path = ROOT) -> set[str]:
     return found
 
 
+def public_statements(path: Path) -> list[str]:
+    """The top-level statements of the public module at ``path`` that are not its docstring,
+    an import from funcmeta (or ``from __future__``) or its ``__all__``, as ``line: code``."""
+    tree = ast.parse(path.read_text())
+    out = []
+    for i, node in enumerate(tree.body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and (node.module in ("funcmeta", "__future__") or node.module.startswith("funcmeta."))
+        ):
+            continue
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            "__all__"
+        ]:
+            continue
+        out.append(f"{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return out
+
+
 def code_lines(text: str) -> dict[int, str]:
     """Each line's code with strings and comments taken out, by line number."""
     lines: dict[int, list[str]] = {}
@@ -132,6 +174,12 @@ def violations(root: Path = ROOT) -> list[str]:
                 out.append(
                     f"funcmeta.{name} ({mine}, row {row_of(mine)}) imports funcmeta.{dep} "
                     f"({theirs}, row {row_of(theirs)}): {kind} import"
+                )
+        if mine == "public":
+            for statement in public_statements(path):
+                out.append(
+                    f"funcmeta/{path.relative_to(root)}:{statement}: a public module holds only "
+                    "a docstring, imports from funcmeta and __all__ (move it into funcmeta/_src/)"
                 )
         if name != FENCE and not name.startswith(FENCE + "."):
             text = path.read_text()

@@ -8,16 +8,16 @@ Example:
     (torch.Size([4, 10, 1]), torch.Size([4, 15, 1]))
 """
 
-from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
-from funcmeta.data.episodes import (
+from funcmeta._src.data.download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
+from funcmeta._src.data.episodes import (
     ClassLabels,
     EpisodeBatch,
     Episodes,
     omniglot_characters,
     split_classes,
 )
-from funcmeta.data.omniglot import load_omniglot, load_omniglot_runs, missing_omniglot_files
-from funcmeta.data.sinusoid import Sinusoid, SinusoidBatch
+from funcmeta._src.data.omniglot import load_omniglot, load_omniglot_runs, missing_omniglot_files
+from funcmeta._src.data.sinusoid import Sinusoid, SinusoidBatch
 
 __all__ = [
     "ClassLabels",

@@ -21,8 +21,15 @@ Example: a quadratic bilevel problem. The inner solution ``x*(t) = argmin_x (x -
     True
 """
 
-from funcmeta.implicit.ift import ConvergenceError, Report, root
-from funcmeta.implicit.solvers import CG, ConvergenceWarning, Neumann, NormalCG, Solution, Solver
+from funcmeta._src.implicit.ift import ConvergenceError, Report, root
+from funcmeta._src.implicit.solvers import (
+    CG,
+    ConvergenceWarning,
+    Neumann,
+    NormalCG,
+    Solution,
+    Solver,
+)
 
 __all__ = [
     "CG",

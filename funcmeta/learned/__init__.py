@@ -20,7 +20,7 @@ Example:
     torch.Size([3, 2])
 """
 
-from funcmeta.learned.curvature import MetaCurvature, MetaCurvatureState
-from funcmeta.learned.mlp import LearnedOptimizer, LearnedOptimizerState
+from funcmeta._src.learned.curvature import MetaCurvature, MetaCurvatureState
+from funcmeta._src.learned.mlp import LearnedOptimizer, LearnedOptimizerState
 
 __all__ = ["LearnedOptimizer", "LearnedOptimizerState", "MetaCurvature", "MetaCurvatureState"]

@@ -5,7 +5,8 @@ as their ``torch.optim`` namesakes with the same arguments, and are differentiab
 gradients, the parameters, the state and every hyperparameter. :func:`from_torch` converts a
 configured ``torch.optim`` optimizer, parameter groups included. A hyperparameter may be a
 number, a tensor, a tree of tensors that is a prefix of the parameter tree (per layer, per
-tensor, per element) or a per-step schedule; see :mod:`funcmeta._src.optim.hyper`.
+tensor, per element) or a per-step schedule; see
+:data:`Hyperparameter` and :mod:`funcmeta.hyper`.
 
 Example:
     >>> import torch, funcmeta as fm

@@ -5,7 +5,9 @@ params, loss_fn, support, query, *, steps, ...)``, where ``support`` and ``query
 ``(inputs, targets)`` with a leading task axis, then its own keywords (``lr`` or ``opt`` for
 the inner optimizer) and the inner-loop options of :class:`funcmeta.AdaptOptions`
 (Prototypical Networks, which have no inner loop, take neither ``steps`` nor options). Every
-recipe returns a :class:`RecipeResult`: call ``.backward()`` on ``result.loss``. For Reptile
+recipe returns a :class:`RecipeResult` (MAML++ and iMAML a subclass with their own
+diagnostics: :class:`MamlppResult`, :class:`ImamlResult`): call ``.backward()`` on
+``result.loss``. For Reptile
 and iMAML, which are not loss-based, ``loss`` is a surrogate whose gradient is the method's
 meta-gradient. The meta-gradients reach the module's ``.grad`` (and any learnable
 hyperparameters), ready for a ``torch.optim`` outer optimizer.
@@ -32,18 +34,20 @@ Example:
     (torch.Size([]), torch.Size([3, 8]))
 """
 
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.anil import anil
-from funcmeta.recipes.imaml import ConvergenceWarning, imaml
-from funcmeta.recipes.maml import fomaml, maml
-from funcmeta.recipes.mamlpp import mamlpp, mamlpp_step_weights
-from funcmeta.recipes.metasgd import metasgd, metasgd_rates
-from funcmeta.recipes.protonet import protonet, prototype_logits
-from funcmeta.recipes.r2d2 import r2d2
-from funcmeta.recipes.reptile import reptile
+from funcmeta._src.recipes.anil import anil
+from funcmeta._src.recipes.imaml import ConvergenceWarning, imaml
+from funcmeta._src.recipes.maml import fomaml, maml
+from funcmeta._src.recipes.mamlpp import mamlpp, mamlpp_step_weights
+from funcmeta._src.recipes.metasgd import metasgd, metasgd_rates
+from funcmeta._src.recipes.protonet import protonet, prototype_logits
+from funcmeta._src.recipes.r2d2 import r2d2
+from funcmeta._src.recipes.reptile import reptile
+from funcmeta._src.recipes.results import ImamlResult, MamlppResult, RecipeResult
 
 __all__ = [
     "ConvergenceWarning",
+    "ImamlResult",
+    "MamlppResult",
     "RecipeResult",
     "anil",
     "fomaml",

@@ -46,6 +46,23 @@ def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_pa
     assert not any("kernels.py:2" in v for v in found), found
 
 
+def test_the_layering_check_catches_an_implementation_in_a_public_module(tmp_path):
+    package = tmp_path / "funcmeta"
+    (package / "_src/core").mkdir(parents=True)
+    (package / "_src/core/tree.py").write_text("def leaves(t):\n    return t\n")
+    (package / "tree.py").write_text(
+        '"""Trees."""\n\nimport os\n\nfrom funcmeta._src.core.tree import leaves\n\n'
+        '__all__ = ["leaves"]\n\n\ndef paths(t):\n    return os.sep\n'
+    )
+    (package / "models.py").write_text(
+        '"""Models."""\n\nfrom funcmeta._src.core.tree import leaves\n\n__all__ = ["leaves"]\n'
+    )
+    found = check_layers.violations(package)
+    assert any("tree.py:3: import os: a public module holds only" in v for v in found), found
+    assert any("tree.py:10: def paths(t):" in v for v in found), found
+    assert not any("models.py" in v for v in found), found
+
+
 def test_every_private_access_exists_on_this_torch():
     missing = fence.missing_accesses()
     assert not missing, (
@@ -77,6 +94,16 @@ def test_vmap_refusals_are_recognised_on_this_torch():
         "funcmeta._src.batching",
         "funcmeta._src.inner",
         "funcmeta._src.compiled",
+        "funcmeta._src.implicit",
+        "funcmeta._src.learned",
+        "funcmeta._src.models",
+        "funcmeta._src.data",
+        "funcmeta._src.snapshot",
+        "funcmeta._src.distributed",
+        "funcmeta._src.cpu_memory",
+        "funcmeta._src.heads",
+        "funcmeta._src.recipes",
+        "funcmeta._src.evaluation",
         "funcmeta.checkpoint",
         "funcmeta.optim",
         "funcmeta.implicit",

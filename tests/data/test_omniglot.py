@@ -20,6 +20,7 @@ import torch
 from helpers import shared_file, write_zip
 
 import funcmeta as fm
+from funcmeta._src.data import files
 
 
 def shared(name: str) -> Path:
@@ -216,7 +217,7 @@ class _Hostile(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200)
         if self.path.startswith("/slow/"):
-            self.send_header("Content-Length", str(fm.data._files.KNOWN_SIZE["all_runs.zip"]))
+            self.send_header("Content-Length", str(files.KNOWN_SIZE["all_runs.zip"]))
             self.end_headers()
             try:
                 for _ in range(60):

@@ -128,6 +128,7 @@ def test_r2d2_matches_a_hand_written_reference(method):
     head = fm.heads.RidgeHead(lam=0.7, scale=3.0, bias=0.1, method=method).to(D)
     support, query = episodes()
     out = fm.recipes.r2d2(fmodel, fmodel.params, F.cross_entropy, support, query, head=head)
+    assert type(out) is fm.recipes.RecipeResult  # the base: R2D2 has no extras
     learnable = [*net.parameters(), *head.parameters()]
     ours = torch.autograd.grad(out.loss, learnable)
     expected = r2d2_reference(net, head, support, query, 3)

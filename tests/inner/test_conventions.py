@@ -138,7 +138,7 @@ def test_recipe_inner_optimizer_is_lr_or_opt_never_both():
         )
 
 
-def test_every_recipe_returns_a_recipe_result():
+def test_every_recipe_returns_a_recipe_result_and_only_its_own_extras():
     net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
     fmodel = fm.functional_model(net)
     support, query = tasks()
@@ -162,6 +162,16 @@ def test_every_recipe_returns_a_recipe_result():
         assert out.query_loss.dim() == 0 and not out.query_loss.requires_grad, name
         assert isinstance(out.adapted, fm.AdaptResult), name
         assert out.adapted.params["2.weight"].shape == (3, 1, 8), name  # the task axis
+        own_type = {"mamlpp": fm.recipes.MamlppResult, "imaml": fm.recipes.ImamlResult}
+        assert type(out) is own_type.get(name, fm.recipes.RecipeResult), name
+        extras = {"step_buffers", "residual", "curvature_stop"}
+        has = {field for field in extras if hasattr(out, field)}
+        mine = {"mamlpp": {"step_buffers"}, "imaml": {"residual", "curvature_stop"}}
+        assert has == mine.get(name, set()), name  # extras only where the recipe has them
+        if name == "imaml":
+            assert out.residual.shape == (3,) and out.curvature_stop.shape == (3,)
+        if name == "mamlpp":
+            assert len(out.step_buffers) == 2
     none = fm.recipes.reptile(fmodel, fmodel.params, F.mse_loss, support, steps=1, lr=0.01)
     assert none.query_loss is None
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from helpers import shared_file
 
 import funcmeta as fm
+from funcmeta._src.data import omniglot
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -535,7 +536,7 @@ def test_omniglot_examples_say_when_the_download_fails(name, tmp_path, monkeypat
     def offline(root, files, **kwargs):
         raise OSError(f"could not download {files[0]}: no network here")
 
-    monkeypatch.setattr(fm.data.omniglot, "download_omniglot", offline)
+    monkeypatch.setattr(omniglot, "download_omniglot", offline)
     argv = [OMNIGLOT_EXAMPLES[name], str(tmp_path / "new"), "--download"]
     if name == "maml_omniglot_port":
         argv.append("--no-keep-freed-memory")  # a process-wide setting: not for the test process

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-import funcmeta.cpu_memory as cpu_memory
+import funcmeta._src.cpu_memory.glibc as cpu_memory
 
 GLIBC = cpu_memory.why_not_kept() is None
 

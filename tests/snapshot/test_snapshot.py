@@ -254,7 +254,7 @@ def test_checksums_are_those_of_the_bytes_as_before(tmp_path):
     tensor and an empty one hash as their contiguous copies."""
     import hashlib
 
-    from funcmeta.snapshot import _digest_tensor
+    from funcmeta._src.snapshot.files import _digest_tensor
 
     def before(t):
         data = t.detach().cpu().contiguous().clone()
@@ -298,7 +298,7 @@ def test_a_damaged_structure_record_is_refused_before_it_is_unpickled(tmp_path):
 
 
 def test_saves_store_crcs_even_when_torch_is_told_not_to(tmp_path):
-    from funcmeta._src.core.records import check_records
+    from funcmeta._src.snapshot.records import check_records
 
     net = torch.nn.Linear(3, 2)
     torch.serialization.set_crc32_options(False)
@@ -314,7 +314,7 @@ def test_saves_store_crcs_even_when_torch_is_told_not_to(tmp_path):
 
 
 def _payload(fmt, net):
-    from funcmeta.snapshot import _random_states
+    from funcmeta._src.snapshot.files import _random_states
 
     return {
         "format": fmt,
@@ -341,7 +341,7 @@ def test_a_format_4_file_without_crcs_is_refused(tmp_path):
 def test_format_3_files_load_and_their_sha256_checksums_are_checked(tmp_path):
     """Format 3 kept SHA-256 checksums in the payload; its files still load, and one written
     without record CRCs (so that only the SHA-256 can catch it) is refused when damaged."""
-    from funcmeta.snapshot import _checksums
+    from funcmeta._src.snapshot.files import _checksums
 
     net = torch.nn.Linear(3, 2)
     payload = _payload(3, net)
@@ -363,7 +363,7 @@ def test_format_3_files_load_and_their_sha256_checksums_are_checked(tmp_path):
 
 
 def test_a_file_replaced_while_it_is_read_is_refused(tmp_path, monkeypatch):
-    import funcmeta.snapshot as snapshot
+    import funcmeta._src.snapshot.files as snapshot
 
     net = torch.nn.Linear(3, 2)
     path = tmp_path / "s.pt"
@@ -383,7 +383,7 @@ def test_a_file_replaced_while_it_is_read_is_refused(tmp_path, monkeypatch):
 def test_record_checks_refuse_damaged_archives(tmp_path, damage):
     import zipfile
 
-    from funcmeta._src.core.records import check_records
+    from funcmeta._src.snapshot.records import check_records
 
     path = tmp_path / "t.pt"
     torch.save({"w": torch.arange(1000.0)}, path)
@@ -413,7 +413,7 @@ def test_record_checks_refuse_damaged_archives(tmp_path, damage):
 
 
 def test_only_torchs_own_load_path_goes_without_a_copy_to_put_back():
-    from funcmeta.snapshot import _plain_load
+    from funcmeta._src.snapshot.files import _plain_load
 
     plain = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
     assert _plain_load(plain)

@@ -14,7 +14,7 @@ What it owns:
 - ``fallback``: which layer refused ``vmap`` and why.
 
 It imports the core and the module package, never checkpointing: the task runner with
-its checkpointed layers is built by :mod:`funcmeta._src.inner.model`.
+its checkpointed layers is built by ``funcmeta._src.inner.model``.
 
 Example:
     >>> import torch

@@ -4,7 +4,7 @@ its batch.
 Called with ``need_weights=False`` (as ``nn.TransformerEncoderLayer`` and
 ``nn.TransformerDecoderLayer`` call it), the layer ends in ``F.scaled_dot_product_attention``
 inside ``F.multi_head_attention_forward``. There the task mode
-(:class:`funcmeta._src.batching.intercept.TaskMode`) does not see the call: torch pops a
+(``funcmeta._src.batching.intercept.TaskMode``) does not see the call: torch pops a
 ``TorchFunctionMode`` while the function that reached it runs
 (``docs/decisions/task-mode-and-attention.md``),
 so vmap would run the fused kernel once per example. :class:`TaskAttention` computes the

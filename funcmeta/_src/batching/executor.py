@@ -1,12 +1,12 @@
 """The task executor: runs a functional model on task-batched inputs as one computation, with
 the meta-gradients of a loop over the tasks, or once per task where the model cannot run
-under ``vmap``; it owns the chunk choice (:mod:`funcmeta._src.batching.chunks`: the rule of
+under ``vmap``; it owns the chunk choice (``funcmeta._src.batching.chunks``: the rule of
 ``task_chunk="auto"``, the measurements of ``"tune"``) and the report of which layers ran once
 per task.
 
 :func:`funcmeta.functional_model` gives every model one (see
-:mod:`funcmeta._src.module.executor`). The stand-ins for layer families
-(:mod:`~funcmeta._src.batching.layers`) run inside the task runner it is built with.
+``funcmeta._src.module.executor``). The stand-ins for layer families
+(``funcmeta._src.batching.layers``) run inside the task runner it is built with.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -197,7 +197,7 @@ class TaskExecutor:
 
     def _vmaps(self, task_run: tuple[Any, ...], *inputs: Any) -> RuntimeError | None:
         """None when the task runner runs under vmap on these inputs, else vmap's refusal.
-        It runs under a :class:`~funcmeta._src.batching.intercept.TaskMode`, and keeps the
+        It runs under a ``funcmeta._src.batching.intercept.TaskMode``, and keeps the
         mode for later calls if it was needed."""
         mode = TaskMode()
         devices = sorted(

@@ -15,7 +15,7 @@ call finds out). It changes three things, each exactly what a loop over the task
   CPU kernels; under ``vmap`` torch runs it once per example. Attention has no parameters, so
   the task axis joins the batch axis: one call on ``(T * B, H, L, E)``, on whichever kernel the
   context allows (fused in first-order steps, query passes and evaluation; the math kernel
-  inside :func:`funcmeta._src.core.kernels.twice_differentiable`).
+  inside :func:`funcmeta.checkpoint.kernels.twice_differentiable`).
 - **Marking a batched tensor as requiring grad.** ``t.requires_grad_()`` on a task-batched
   tensor is refused under ``vmap``. HuggingFace calls it on the input embeddings' output
   when gradient checkpointing is enabled (``enable_input_require_grads``), so that torch's
@@ -24,7 +24,7 @@ call finds out). It changes three things, each exactly what a loop over the task
   returns the tensor as it is.
 - **Packed sequences.** ``pack_padded_sequence`` on task-batched tensors, whose tasks' packed
   data differ in size, keeps them padded with each task's lengths
-  (:mod:`funcmeta._src.batching.packed`), for the recurrent layers and ``pad_packed_sequence``;
+  (``funcmeta._src.batching.packed``), for the recurrent layers and ``pad_packed_sequence``;
   any other use of such a sequence is refused as ``vmap`` refuses. ``invert_permutation``'s
   ``scatter_`` on the sorted indices runs on the tensors under the tasks (no batching rule),
   and so does the sort's ``index_select`` of each task's batch (vmap's rule gathers, and its

@@ -15,7 +15,7 @@ weight. Its backward
 works the normalised activation out again from them. The backward is written in
 differentiable operations (``native_layer_norm_backward`` has a derivative of its own), so
 the node can be differentiated twice. Inside a second-order inner step
-(:func:`funcmeta._src.core.kernels.in_twice_differentiable`) the stand-in steps aside all the
+(:func:`funcmeta.checkpoint.kernels.in_twice_differentiable`) the stand-in steps aside all the
 same: there the graph of the step keeps the activations either way (BERT and GPT-2 peaks
 measured equal with and without it), and torch's own double backward is used.
 

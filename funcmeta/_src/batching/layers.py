@@ -4,10 +4,10 @@ once, exactly, and the per-task loop for layers that ``vmap`` cannot batch.
 - :class:`TaskLinear`: ``nn.Linear`` with per-task weights as one ``torch.baddbmm`` (under
   ``vmap``'s generic rule a batched-weight linear layer costs about ten times an unbatched
   one, torch 2.13, CPU).
-- recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): :mod:`funcmeta._src.batching.recurrent`.
+- recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``): ``funcmeta._src.batching.recurrent``.
 - ``nn.LayerNorm`` with per-task weights, keeping what a loop keeps:
-  :mod:`funcmeta._src.batching.layer_norm`.
-- ``nn.LSTMCell`` (no batching rule in torch): :mod:`funcmeta._src.batching.cells`.
+  ``funcmeta._src.batching.layer_norm``.
+- ``nn.LSTMCell`` (no batching rule in torch): ``funcmeta._src.batching.cells``.
 
 The conv-net layers. Under ``vmap`` over tasks, a convolution whose weights differ per task and
 a BatchNorm with per-task affine parameters go through functorch's generic batching rules:
@@ -33,7 +33,7 @@ input of the next without a copy:
   stand-in looks the rows up without ``padding_idx`` and passes the padding positions' values
   on as constants, so the padding row gets no gradient, in first and second order, as in a
   per-task loop.
-- :class:`TaskAttention` (:mod:`funcmeta._src.batching.attention`): ``nn.MultiheadAttention``
+- :class:`TaskAttention` (``funcmeta._src.batching.attention``): ``nn.MultiheadAttention``
   called with ``need_weights=False`` on the fused attention kernel with the tasks in its
   batch, instead of vmap's per-example fallback for it.
 
@@ -398,7 +398,7 @@ class TaskEmbedding(Standin):
 
 def task_standins(module: nn.Module) -> dict[str, type[Standin]]:
     """The stand-ins of the task-batched runner, by submodule name: the recurrent layers'
-    (:func:`funcmeta._src.batching.recurrent.recurrent_standins`, outermost), and outside them
+    (``funcmeta._src.batching.recurrent.recurrent_standins``, outermost), and outside them
     the fast paths of ``nn.Linear`` (:class:`TaskLinear`), convolutions, BatchNorm and
     pooling, normalisations, ``nn.LSTMCell``, ``nn.MultiheadAttention``
     (:class:`TaskAttention`), and the exact path of embeddings with a padding index. Exact

@@ -4,12 +4,12 @@
 A ``PackedSequence`` holds one row per valid time step, so two tasks whose sequences differ in
 length have data of different sizes: ``vmap`` has no batching rule for
 ``aten::_pack_padded_sequence``, and its per-task fallback cannot stack the tasks' results.
-Under :class:`funcmeta._src.batching.intercept.TaskMode`, packing a task-batched tensor keeps the
+Under ``funcmeta._src.batching.intercept.TaskMode``, packing a task-batched tensor keeps the
 padded tensor instead, time first and in the order the pack sorts it, with each task's lengths:
 a :class:`TaskPacked`. The ``PackedSequence`` that torch builds around the result carries two
 tokens, ``data`` and ``batch_sizes``, that stand for it.
 
-- :class:`funcmeta._src.batching.recurrent.TaskRecurrent` runs a token sequence for all tasks in one
+- ``funcmeta._src.batching.recurrent.TaskRecurrent`` runs a token sequence for all tasks in one
   pass, each sequence's steps past its length masked (its state carried unchanged), and returns
   one; a layer that runs once per task gets each task's own packed sequence.
 - ``pad_packed_sequence`` gives back what each task's own would: the padding value past each

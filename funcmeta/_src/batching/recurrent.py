@@ -11,7 +11,7 @@ the i, f, g, o gates and the projection of ``nn.LSTM``; the r, z, n gates of ``n
 Every operation is an ordinary differentiable one, so first and second order need no special
 kernel (and never cuDNN's, which has no double backward).
 
-When it runs: in second-order steps (:func:`funcmeta._src.core.kernels.twice_differentiable`),
+When it runs: in second-order steps (:func:`funcmeta.checkpoint.kernels.twice_differentiable`),
 where torch's own kernels run op by op too, and wherever torch has no fused kernel for the
 layer (``nn.GRU`` and ``nn.RNN`` on CPU, float64). Where torch has one (cuDNN on CUDA, oneDNN's
 LSTM on CPU in float32), first-order steps and query passes run it once per task instead,
@@ -26,7 +26,7 @@ which runs the layer once per task outside the vmap level, and runs subclasses o
 ``nn.RNNBase``, which may compute something else),
 saying once why, for what it cannot compute exactly: a ``PackedSequence`` built by hand (one
 made by ``pack_padded_sequence`` in the model runs in the one pass, each sequence's later
-steps masked: :mod:`funcmeta._src.batching.packed`), dropout between layers in training mode (a
+steps masked: ``funcmeta._src.batching.packed``), dropout between layers in training mode (a
 loop draws each task's masks separately), forward hooks
 on the layer, tensors batched at different ``vmap`` levels.
 
@@ -103,7 +103,7 @@ def per_task(original: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     """A recurrent layer (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) called once per task: under
     task batching it runs once per task outside the vmap level, with that task's parameters,
     buffers and inputs, and its outputs are stacked; an unbatched call runs the layer as it
-    is. Inside :func:`funcmeta._src.core.kernels.twice_differentiable` it runs without cuDNN,
+    is. Inside :func:`funcmeta.checkpoint.kernels.twice_differentiable` it runs without cuDNN,
     whose RNN kernels have no double backward."""
     if args and packed_of(args[0]) is not None:
         return _per_task_packed(original, args[0], args[1:], kwargs)
@@ -133,7 +133,7 @@ def _per_task_packed(
     original: nn.Module, seq: PackedSequence, rest: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """The layer once per task on a task-batched packed sequence
-    (:mod:`funcmeta._src.batching.packed`): each task's own packed sequence, built from its
+    (``funcmeta._src.batching.packed``): each task's own packed sequence, built from its
     padded steps and lengths; the output packed sequence stands for all tasks again."""
     packed = packed_of(seq)
     assert packed is not None

@@ -30,7 +30,7 @@ recomputation schedule; ``tests/checkpoint/test_schedule.py`` counts the runs).
 
 Every run of the function after the first one (each recomputation) reproduces the first: the
 random number generator states (dropout masks), autocast and the kernel choice
-(:mod:`funcmeta._src.core.kernels`) of the first run are put back for it. A recorded VJP is recomputed
+(:mod:`funcmeta.checkpoint.kernels`) of the first run are put back for it. A recorded VJP is recomputed
 under the autocast state in force when it was first computed.
 
 Example:

@@ -3,7 +3,7 @@
 :func:`funcmeta.functional_model` takes ``checkpoint_layers=`` to choose layers. Each chosen
 layer runs as a pure function of its parameters, buffers and inputs (the layer called through
 ``torch.func.functional_call`` with exactly those tensors), under
-:func:`funcmeta._src.checkpoint.engine.checkpoint`:
+``funcmeta._src.checkpoint.engine.checkpoint``:
 
 - the forward keeps only those tensors, not the layer's activations;
 - a backward recomputes the layer and takes its vector-Jacobian product (the inner gradient
@@ -24,7 +24,7 @@ layer must not write into its inputs in place (they are kept for the recomputati
 raises.
 
 The user's module is not modified. A private shadow of the module tree shares every
-parameter and buffer by reference (:mod:`funcmeta._src.module.shadow`). Only the modules on the path to a
+parameter and buffer by reference (``funcmeta._src.module.shadow``). Only the modules on the path to a
 checkpointed layer are shallow copies, and the chosen layers are stand-ins.
 
 Example:
@@ -48,6 +48,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from funcmeta._src.checkpoint.engine import checkpoint
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.tree import Predicate
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
@@ -64,7 +65,7 @@ __all__ = [
 
 CheckpointSpec = None | str | Sequence[str] | Predicate
 """``None``; a preset name (see :data:`PRESETS`); submodule names; or a predicate
-``(name, module) -> bool`` (:data:`funcmeta._src.core.tree.Predicate`)."""
+``(name, module) -> bool`` (:data:`funcmeta.tree.Predicate`)."""
 
 
 def _has_tensors(module: nn.Module) -> bool:
@@ -99,6 +100,7 @@ say *which layers* are checkpointed, not what a checkpoint saves, as a ``jax.che
 policy would.)"""
 
 
+@exposed_in("funcmeta.checkpoint")
 def select(module: nn.Module, spec: CheckpointSpec) -> list[str]:
     """The names of the submodules ``spec`` chooses, outermost only, in module order.
 
@@ -283,7 +285,7 @@ def checkpointed_runner(
     """A shadow of ``module`` with the layers ``names`` checkpointed and the submodules named
     in ``standins`` replaced, inside checkpointed layers too.
 
-    Returns ``(root, copies)`` as :func:`funcmeta._src.module.shadow.shadow` does.
+    Returns ``(root, copies)`` as ``funcmeta._src.module.shadow.shadow`` does.
     """
     standins = standins or {}
     replace: dict[str, Callable[[nn.Module], nn.Module]] = {}

@@ -8,15 +8,15 @@ parameters, not the adapted ones the run was given: the meta-gradients come out 
 wrong (or torch refuses the recomputation). And torch's recomputation is recorded into a
 ``create_graph`` backward, so second order saves no memory.
 
-While a functional model runs (:func:`funcmeta._src.module.scope.model_run`), every such call is
-sent here (:func:`dispatch`) and run by :func:`funcmeta._src.checkpoint.engine.checkpoint_closed` as a pure
+While a functional model runs (``funcmeta._src.module.scope.model_run``), every such call is
+sent here (:func:`dispatch`) and run by ``funcmeta._src.checkpoint.engine.checkpoint_closed`` as a pure
 function of the tensors it reads: its arguments (those bound in a ``functools.partial``
 included) and the parameters and buffers of the modules it was given (the function itself,
 a bound method's module, modules among its arguments or in its closure; the whole model when
 none is found), as the run holds them. Its recomputations put those tensors back in place,
 replay the random number generators (the same dropout masks) and the autocast state, and keep
 only inputs, in second order too. The first run is checked to depend on nothing else that
-requires grad (:class:`funcmeta._src.checkpoint.engine.OpenFunctionError` otherwise).
+requires grad (``funcmeta._src.checkpoint.engine.OpenFunctionError`` otherwise).
 
 Inside a checkpointed function (a layer of ``checkpoint_layers``, or a block taken over
 here) a ``checkpoint`` call runs its function as it is: it is checkpointed once. Elsewhere,

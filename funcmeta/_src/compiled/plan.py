@@ -1,6 +1,6 @@
 """How :func:`funcmeta.compile_meta_step` compiles its graph for a kind of device and model:
-:func:`compile_plan`, a pure function of the device type, whether the model has
-convolutions, and the caller's ``mode`` and ``task_chunk`` (:class:`CompilePlan`), so that
+``compile_plan``, a pure function of the device type, whether the model has
+convolutions, and the caller's ``mode`` and ``task_chunk`` (``CompilePlan``), so that
 a test on a CPU can ask what a CUDA device gets.
 
 Example:
@@ -28,8 +28,8 @@ _GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 
 @dataclasses.dataclass(frozen=True)
 class CompilePlan:
-    """How :func:`compile_meta_step` compiles its graph for one kind of device and model:
-    what :func:`compile_plan` chose (:attr:`MetaStep.plan`).
+    """How :func:`funcmeta.compile_meta_step` compiles its graph for one kind of device and model:
+    what ``compile_plan`` chose (``MetaStep.plan``).
 
     Attributes:
         device: the device type the model's parameters are on (``"cpu"``, ``"cuda"``, ...).
@@ -39,7 +39,7 @@ class CompilePlan:
             ``{"triton.cudagraphs": True}``.
         options: inductor options, or ``None``.
         graph_passes: whether the options get the step's CPU graph passes
-            (:func:`funcmeta._src.compiled.passes.cpu_passes`), added by
+            (``funcmeta._src.compiled.passes.cpu_passes``), added by
             :meth:`compile_kwargs`: making them imports inductor, which a plan does not.
         task_chunk: how many tasks one graph call takes (``None``: all of them).
         cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into
@@ -73,7 +73,7 @@ def compile_plan(
     mode: str | None = None,
     task_chunk: int | Literal["auto"] | None = "auto",
 ) -> CompilePlan:
-    """How :func:`compile_meta_step` compiles for a model on ``device`` (a device type),
+    """How :func:`funcmeta.compile_meta_step` compiles for a model on ``device`` (a device type),
     with convolutions or without, given the caller's ``mode`` and ``task_chunk``: a pure
     function, so that a test on a CPU can ask what a CUDA device gets.
 

@@ -1,8 +1,8 @@
-"""A whole meta-iteration as one compiled graph: :func:`compile_meta_step`.
+"""A whole meta-iteration as one compiled graph: :func:`funcmeta.compile_meta_step`.
 
 One meta-iteration of MAML and its relatives is the inner loop of ``steps`` optimizer steps
 for every task, the query loss, and the outer gradient with respect to the initial
-parameters and every learnable hyperparameter. :func:`compile_meta_step` writes it as one
+parameters and every learnable hyperparameter. :func:`funcmeta.compile_meta_step` writes it as one
 pure function of ``torch.func`` transforms and hands it to ``torch.compile``:
 
 - the tasks run together under ``torch.func.vmap`` (the forward only);
@@ -18,15 +18,15 @@ Calling the step writes the meta-gradients into ``.grad`` (added, as ``backward`
 returns the mean query loss, so a training loop stays ordinary PyTorch: ``outer.step()``.
 
 Compiled once per kind of input (shapes, dtypes, devices); the first call of each kind is
-timed (:attr:`MetaStep.compile_seconds`) and a new kind says so once. Where the step cannot
+timed (``MetaStep.compile_seconds``) and a new kind says so once. Where the step cannot
 be compiled (a graph break, an operator ``torch.compile`` or ``vmap`` refuses, a torch
 without ``torch.compile`` support for ``torch.func``), it runs :func:`funcmeta.adapt_tasks`
 and :func:`funcmeta.task_losses` eagerly instead, with the same meta-gradients, and says
-once why (:attr:`MetaStep.eager_reason`).
+once why (``MetaStep.eager_reason``).
 
-How it compiles depends on the device (:func:`compile_plan`, a pure function of the device
+How it compiles depends on the device (``compile_plan``, a pure function of the device
 type, whether the model has convolutions, and the caller's ``mode`` and ``task_chunk``;
-:attr:`MetaStep.plan` keeps what it chose):
+``MetaStep.plan`` keeps what it chose):
 
 - on a CPU, inductor's C++ wrapper and the step's CPU choices, and conv nets one task per
   graph call;
@@ -36,7 +36,7 @@ type, whether the model has convolutions, and the caller's ``mode`` and ``task_c
   results before it adds them to ``.grad`` or runs the next chunk of tasks, and marks each
   call a new step for torch's CUDA graph trees. A new batch shape compiles and captures a
   graph of its own. Where inductor runs the graph without a CUDA graph (it logs "skipping
-  cudagraphs due to ..."), the step keeps the reason (:attr:`MetaStep.graph_note`) and says
+  cudagraphs due to ..."), the step keeps the reason (``MetaStep.graph_note``) and says
   once what to change. Conv nets run one task per graph call with convolutions in the
   model's layout, a graph that compiles in bounded time.
 
@@ -67,6 +67,7 @@ from funcmeta._src.compiled.eager_reasons import COMPILE_FALSE, explain, untrace
 from funcmeta._src.compiled.plan import CompilePlan, compile_plan
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import (
     cudagraph_skips,
     reparametrized,
@@ -87,9 +88,10 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["MetaStep", "compile_meta_step"]
 
 
+@exposed_in("funcmeta")
 class MetaStep:
     """A compiled meta-iteration (see the module docstring); build it with
-    :func:`compile_meta_step`.
+    :func:`funcmeta.compile_meta_step`.
 
     Attributes:
         compile_seconds: per kind of input, the seconds its first call took (compiling and
@@ -98,8 +100,8 @@ class MetaStep:
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
         task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
             as ``"auto"`` chose.
-        plan: how the graph is compiled (:class:`CompilePlan`: mode, inductor options, task
-            chunk, CUDA graphs), chosen by :func:`compile_plan` for the model's device.
+        plan: how the graph is compiled (``CompilePlan``: mode, inductor options, task
+            chunk, CUDA graphs), chosen by ``compile_plan`` for the model's device.
         options_note: why the graph is compiled with torch.compile's defaults instead of
             the plan's options or ``mode`` (a torch without one of them), or without
             one of the step's CPU choices, or why a ``mode`` asking for CUDA graphs gets
@@ -159,9 +161,9 @@ class MetaStep:
         mode: str | None = None,
         task_chunk: int | Literal["auto"] | None = "auto",
     ) -> CompilePlan:
-        """What :func:`compile_meta_step` would choose for a model on ``device`` (a device
+        """What :func:`funcmeta.compile_meta_step` would choose for a model on ``device`` (a device
         type: ``"cpu"``, ``"cuda"``), with convolutions or without, given ``mode`` and
-        ``task_chunk`` (:func:`compile_plan`); asking needs no such device.
+        ``task_chunk`` (``compile_plan``); asking needs no such device.
 
         Example:
             >>> import funcmeta as fm
@@ -200,7 +202,7 @@ class MetaStep:
         tasks: int,
     ) -> Tensor:
         """The mean query loss after the inner loop: :func:`funcmeta.adapt_tasks`'s loop
-        (:func:`~funcmeta._src.inner.tasks.task_inner_loop`) and
+        (``funcmeta._src.inner.tasks.task_inner_loop``) and
         :func:`funcmeta.task_losses`'s forward, as ``torch.compile`` traces them."""
         # the model's parameters and buffers are shared by the tasks; each task updates
         # its own copy of the buffers (BatchNorm's running statistics)
@@ -506,6 +508,7 @@ def _first_line(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
+@exposed_in("funcmeta")
 def compile_meta_step(
     fmodel: FunctionalModel,
     loss_fn: LossFn,
@@ -519,7 +522,7 @@ def compile_meta_step(
     **options: Unpack[AdaptKeywords],
 ) -> MetaStep:
     """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
-    :mod:`funcmeta._src.compiled.step`).
+    :class:`funcmeta.MetaStep` and ``docs/tasks.md``).
 
     ``fmodel``, ``loss_fn``, ``opt`` and ``steps`` are those of :func:`funcmeta.adapt_tasks`;
     ``hyper`` lists the modules whose parameters the optimizer reads (``fm.hyper`` trees of
@@ -529,27 +532,27 @@ def compile_meta_step(
     ``allow_unused`` compile; ``loss_scale``, ``on_nonfinite``, ``checkpoint_steps`` and
     ``offload_activations`` decide on the host at every step or use autograd machinery that
     torch.compile does not trace: given, the step runs :func:`funcmeta.adapt_tasks` with them
-    and says so once, naming the option (:attr:`MetaStep.eager_reason`). In the graph, an
+    and says so once, naming the option (``MetaStep.eager_reason``). In the graph, an
     adapted parameter the inner loss does not use gets a zero inner gradient, as with
     ``allow_unused=True`` (the plain path raises unless it is given). ``compile=False`` runs
     the plain path eagerly (the reference the compiled graph is tested against).
 
     ``mode`` is ``torch.compile``'s. ``None``, the default, picks per device
-    (:func:`compile_plan`; :attr:`MetaStep.plan` says what it picked): on a CPU, inductor's
+    (``compile_plan``; ``MetaStep.plan`` says what it picked): on a CPU, inductor's
     C++ wrapper and the step's CPU options; on CUDA, ``"reduce-overhead"``: CUDA graphs,
     with ``layout_optimization`` off for a model with convolutions; elsewhere torch's
     default. Where inductor runs the graph without a CUDA graph after all,
-    :attr:`MetaStep.graph_note` says why and the step warns once.
+    ``MetaStep.graph_note`` says why and the step warns once.
 
     ``task_chunk=c`` runs the graph on ``c`` tasks at a time, one chunk after another, and
     adds their meta-gradients (the same numbers, to rounding): on a CPU a conv net's
     batched activations outgrow the caches, and one task at a time runs faster
     (``docs/tasks.md``). ``None``: all tasks in one graph. ``"auto"``, the default: 1 for a
     model with convolutions on a CPU or on CUDA (the graph of all tasks of conv4 took many
-    minutes to compile on either), ``None`` otherwise (:attr:`MetaStep.task_chunk` says
+    minutes to compile on either), ``None`` otherwise (``MetaStep.task_chunk`` says
     which).
 
-    Returns a :class:`MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
+    Returns a :class:`funcmeta.MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
     query loss to ``.grad`` and returns that loss. The support and query batches carry the
     task axis, as for :func:`funcmeta.adapt_tasks`.
     """

@@ -1,37 +1,5 @@
-"""Kernel choice for graphs that are differentiated twice, and the same kernels on recomputation.
-
-Some of PyTorch's fastest kernels have no derivative of their backward:
-
-- ``F.scaled_dot_product_attention`` (``nn.MultiheadAttention``, ``nn.Transformer*Layer``,
-  HuggingFace models) is twice differentiable only on its math kernel. CPU flash attention and
-  the CUDA flash, memory-efficient and cuDNN kernels raise in second order.
-- cuDNN's RNN kernels (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` on CUDA) have no double backward.
-- The inference fast path of ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` has
-  no derivative at all.
-
-:func:`twice_differentiable` selects kernels that have one: the math attention kernel, RNNs
-without cuDNN and no inference fast path. :func:`funcmeta.adapt` enters it for its
-second-order inner steps (forward and inner gradient), the only graphs it builds that are
-differentiated again. First-order steps, the query pass and evaluation keep the user's kernel
-choice and the fast kernels. Use it yourself when you differentiate a model's output twice
-outside :func:`funcmeta.adapt` (a Hessian-vector product, a gradient penalty).
-
-The choice is global state that PyTorch reads when a kernel runs, so a checkpoint that
-recomputes a layer during the outer ``.backward()`` would otherwise pick whatever is in force
-then. funcmeta's checkpoints (per layer and per step) :func:`capture` the state when their
-forward runs and :func:`restore` it for the recomputation.
-
-Example:
-    >>> import torch, funcmeta as fm
-    >>> attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-    >>> x = torch.randn(2, 5, 8)
-    >>> with fm.checkpoint.kernels.twice_differentiable():
-    ...     out = attn(x, x, x, need_weights=False)[0]
-    ...     g = torch.autograd.grad(out.pow(2).sum(), attn.in_proj_weight, create_graph=True)[0]
-    >>> hvp = torch.autograd.grad(g.sum(), attn.in_proj_weight)[0]   # second order works
-    >>> hvp.shape
-    torch.Size([24, 8])
-"""
+"""Which attention and RNN kernels a step runs on, and the same kernels on recomputation:
+the implementation of :mod:`funcmeta.checkpoint.kernels`."""
 
 from __future__ import annotations
 
@@ -40,6 +8,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import (
     get_fast_path,
     sdp_backends,
@@ -72,6 +41,7 @@ class _Local(threading.local):
 _LOCAL = _Local()
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 @dataclass(frozen=True)
 class KernelState:
     """The kernel choice in force: attention backends (and their priority), the MHA fast
@@ -85,6 +55,7 @@ class KernelState:
     """Contexts in force that a recomputation enters again (:func:`entered_again`)."""
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def capture() -> KernelState:
     """The kernel choice in force now."""
     return KernelState(
@@ -96,6 +67,7 @@ def capture() -> KernelState:
     )
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 @contextlib.contextmanager
 def entered_again(make: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
     """Mark the block as running inside ``make()`` (entered by the caller), so that a
@@ -121,6 +93,7 @@ def _apply(state: KernelState, current: KernelState) -> None:
     _LOCAL.again = state.again
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 class KernelRestore(contextlib.AbstractContextManager):
     """Put ``state`` (from :func:`capture`) in force for the block; the choice before it
     comes back afterwards. Reusable: a checkpoint may recompute more than once."""
@@ -146,6 +119,7 @@ class KernelRestore(contextlib.AbstractContextManager):
             _apply(before, now)
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def restore(state: KernelState) -> KernelRestore:
     """A reusable context manager that puts ``state`` (from :func:`capture`) in force for its
     block and the choice before it back afterwards (:class:`KernelRestore`)."""
@@ -191,23 +165,27 @@ class _Override:
         _LOCAL.twice = twice
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def twice_differentiable() -> contextlib.AbstractContextManager[None]:
     """A block whose graph can be differentiated twice: math attention only, RNNs without
     cuDNN, no MHA inference fast path (see the module docstring)."""
     return _Override(math=True, twice=True)
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def no_fast_path() -> contextlib.AbstractContextManager[None]:
     """A block without the MHA/Transformer inference fast path (which has no derivative and no
     vmap support); other choices unchanged."""
     return _Override(math=False, twice=False)
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def in_twice_differentiable() -> bool:
     """Whether a :func:`twice_differentiable` block (or a recomputation of one) is running."""
     return _LOCAL.twice
 
 
+@exposed_in("funcmeta.checkpoint.kernels")
 def recompute_with(
     state: KernelState,
 ) -> Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]:

@@ -38,6 +38,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import autocast_enabled, user_stacklevel
 
 __all__ = ["TF32Warning", "exact_float32", "tf32_on", "tf32_state", "warn_tf32_second_order"]
@@ -144,6 +145,7 @@ def _exact() -> None:
             owner.fp32_precision = "ieee"
 
 
+@exposed_in("funcmeta")
 @contextlib.contextmanager
 def exact_float32() -> Iterator[None]:
     """TF32 off for the block: float32 matrix products, cuDNN convolutions and cuDNN
@@ -173,6 +175,7 @@ def exact_float32() -> Iterator[None]:
 # --- TF32 never silently ------------------------------------------------------------------
 
 
+@exposed_in("funcmeta")
 class TF32Warning(UserWarning):
     """A second-order meta-gradient is formed on CUDA while TF32 is on for an operator the
     model uses (said once per process). Silence it, keeping TF32, with

@@ -106,6 +106,12 @@ _CHECKED = (
     "it is internal now: fm.adapt, fm.adapt_tasks, fm.task_losses and fm.apply_tasks check "
     "their calls"
 )
+_PACKAGE_MODULES = {
+    "data": ("episodes", "omniglot", "sinusoid"),
+    "implicit": ("ift", "solvers"),
+    "learned": ("curvature", "mlp"),
+    "recipes": ("anil", "imaml", "maml", "mamlpp", "metasgd", "protonet", "r2d2", "reptile"),
+}
 _OPTIM_MODULES = ("adagrad", "adam", "base", "clip", "from_torch", "primitives", "rmsprop", "sgd")
 
 GONE: tuple[Gone, ...] = (
@@ -131,10 +137,6 @@ GONE: tuple[Gone, ...] = (
         ("funcmeta.tree.flatten_with_paths",),
         how="map over its paths and leaves and rebuild with fm.tree.unflatten",
     ),
-    Gone("funcmeta.recipes.ImamlResult", "93801d2", ("funcmeta.recipes.RecipeResult",)),
-    Gone("funcmeta.recipes.MamlppResult", "93801d2", ("funcmeta.recipes.RecipeResult",)),
-    Gone("funcmeta.recipes.imaml.ImamlResult", "93801d2", ("funcmeta.recipes.RecipeResult",)),
-    Gone("funcmeta.recipes.mamlpp.MamlppResult", "93801d2", ("funcmeta.recipes.RecipeResult",)),
     # 833d885, 2026-11-21: task batching speed
     Gone(
         "funcmeta.checkpoint.shadow",
@@ -338,6 +340,12 @@ GONE: tuple[Gone, ...] = (
         "5c2e4a4",
         ("funcmeta.FunctionalModel.per_task_layers",),
         renamed=True,
+    ),
+    # 5b32348: every implementation in funcmeta/_src; the public packages re-export it
+    *(
+        Gone(f"funcmeta.{package}.{name}", "5b32348", (f"funcmeta.{package}",), module=True)
+        for package, names in _PACKAGE_MODULES.items()
+        for name in names
     ),
 )
 """Every renamed or removed public name, oldest change first."""

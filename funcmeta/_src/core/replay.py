@@ -26,12 +26,15 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+from funcmeta._src.core.exposed import exposed_in
+
 __all__ = ["recomputation", "recomputing"]
 
 _LOCK = threading.Lock()
 _DEPTH = [0]  # a count, not a thread-local: backward may run on autograd's own threads
 
 
+@exposed_in("funcmeta")
 def recomputing() -> bool:
     """``True`` while funcmeta runs a forward again (a checkpoint's recomputation, or the
     one-time probe of a task-batched model), ``False`` during the forward itself."""

@@ -33,6 +33,7 @@ from typing import Any
 
 import optree
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import compiling, torch_pytree
 
 __all__ = [
@@ -71,41 +72,49 @@ Filter = Predicate | str | Iterable[str]
 selects ``"head"`` and everything under ``"head."``), or several."""
 
 
+@exposed_in("funcmeta.tree")
 class TreeMismatchError(ValueError):
     """A tree does not fit the structure it must match; the message names the paths."""
 
 
+@exposed_in("funcmeta.tree")
 def path_str(path: Sequence[Any]) -> str:
     """Join optree path entries into the dotted path string used in messages and filters."""
     return ".".join(str(entry) for entry in path)
 
 
+@exposed_in("funcmeta.tree")
 def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree, none_is_leaf: bool = False) -> Tree:
     """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``); with
     ``none_is_leaf``, ``None`` is a leaf too."""
     return optree.tree_map(fn, tree, *rest, none_is_leaf=none_is_leaf)
 
 
+@exposed_in("funcmeta.tree")
 def leaves(tree: Tree, *, none_is_leaf: bool = False) -> list[Any]:
     """The leaves of ``tree`` in optree's canonical order (dict keys sorted)."""
     return optree.tree_leaves(tree, none_is_leaf=none_is_leaf)
 
 
+@exposed_in("funcmeta.tree")
 def flatten(tree: Tree, *, none_is_leaf: bool = False) -> tuple[list[Any], optree.PyTreeSpec]:
     """``(leaves, spec)``; rebuild with :func:`unflatten`."""
     return optree.tree_flatten(tree, none_is_leaf=none_is_leaf)
 
 
+@exposed_in("funcmeta.tree")
 def unflatten(spec: optree.PyTreeSpec, leaf_list: Iterable[Any]) -> Tree:
     """Inverse of :func:`flatten`."""
     return optree.tree_unflatten(spec, list(leaf_list))
 
 
+@exposed_in("funcmeta.tree")
 def structure(tree: Tree, *, none_is_leaf: bool = False) -> optree.PyTreeSpec:
     """The structure of ``tree`` (comparable with ``==``)."""
     return optree.tree_structure(tree, none_is_leaf=none_is_leaf)
 
 
+@exposed_in("funcmeta.tree")
 def flatten_with_paths(tree: Tree) -> tuple[list[str], list[Any]]:
     """``(paths, leaves)``: each leaf with its dotted path."""
     path_list, leaf_list, _ = optree.tree_flatten_with_path(tree)
@@ -128,6 +137,7 @@ def leaves_registered(tree: Tree) -> list[Any]:
     return torch_pytree.tree_leaves(tree)
 
 
+@exposed_in("funcmeta.tree")
 def paths(tree: Tree) -> list[str]:
     """Dotted paths of the leaves of ``tree``, aligned with :func:`leaves`."""
     return spec_paths(optree.tree_structure(tree))
@@ -196,6 +206,7 @@ def _prefix_index(prefix: Tree, full: Tree, name: str) -> tuple[int, ...]:
     return tuple(index)
 
 
+@exposed_in("funcmeta.tree")
 def broadcast_prefix(prefix: Tree, full: Tree, *, name: str = "value") -> list[Any]:
     """Leaves of ``prefix`` repeated to line up with ``leaves(full)``.
 
@@ -238,6 +249,7 @@ def _selector(where: Filter) -> Callable[[str, Any], bool]:
     return select
 
 
+@exposed_in("funcmeta.tree")
 def partition(tree: Tree, where: Filter) -> tuple[Tree, Tree]:
     """Split ``tree`` into ``(selected, rest)``, each with ``None`` where the other has a leaf.
 
@@ -259,6 +271,7 @@ def partition(tree: Tree, where: Filter) -> tuple[Tree, Tree]:
     return optree.tree_unflatten(spec, selected), optree.tree_unflatten(spec, rest)
 
 
+@exposed_in("funcmeta.tree")
 def combine(*trees: Tree) -> Tree:
     """Merge trees of one structure, taking at each leaf the first that is not ``None``."""
 

@@ -19,12 +19,15 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from funcmeta._src.core.exposed import exposed_in
+
 __all__ = ["AdaptResult", "LossFn", "NonFiniteError", "TaskLosses"]
 
 LossFn = Callable[[Any, Any], Tensor]
 """``(output, targets) -> scalar tensor``, e.g. ``torch.nn.functional.mse_loss``."""
 
 
+@exposed_in("funcmeta")
 class AdaptResult(NamedTuple):
     """What :func:`funcmeta.adapt` and :func:`funcmeta.adapt_tasks` return (the latter with a
     leading task axis on parameters, buffers and state, and losses of shape ``(steps, T)``).
@@ -50,6 +53,7 @@ class AdaptResult(NamedTuple):
     overflowed: bool = False
 
 
+@exposed_in("funcmeta")
 class TaskLosses(NamedTuple):
     """What :func:`funcmeta.task_losses` returns.
 
@@ -65,5 +69,6 @@ class TaskLosses(NamedTuple):
     outputs: Any = None
 
 
+@exposed_in("funcmeta")
 class NonFiniteError(FloatingPointError):
     """An inner loss or gradient was NaN or infinite; the message names the step."""

@@ -9,10 +9,10 @@ into ordinary tensors with a task axis, steps out of that level, runs ``checkpoi
 on them and wraps the outputs back into the level. Autograd sees ordinary tensors throughout,
 so second-order gradients flow as without vmap. With ``per_task=True`` it runs ``fn`` once per
 task instead of vmapping it: for layers without a vmap batching rule
-(:class:`funcmeta._src.batching.recurrent.PerTask`).
+(``funcmeta._src.batching.recurrent.PerTask``).
 
 The primitives come from functorch (``torch._C._functorch``), through
-:mod:`funcmeta._src.core.fence`. If a torch release lacks them, :func:`call_outside_vmap`
+``funcmeta._src.core.fence``. If a torch release lacks them, :func:`call_outside_vmap`
 raises an error that says so, and :func:`fast_vmap` falls back to ``torch.func.vmap``.
 
 Example:
@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 #: The attribute marking the tensors that stand for task-batched packed sequences
-#: (:mod:`funcmeta._src.batching.packed`): they are not what they seem, and are never unwrapped.
+#: (``funcmeta._src.batching.packed``): they are not what they seem, and are never unwrapped.
 PACKED_TOKEN = "_fm_task_packed"
 
 #: Whether :func:`fast_vmap` uses the primitives (tests switch it off to check the fallback).

@@ -23,6 +23,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import error_like
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
@@ -35,6 +36,7 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["AdaptResult", "LossFn", "NonFiniteError", "adapt"]
 
 
+@exposed_in("funcmeta")
 @raised_at_the_call
 @takes_options
 def adapt(
@@ -61,7 +63,7 @@ def adapt(
         loss_fn: ``(output, targets) -> scalar tensor``, e.g. ``F.mse_loss``.
         batch: ``(inputs, targets)``. ``inputs`` are the model's arguments: a tuple is
             positional, a dict (a HuggingFace batch) is keywords, ``fm.Args(x, mask=m)`` is
-            both, anything else is the one argument (:mod:`funcmeta._src.inner.inputs`).
+            both, anything else is the one argument (:mod:`funcmeta.inputs`).
         opt: a :class:`~funcmeta.optim.GradientTransformation` (hyperparameters may require
             grad).
         steps: number of inner steps K.
@@ -76,7 +78,7 @@ def adapt(
         :class:`AdaptResult` ``(params, buffers, losses, state, skipped, overflowed)``.
 
     Second-order steps run on kernels that can be differentiated twice (math attention,
-    RNNs without cuDNN: :mod:`funcmeta._src.core.kernels`); other steps keep the kernels in force.
+    RNNs without cuDNN: :mod:`funcmeta.checkpoint.kernels`); other steps keep the kernels in force.
 
     Works under ``torch.no_grad()`` too (evaluation): gradients are still taken, no outer
     graph is kept, and the steps run first order (the same values) on the kernels in force.
@@ -115,7 +117,7 @@ def _about_shapes(error: Exception) -> bool:
 
 def _first_call_checked(loss_fn: LossFn, axis: TaskAxisSuspect) -> LossFn:
     """``loss_fn``, whose first call raises if its output and targets show the leftover task
-    axis that the batch's shapes suggest (see :func:`funcmeta._src.inner.inputs.leftover_task_axis`)."""
+    axis that the batch's shapes suggest (see ``funcmeta._src.inner.inputs.leftover_task_axis``)."""
     called = [False]
 
     def checked(out: Any, targets: Any) -> Tensor:

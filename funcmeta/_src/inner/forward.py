@@ -4,8 +4,8 @@ under ``vmap``, and the outputs of T tasks (:func:`funcmeta.apply_tasks`).
 :func:`forward_loss` is one task's ``loss_fn(fmodel(params, *args, **kwargs), targets)``;
 a failing ``loss_fn`` is re-raised with what it was given. :func:`task_losses_of` and
 :func:`task_outputs_of` run the model once for T tasks, the task axis taken by ``vmap``
-(:func:`funcmeta._src.core.vmap.vmap_flat`, in chunks of ``fmodel.chunk_now()``). The inputs
-were checked before (:func:`funcmeta._src.inner.inputs.check_batch_call`).
+(``funcmeta._src.core.vmap.vmap_flat``, in chunks of ``fmodel.chunk_now()``). The inputs
+were checked before (``funcmeta._src.inner.inputs.check_batch_call``).
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -60,7 +60,7 @@ def forward_loss(
     traced: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
-    ``((args, kwargs), targets)`` made by :func:`funcmeta._src.inner.inputs.check_adapt_call`."""
+    ``((args, kwargs), targets)`` made by ``funcmeta._src.inner.inputs.check_adapt_call``."""
     (loss, _), new_buffers = forward_loss_outputs(
         fmodel, loss_fn, batch, params, buffers, traced=traced
     )
@@ -196,7 +196,7 @@ def _where_it_failed(
     kwargs: dict[str, Any],
     batched: bool,
 ) -> str:
-    """Which batch the model failed on (as the caller said: :mod:`funcmeta._src.inner.place`),
+    """Which batch the model failed on (as the caller said: ``funcmeta._src.inner.place``),
     its inputs' shapes, and the innermost of the model's layers on the error's traceback."""
     names = {id(m): name for name, m in fmodel.module.named_modules()}
     # a task-batched run goes through stand-ins for some layers: each names its original

@@ -42,6 +42,7 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import autocast_enabled, user_stacklevel
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.module.functional import FunctionalModel
@@ -84,6 +85,7 @@ class CheckedCall(NamedTuple):
     """The buffers to start from (default: the module's); task-batched, one copy per task."""
 
 
+@exposed_in("funcmeta")
 class Args:
     """Positional and keyword arguments for the model, as the inputs of a batch.
 
@@ -104,6 +106,7 @@ class Args:
         return f"Args({', '.join(parts)})"
 
 
+@exposed_in("funcmeta.inputs")
 def split_inputs(inputs: Any) -> CallInputs:
     """``(args, kwargs)`` for the inputs of a batch (see the module docstring)."""
     if isinstance(inputs, Args):
@@ -132,9 +135,10 @@ def check_model(fmodel: Any) -> None:
         )
 
 
+@exposed_in("funcmeta.inputs")
 def split_batch(batch: Any) -> tuple[CallInputs, Any]:
     """``((args, kwargs), targets)`` for a batch ``(inputs, targets)``
-    (see :mod:`funcmeta._src.inner.inputs`)."""
+    (see :mod:`funcmeta.inputs`)."""
     if not isinstance(batch, tuple | list) or len(batch) != 2:
         raise TypeError(
             "batch must be a pair (inputs, targets); inputs may be a tuple of positional "
@@ -305,6 +309,7 @@ def check_adapt_call(
     return checked
 
 
+@exposed_in("funcmeta")
 class TaskAxisWarning(UserWarning):
     """A batch whose shapes suggest a task-axis mistake that would otherwise run silently:
     :func:`funcmeta.adapt` given a batch with a leading task axis, or
@@ -480,10 +485,12 @@ def _tensors(value: Any, prefix: str) -> list[tuple[str, Tensor]]:
     return out
 
 
+@exposed_in("funcmeta.inputs")
 class TaskAxisError(ValueError):
     """A single task's batch that still has its task axis, as the model's output shows."""
 
 
+@exposed_in("funcmeta.inputs")
 class TaskAxisSuspect(NamedTuple):
     """A single task's batch whose floating inputs ``(A, B, ...)`` and class-index targets
     ``(A, B)`` share their two leading axes: perhaps ``A`` tasks of ``B`` examples, given to

@@ -12,10 +12,10 @@ Three layers, bottom up:
   choice), collect the losses.
 
 It calls nothing above it: the forward is a value the caller builds
-(:mod:`funcmeta._src.inner.forward`), never a callback into the caller.
+(``funcmeta._src.inner.forward``), never a callback into the caller.
 
-The call was checked before (:func:`funcmeta._src.inner.inputs.check_adapt_call`); the forward each step
-runs is given (:mod:`funcmeta._src.inner.forward`).
+The call was checked before (``funcmeta._src.inner.inputs.check_adapt_call``); the forward each step
+runs is given (``funcmeta._src.inner.forward``).
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def _take_steps(
     :meth:`InnerLoop.unrolled_step`.
 
     Steps ``truncate`` on build a graph. In second order it is differentiated again, so they
-    run on kernels that allow it (:func:`funcmeta._src.core.kernels.twice_differentiable`, entered once
+    run on kernels that allow it (:func:`funcmeta.checkpoint.kernels.twice_differentiable`, entered once
     for all of them; a recomputation restores the choice of its forward).
     """
     # Without an outer graph (evaluation under no_grad) nothing differentiates the inner

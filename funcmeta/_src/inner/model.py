@@ -1,6 +1,6 @@
-"""Where a module becomes a :class:`~funcmeta._src.module.functional.FunctionalModel`: the
-checkpointed layers chosen (:mod:`funcmeta._src.checkpoint`) and the task executor given
-(:mod:`funcmeta._src.batching`); the one place that knows both.
+"""Where a module becomes a :class:`~funcmeta.FunctionalModel`: the
+checkpointed layers chosen (``funcmeta._src.checkpoint``) and the task executor given
+(``funcmeta._src.batching``); the one place that knows both.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -19,6 +19,7 @@ from funcmeta._src.batching.executor import TaskExecutor
 from funcmeta._src.batching.recurrent import recurrent_layers
 from funcmeta._src.checkpoint import takeover
 from funcmeta._src.checkpoint.layers import CheckpointSpec, checkpointed_runner, select
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.module.functional import FunctionalModel, check_layers
 
 __all__ = ["functional_model"]
@@ -28,6 +29,7 @@ assert (
 )  # checkpoints a model takes itself go to funcmeta (see the module)
 
 
+@exposed_in("funcmeta")
 def functional_model(
     module: nn.Module,
     *,
@@ -56,7 +58,7 @@ def functional_model(
     input elements per task <= 2**31`` (at least 1; all tasks at once where ``c`` reaches
     their number), and all tasks at once on CUDA; :func:`funcmeta.apply_tasks` and
     :func:`funcmeta.task_losses` take the chunk of the latest :func:`funcmeta.adapt_tasks`
-    call (see :mod:`funcmeta._src.batching.chunks` and ``docs/tasks.md``). The results are
+    call (see :func:`funcmeta.tune_task_chunk` and ``docs/tasks.md``). The results are
     the same up to float rounding (random draws such as dropout masks aside); only speed and
     the size of the largest intermediate tensors change. Every setting but ``"tune"``
     repeats float32 runs bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices

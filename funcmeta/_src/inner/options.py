@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.amp import GradScaler
 
 from funcmeta._src.core.checks import check_choice, check_int, check_max_norm, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Filter
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 
+@exposed_in("funcmeta")
 @dataclass(frozen=True)
 class AdaptOptions:
     """Keyword options of the inner loop (all optional).
@@ -49,7 +51,7 @@ class AdaptOptions:
         first_order: take gradients of detached parameters (FOMAML): the result is exactly the
             meta-gradient of the unroll in which each inner gradient is a constant. The paths
             through the parameters, the optimizer state and the hyperparameters are kept.
-        trainable: a filter choosing the parameters to adapt (:data:`funcmeta._src.core.tree.Filter`: a
+        trainable: a filter choosing the parameters to adapt (:data:`funcmeta.tree.Filter`: a
             predicate ``(name, tensor) -> bool``, a name prefix or several); the rest are held
             fixed in the inner loop and still receive outer gradients through the forward
             (ANIL). Parameters frozen on the module (``requires_grad=False``, see
@@ -132,7 +134,7 @@ class AdaptOptions:
 
     @property
     def scale(self) -> float | None:
-        """The loss scale in force: ``loss_scale``, a GradScaler's current scale, or ``None``
+        """The loss scale in force, that is ``loss_scale``, a GradScaler's current scale, or ``None``
         (a disabled GradScaler included)."""
         scale = self.loss_scale
         if isinstance(scale, GradScaler):
@@ -141,7 +143,7 @@ class AdaptOptions:
 
     @property
     def nonfinite(self) -> str | None:
-        """The check in force: ``on_nonfinite``; else ``"scaler"`` with an enabled GradScaler
+        """The check in force, that is ``on_nonfinite``; else ``"scaler"`` with an enabled GradScaler
         (an overflow makes the meta-iteration a skipped step), ``"raise"`` with a number."""
         if self.on_nonfinite is None and self.loss_scale is not None:
             if isinstance(self.loss_scale, GradScaler):
@@ -168,6 +170,7 @@ class StepKeywords(TypedDict, total=False):
     offload_activations: bool
 
 
+@exposed_in("funcmeta")
 class AdaptKeywords(StepKeywords, total=False):
     """The options of :class:`AdaptOptions` as keywords, for type checkers: the ``**options``
     of :func:`funcmeta.adapt`, :func:`funcmeta.adapt_tasks` and the recipes are

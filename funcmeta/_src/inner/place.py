@@ -1,6 +1,6 @@
 """Which batch the model runs on now (the support batch at an inner step, the query batch,
 a batch given to :func:`funcmeta.task_losses`), so that an error inside the model's forward
-can say where it happened (:func:`funcmeta._src.inner.forward.run_model`).
+can say where it happened (``funcmeta._src.inner.forward.run_model``).
 
 Example:
     >>> from funcmeta._src.inner.place import at, current

@@ -40,6 +40,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
 from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
@@ -61,6 +62,7 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_inner_loop", "task_losses"]
 
 
+@exposed_in("funcmeta")
 def apply_tasks(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],
@@ -89,6 +91,7 @@ def apply_tasks(
         )
 
 
+@exposed_in("funcmeta")
 @raised_at_the_call
 def task_losses(
     fmodel: FunctionalModel,
@@ -142,6 +145,7 @@ def task_losses(
     return TaskLosses(losses, new_buffers, outputs)
 
 
+@exposed_in("funcmeta")
 @raised_at_the_call
 @takes_options
 def adapt_tasks(
@@ -216,10 +220,10 @@ def task_inner_loop(
     traced: bool = False,
 ) -> tuple[AdaptResult, dict[str, int | None]]:
     """The inner loop of T tasks on a checked call: the adapted parameters split off
-    (:func:`~funcmeta._src.inner.loop.split_adapted`), given a task axis
-    (:func:`~funcmeta._src.inner.inputs.per_task`), and the steps of
-    :func:`~funcmeta._src.inner.loop.inner_loop` on the forward
-    :func:`~funcmeta._src.inner.forward.task_losses_of`. Returns the result and which of its
+    (``funcmeta._src.inner.loop.split_adapted``), given a task axis
+    (``funcmeta._src.inner.inputs.per_task``), and the steps of
+    ``funcmeta._src.inner.loop.inner_loop`` on the forward
+    ``funcmeta._src.inner.forward.task_losses_of``. Returns the result and which of its
     parameters carry the task axis (0) and which are shared (``None``).
 
     ``dims`` says that of ``params``, and ``buffers`` carry the axis. ``chunk`` is the forward's
@@ -264,7 +268,7 @@ def _chunk_run(
     opts: AdaptOptions,
 ) -> ChunkRun:
     """The chunk of this inner loop, as the model's executor chooses it (see
-    :mod:`funcmeta._src.batching.chunks`): the call described for it."""
+    ``funcmeta._src.batching.chunks``): the call described for it."""
     if fmodel.executor is None:
         return ChunkRun(fmodel.chunk_now())
     # checked by check_adapt_call(task_batched=True): both are set

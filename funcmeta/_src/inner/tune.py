@@ -32,6 +32,7 @@ from torch import Tensor
 
 from funcmeta._src.batching.chunks import candidate_chunks
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import split_batch, task_count
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
@@ -41,6 +42,7 @@ from funcmeta._src.optim.base import GradientTransformation
 __all__ = ["tune_task_chunk"]
 
 
+@exposed_in("funcmeta")
 def tune_task_chunk(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

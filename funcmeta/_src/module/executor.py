@@ -1,10 +1,10 @@
-"""The executor protocol: what runs a :class:`~funcmeta._src.module.functional.FunctionalModel`
+"""The executor protocol: what runs a :class:`~funcmeta.FunctionalModel`
 on inputs that carry a task axis (a ``vmap`` level), how many tasks it runs at once, and what
 it reports.
 
 The model itself knows nothing of tasks: it swaps tensors in and runs its module. When its
 inputs are batched over tasks and it was given an executor, it hands the call over. The task
-executor of :mod:`funcmeta._src.batching.executor` is the one :func:`funcmeta.functional_model`
+executor of ``funcmeta._src.batching.executor`` is the one :func:`funcmeta.functional_model`
 gives it; without one, a model under ``vmap`` runs on vmap's own rules.
 
 The chunk of a task-batched inner loop is the executor's to choose: :func:`funcmeta.adapt_tasks`

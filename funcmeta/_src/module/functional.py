@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.vmap import any_batched
 from funcmeta._src.module import scope
@@ -35,12 +36,13 @@ from funcmeta._src.module.shadow import synced
 __all__ = ["FunctionalModel", "Swap", "check_layers", "execute"]
 
 
+@exposed_in("funcmeta")
 class FunctionalModel:
     """A module as a pure function ``(params, buffers, *args) -> (out, new_buffers)``.
 
     Build one with :func:`funcmeta.functional_model`, which chooses the checkpointed layers
     (the ``runner``: a shadow of the module with those layers checkpointed, and its
-    ``copies`` kept in step) and gives it the task executor (:mod:`funcmeta._src.module.executor`).
+    ``copies`` kept in step) and gives it the task executor.
 
     Attributes:
         module: the wrapped module; never mutated by calls.
@@ -97,10 +99,12 @@ class FunctionalModel:
 
     @property
     def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
-        """What was chosen per kind of call: under ``task_chunk="auto"``, ``{"chunk": c,
-        "parameters": p, "inputs_per_task": n}`` (what the rule read); under ``"tune"``,
-        ``{"chunk": c, "seconds": {candidate: seconds}}``, a candidate's seconds the least of
-        its two trials. Empty for a pinned chunk."""
+        """The chunk chosen for each kind of call, and why.
+
+        Under ``task_chunk="auto"``, ``{"chunk": c, "parameters": p, "inputs_per_task": n}``
+        (what the rule read); under ``"tune"``, ``{"chunk": c, "seconds": {candidate:
+        seconds}}``, a candidate's seconds the least of its two trials. Empty for a pinned
+        chunk."""
         return {} if self.executor is None else self.executor.choices
 
     def chunk_now(self) -> int | None:
@@ -220,7 +224,7 @@ def execute(
 ) -> tuple[Any, dict[str, Tensor]]:
     """Run ``runner`` (the module or its shadow) with ``params`` and fresh copies of
     ``buffers`` in place: ``(out, new_buffers)``, inside a model-run scope
-    (:mod:`funcmeta._src.module.scope`)."""
+    (``funcmeta._src.module.scope``)."""
     new_buffers = {k: b.clone() for k, b in buffers.items()}
     with (
         synced(copies) if copies else contextlib.nullcontext(),

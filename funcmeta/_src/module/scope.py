@@ -6,8 +6,8 @@ HuggingFace's ``gradient_checkpointing_enable()``). torch recomputes such a bloc
 backward, with whatever tensors the block holds then: after a functional model's run, that is
 the module's own parameters, not the ones the run was given. So while a functional model runs
 (:func:`model_run`) and while funcmeta runs a checkpointed function (:func:`checkpoint_body`),
-``checkpoint`` calls are redirected (:func:`funcmeta._src.core.fence.checkpoint_redirected`) to
-:mod:`funcmeta._src.checkpoint.takeover`, which asks :func:`current` what to do. The state is per
+``checkpoint`` calls are redirected (``funcmeta._src.core.fence.checkpoint_redirected``) to
+``funcmeta._src.checkpoint.takeover``, which asks :func:`current` what to do. The state is per
 thread: a call in another thread runs torch's own ``checkpoint``.
 
 Example:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_number, is_number
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, chain, safe_sqrt
 from funcmeta._src.optim.hyper import Hyperparameter, is_zero, per_leaf
@@ -28,11 +29,13 @@ from funcmeta._src.optim.primitives import (
 __all__ = ["ScaleByAdagradState", "adagrad", "scale_by_adagrad"]
 
 
+@exposed_in("funcmeta.optim")
 class ScaleByAdagradState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
     sum: Tree
 
 
+@exposed_in("funcmeta.optim")
 def scale_by_adagrad(
     lr_decay: Hyperparameter = 0.0,
     initial_accumulator_value: Hyperparameter = 0.0,
@@ -76,6 +79,7 @@ def scale_by_adagrad(
     return GradientTransformation(init, update)
 
 
+@exposed_in("funcmeta.optim")
 def adagrad(
     lr: Hyperparameter = 1e-2,
     lr_decay: Hyperparameter = 0.0,

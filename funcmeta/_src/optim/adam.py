@@ -19,6 +19,7 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_number, is_number
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim._moments import ema, ema_sq
 from funcmeta._src.optim.base import GradientTransformation, chain, safe_sqrt
@@ -32,6 +33,7 @@ from funcmeta._src.optim.primitives import (
 __all__ = ["ScaleByAdamState", "adam", "adamw", "scale_by_adam"]
 
 
+@exposed_in("funcmeta.optim")
 class ScaleByAdamState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
     exp_avg: Tree
@@ -47,6 +49,7 @@ def _sqrt(x: float | Tensor) -> float | Tensor:
     return math.sqrt(x) if is_number(x) else torch.sqrt(x)
 
 
+@exposed_in("funcmeta.optim")
 def scale_by_adam(
     b1: Hyperparameter = 0.9,
     b2: Hyperparameter = 0.999,
@@ -117,6 +120,7 @@ def scale_by_adam(
     return GradientTransformation(init, update)
 
 
+@exposed_in("funcmeta.optim")
 def adam(
     lr: Hyperparameter = 1e-3,
     betas: tuple[Hyperparameter, Hyperparameter] = (0.9, 0.999),
@@ -132,6 +136,7 @@ def adam(
     return chain(*parts)
 
 
+@exposed_in("funcmeta.optim")
 def adamw(
     lr: Hyperparameter = 1e-3,
     betas: tuple[Hyperparameter, Hyperparameter] = (0.9, 0.999),

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 
+@exposed_in("funcmeta.optim")
 class InitFn(Protocol):
     """``init(params) -> state``: the optimizer state for ``params`` (a NamedTuple, or a tuple
     of them for a :func:`chain`). Pure: it reads ``params`` and writes nothing."""
@@ -43,6 +45,7 @@ class InitFn(Protocol):
     def __call__(self, params: Tree) -> Any: ...
 
 
+@exposed_in("funcmeta.optim")
 class UpdateFn(Protocol):
     """``update(updates, state, params=None) -> (new_updates, new_state)``: transform the
     gradients (or the updates of the previous transformation in a :func:`chain`). Pure and
@@ -54,6 +57,7 @@ class UpdateFn(Protocol):
     ) -> tuple[Tree, Any]: ...
 
 
+@exposed_in("funcmeta.optim")
 class DescendFn(Protocol):
     """``descend(grads, state, params) -> (new_params, new_state)``: the same result as
     ``update`` followed by :func:`apply_updates`, in fewer operations (a plain SGD step,
@@ -62,6 +66,7 @@ class DescendFn(Protocol):
     def __call__(self, updates: Tree, state: Any, params: Tree) -> tuple[Tree, Any]: ...
 
 
+@exposed_in("funcmeta.optim")
 class GradientTransformation(NamedTuple):
     """A pure optimizer, the pair ``(init, update)`` of :class:`InitFn` and :class:`UpdateFn`
     (optax's contract), and optionally ``update_tasks`` for updates with a task axis. Any
@@ -92,6 +97,7 @@ class GradientTransformation(NamedTuple):
     keeps its last link's). ``None``: ``update`` then :func:`apply_updates`."""
 
 
+@exposed_in("funcmeta.optim")
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transformations left to right; the state is the tuple of their states.
 
@@ -177,6 +183,7 @@ def step(
     return apply_updates(params, updates), state
 
 
+@exposed_in("funcmeta")
 def apply_updates(params: Tree, updates: Tree) -> Tree:
     """``params + updates`` leaf by leaf, keeping each parameter's dtype.
 

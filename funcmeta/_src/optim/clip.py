@@ -18,12 +18,14 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_max_norm
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, safe_sqrt
 
 __all__ = ["ClipState", "clip_by_global_norm", "clip_grads_by_global_norm", "global_norm"]
 
 
+@exposed_in("funcmeta.optim")
 def global_norm(grads: Tree, *, task_axis: bool = False) -> Tensor:
     """The 2-norm of all leaves together; its derivatives stay finite when all are zero.
 
@@ -55,10 +57,12 @@ def clip_grads_by_global_norm(
     return tree.tree_map(lambda x: x * coef.reshape(-1, *([1] * (x.dim() - 1))), grads)
 
 
+@exposed_in("funcmeta.optim")
 class ClipState(NamedTuple):
     """:func:`clip_by_global_norm` keeps no state."""
 
 
+@exposed_in("funcmeta.optim")
 def clip_by_global_norm(max_norm: float | Tensor) -> GradientTransformation:
     """Clip the updates to a global 2-norm of at most ``max_norm`` (number or 0-d tensor).
 

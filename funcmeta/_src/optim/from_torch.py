@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.optim.adagrad import adagrad
 from funcmeta._src.optim.adam import adam, adamw
 from funcmeta._src.optim.base import GradientTransformation
@@ -97,6 +98,7 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+@exposed_in("funcmeta.optim")
 def from_torch(optimizer: torch.optim.Optimizer, params: Any) -> GradientTransformation:
     """The funcmeta optimizer equivalent to ``optimizer``, for the parameters ``params``.
 

@@ -61,6 +61,7 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_choice, check_int, check_real, is_number
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 
 __all__ = [
@@ -89,7 +90,7 @@ def per_leaf(
 ) -> list[Any]:
     """``value`` resolved to one entry per leaf of ``grads`` (numbers or broadcastable tensors).
 
-    Raises ``TypeError``/``ValueError``/:class:`funcmeta._src.core.tree.TreeMismatchError` naming the
+    Raises ``TypeError``/``ValueError``/:class:`funcmeta.tree.TreeMismatchError` naming the
     hyperparameter and the offending parameter path.
     """
     if callable(value) and not isinstance(value, Tensor):
@@ -181,6 +182,7 @@ def _inverse(value: float, parameterization: Parameterization) -> float:
     return value + math.log(-math.expm1(-value))
 
 
+@exposed_in("funcmeta.hyper")
 class HyperTree(nn.Module):
     """Learnable hyperparameter values; build one with :func:`scalar`, :func:`per_layer`,
     :func:`per_tensor` or :func:`per_element`.
@@ -334,6 +336,7 @@ def _template(params: Tree) -> tuple[list[str], list[Tensor], tree.PyTreeSpec]:
     return tree.paths(params), leaves, spec
 
 
+@exposed_in("funcmeta.hyper")
 def scalar(
     init: float,
     *,
@@ -388,6 +391,7 @@ def _grouped(
     )
 
 
+@exposed_in("funcmeta.hyper")
 def per_layer(
     params: Tree,
     init: float,
@@ -402,6 +406,7 @@ def per_layer(
     return _grouped("per_layer", params, init, layers, steps, parameterization)
 
 
+@exposed_in("funcmeta.hyper")
 def per_tensor(
     params: Tree,
     init: float,
@@ -414,6 +419,7 @@ def per_tensor(
     return _grouped("per_tensor", params, init, names, steps, parameterization)
 
 
+@exposed_in("funcmeta.hyper")
 def per_element(
     params: Tree,
     init: float,

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_number, is_number
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, same_dtype
 from funcmeta._src.optim.hyper import Hyperparameter, LeafResolver, is_zero, per_leaf
@@ -50,10 +51,12 @@ def scale(x: Tensor, factor: Any) -> Tensor:
     return x.mul(factor) if is_number(factor) else x * factor
 
 
+@exposed_in("funcmeta.optim")
 class ScaleByLearningRateState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
 
 
+@exposed_in("funcmeta.optim")
 def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
     """``updates = -lr * updates``: the last link of every optimizer here."""
     check_number(lr, "learning rate")
@@ -90,10 +93,12 @@ def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
     return GradientTransformation(init, update, descend=descend)
 
 
+@exposed_in("funcmeta.optim")
 class AddDecayedWeightsState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
 
 
+@exposed_in("funcmeta.optim")
 def add_decayed_weights(weight_decay: Hyperparameter) -> GradientTransformation:
     """``updates = updates + weight_decay * params`` (L2 when placed before the moments,
     decoupled when placed after them, as in AdamW)."""
@@ -120,10 +125,12 @@ def add_decayed_weights(weight_decay: Hyperparameter) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+@exposed_in("funcmeta.optim")
 class AddProximalState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
 
 
+@exposed_in("funcmeta.optim")
 def add_proximal(strength: Hyperparameter, anchor: Tree) -> GradientTransformation:
     """``updates = updates + strength * (params - anchor)``: the gradient of the proximal term
     ``strength / 2 * ||params - anchor||^2`` (iMAML's inner objective).
@@ -156,11 +163,13 @@ def add_proximal(strength: Hyperparameter, anchor: Tree) -> GradientTransformati
     return GradientTransformation(init, update)
 
 
+@exposed_in("funcmeta.optim")
 class TraceState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
     momentum_buffer: Tree
 
 
+@exposed_in("funcmeta.optim")
 def momentum_trace(
     momentum: Hyperparameter, dampening: Hyperparameter = 0.0, nesterov: bool = False
 ) -> GradientTransformation:

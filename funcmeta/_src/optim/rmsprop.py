@@ -16,6 +16,7 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_number
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim._moments import ema, ema_sq
 from funcmeta._src.optim.base import GradientTransformation, chain, safe_sqrt
@@ -30,12 +31,14 @@ from funcmeta._src.optim.primitives import (
 __all__ = ["ScaleByRmsState", "rmsprop", "scale_by_rms"]
 
 
+@exposed_in("funcmeta.optim")
 class ScaleByRmsState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
     square_avg: Tree
     grad_avg: Tree | None
 
 
+@exposed_in("funcmeta.optim")
 def scale_by_rms(
     alpha: Hyperparameter = 0.99, eps: Hyperparameter = 1e-8, centered: bool = False
 ) -> GradientTransformation:
@@ -86,6 +89,7 @@ def scale_by_rms(
     return GradientTransformation(init, update)
 
 
+@exposed_in("funcmeta.optim")
 def rmsprop(
     lr: Hyperparameter = 1e-2,
     alpha: Hyperparameter = 0.99,

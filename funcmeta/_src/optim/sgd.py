@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.optim.base import GradientTransformation, chain
 from funcmeta._src.optim.hyper import Hyperparameter, is_zero
 from funcmeta._src.optim.primitives import (
@@ -22,6 +23,7 @@ from funcmeta._src.optim.primitives import (
 __all__ = ["sgd"]
 
 
+@exposed_in("funcmeta.optim")
 def sgd(
     lr: Hyperparameter = 1e-3,
     momentum: Hyperparameter = 0.0,
@@ -34,7 +36,8 @@ def sgd(
     Per step: ``g += weight_decay * p``; with momentum ``buf = momentum * buf +
     (1 - dampening) * g`` (``buf = g`` on the first step) and ``g = buf`` (or
     ``g + momentum * buf`` with ``nesterov``); ``p -= lr * g``. Any hyperparameter may be a
-    tensor, a tree of tensors or a schedule (see :mod:`funcmeta._src.optim.hyper`).
+    tensor, a tree of tensors or a schedule (see
+    :data:`funcmeta.optim.Hyperparameter`).
     """
     parts = []
     if not is_zero(weight_decay):

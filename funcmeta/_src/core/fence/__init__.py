@@ -10,12 +10,12 @@ on and fails with the torch version and the missing name. What each is for:
 
 - **functorch's batching primitives** (``torch._C._functorch``): stepping in and out of a
   ``vmap`` level, wrapping and unwrapping batched tensors. Task batching's fast layers and
-  checkpointed layers under ``vmap`` need them (:mod:`funcmeta.batching`).
+  checkpointed layers under ``vmap`` need them (``_src/batching``).
 - **torch's pytree registry** (``torch.utils._cxx_pytree`` or ``torch.utils._pytree``):
   flattening outputs of registered types (HuggingFace ``ModelOutput``).
 - **attention kernel flags** (``torch._C._get/_set_*_sdp_*``) and the multi-head attention
   fast-path flag (``torch.backends.mha._is_fastpath_enabled``): choosing twice-differentiable
-  kernels and putting the user's choice back (:mod:`funcmeta._src.core.kernels`).
+  kernels and putting the user's choice back (:mod:`funcmeta.checkpoint.kernels`).
 - **``nn.Module`` internals**: its ``_parameters``, ``_buffers`` and ``_modules`` dicts
   (shadow module trees share them; :class:`funcmeta.FunctionalModel` swaps tensors in
   them), its hook dictionaries (does a call run hooks?), and a convolution's
@@ -23,7 +23,7 @@ on and fails with the torch version and the missing name. What each is for:
 - **``torch.utils.checkpoint.checkpoint``'s code**: while funcmeta runs a model or
   recomputes a layer, calls of ``torch.utils.checkpoint.checkpoint`` (however the caller
   imported it: HuggingFace binds it in a ``functools.partial``) reach funcmeta's dispatcher
-  instead (:mod:`funcmeta._src.checkpoint.takeover`); the function's code is swapped for a trampoline
+  instead (``funcmeta._src.checkpoint.takeover``); the function's code is swapped for a trampoline
   and put back when the last such block ends. Calls from other threads, or outside those
   blocks, run torch's own code.
 - **vmap's refusals**: which ``RuntimeError`` texts mean "vmap cannot batch this" (torch has

@@ -1,14 +1,14 @@
-"""What the recipes share: their result type, the inner optimizer they default to, and the
-query loss."""
+"""What the recipes share: the check of their call, the inner optimizer they default to, and
+the query loss."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch import Tensor
 
-from funcmeta._src.core.types import AdaptResult, LossFn
+from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model, split_batch, task_count
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import task_losses
@@ -16,43 +16,7 @@ from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.sgd import sgd
 
-__all__ = ["RecipeResult", "check_recipe", "query_loss", "resolve_opt"]
-
-
-class RecipeResult(NamedTuple):
-    """What every recipe returns.
-
-    Attributes:
-        loss: the outer objective: call ``.backward()`` on it; its gradient is the method's
-            meta-gradient, for the parameters and any learnable hyperparameters. For MAML,
-            FOMAML, Meta-SGD and ANIL it is the mean query loss after adaptation, for MAML++
-            the weighted multi-step query loss; for Reptile and iMAML, which are not
-            loss-based, a surrogate whose gradient is the method's update direction.
-        query_loss: the mean query loss after adaptation, detached, for logging (``None``
-            when Reptile is given no query set).
-        adapted: the inner loop's :class:`funcmeta.AdaptResult`, with a task axis (MAML++:
-            that of the last step); ``None`` for Prototypical Networks, which have none.
-        step_buffers: MAML++ only: each inner step's BatchNorm statistics, to pass back as
-            ``step_buffers`` in the next call.
-        residual: iMAML only: ``||rhs - (I + H/lam) x|| / ||rhs||`` of the returned
-            solution, one per task.
-        curvature_stop: iMAML only: the tasks whose conjugate gradient met non-positive
-            curvature and stopped there.
-        logits: the model's outputs on the query set, with a task axis: ``(T, Q, ways)``
-            logits for a classifier, from the forward pass that gave ``query_loss`` (after
-            adaptation; MAML++: after the last step), to compute accuracy without a second
-            pass. Still part of the graph where ``loss`` is (MAML, ANIL, Meta-SGD, MAML++,
-            ProtoNets, R2D2); detach before keeping them. ``None`` for Reptile without a
-            query set.
-    """
-
-    loss: Tensor
-    query_loss: Tensor | None
-    adapted: AdaptResult | None
-    step_buffers: list[dict[str, Tensor]] | None = None
-    residual: Tensor | None = None
-    curvature_stop: Tensor | None = None
-    logits: Tensor | None = None
+__all__ = ["check_recipe", "query_loss", "resolve_opt"]
 
 
 def check_recipe(fmodel: Any, support: Any, query: Any) -> None:

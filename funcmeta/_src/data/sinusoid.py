@@ -12,10 +12,12 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_int, check_real
+from funcmeta._src.core.exposed import exposed_in
 
 __all__ = ["Sinusoid", "SinusoidBatch"]
 
 
+@exposed_in("funcmeta.data")
 class SinusoidBatch(NamedTuple):
     """A batch of tasks; every tensor has a leading task axis ``T``.
 
@@ -49,6 +51,7 @@ def _check_range(name: str, lo_hi: tuple[float, float]) -> tuple[float, float]:
     return lo, hi
 
 
+@exposed_in("funcmeta.data")
 class Sinusoid:
     """The sinusoid task distribution; :meth:`sample` draws tasks with support and query sets.
 

@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta.recipes._common import RecipeResult
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["prototype_logits", "protonet"]
 
@@ -43,6 +44,7 @@ def _labels(y: Any, what: str) -> Tensor:
     return y
 
 
+@exposed_in("funcmeta.recipes")
 def prototype_logits(
     support_embeddings: Tensor, support_labels: Tensor, query_embeddings: Tensor, ways: int
 ) -> Tensor:
@@ -78,6 +80,7 @@ def embed_episodes(
     return out[:, : x_support.shape[1]], out[:, x_support.shape[1] :]
 
 
+@exposed_in("funcmeta.recipes")
 def protonet(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

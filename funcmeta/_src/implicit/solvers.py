@@ -39,6 +39,7 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_choice, check_int, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 
 __all__ = ["CG", "ConvergenceWarning", "Neumann", "NormalCG", "Solution", "Solver"]
@@ -46,12 +47,14 @@ __all__ = ["CG", "ConvergenceWarning", "Neumann", "NormalCG", "Solution", "Solve
 MatVec = Callable[[Tree], Tree]
 
 
+@exposed_in("funcmeta.implicit")
 class ConvergenceWarning(RuntimeWarning):
     """A linear solve (or the inner optimisation it rests on) did not reach the accuracy asked
     for; the gradient it gives is not the implicit gradient. Turn it into an error with
     ``warnings.simplefilter("error", fm.implicit.ConvergenceWarning)``."""
 
 
+@exposed_in("funcmeta.implicit")
 class Solution(NamedTuple):
     """What a solver returns.
 
@@ -136,6 +139,7 @@ class _System:
         return self.dot(a, a).sqrt()
 
 
+@exposed_in("funcmeta.implicit")
 class Solver(abc.ABC):
     """The interface of the solvers here: ``solver(matvec, b, rmatvec=None, batch_dims=0)``.
     An abstract base: :func:`funcmeta.implicit.root` accepts its subclasses."""
@@ -163,6 +167,7 @@ class _Krylov(Solver):
         check_real(self.tol, "tol", low=0.0)
 
 
+@exposed_in("funcmeta.implicit")
 @dataclass(frozen=True)
 class CG(_Krylov):
     """Conjugate gradient for ``(A + damping I) x = b`` with ``A`` symmetric positive definite
@@ -225,6 +230,7 @@ class CG(_Krylov):
         return Solution(tree.unflatten(s.spec, x), residual, iterations, stopped)
 
 
+@exposed_in("funcmeta.implicit")
 @dataclass(frozen=True)
 class NormalCG(_Krylov):
     """Conjugate gradient on the normal equations ``(A^T A + damping I) x = A^T b``: any
@@ -259,6 +265,7 @@ class NormalCG(_Krylov):
         return Solution(inner.x, residual, inner.iterations, inner.curvature_stop)
 
 
+@exposed_in("funcmeta.implicit")
 @dataclass(frozen=True)
 class Neumann(Solver):
     """The truncated Neumann series ``x = alpha sum_{k<steps} (I - alpha (A + damping I))^k b``

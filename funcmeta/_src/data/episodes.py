@@ -20,10 +20,12 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 
 __all__ = ["ClassLabels", "EpisodeBatch", "Episodes", "omniglot_characters", "split_classes"]
 
 
+@exposed_in("funcmeta.data")
 class EpisodeBatch(NamedTuple):
     """A batch of N-way K-shot episodes; every tensor has a leading task axis ``T``.
 
@@ -50,6 +52,7 @@ class EpisodeBatch(NamedTuple):
         return (self.x_query, self.y_query)
 
 
+@exposed_in("funcmeta.data")
 class ClassLabels(Tensor):
     """Integer class labels that carry the group of each class: classes made from one source
     (the four rotations of an Omniglot character) share a group, and :func:`split_classes`
@@ -164,6 +167,7 @@ _KEEPS_LABELS = frozenset(
 torch.serialization.add_safe_globals([ClassLabels])
 
 
+@exposed_in("funcmeta.data")
 def split_classes(
     labels: Tensor,
     sizes: Sequence[int],
@@ -301,6 +305,7 @@ def _split_groups(
     return out
 
 
+@exposed_in("funcmeta.data")
 def omniglot_characters(class_names: Sequence[str]) -> list[str]:
     """The character of each Omniglot class (``"alphabet/characterNN"``, its rotations'
     ``"/rot90"`` ... suffix dropped): the ``groups`` :func:`funcmeta.data.load_omniglot`'s labels carry.
@@ -313,6 +318,7 @@ def omniglot_characters(class_names: Sequence[str]) -> list[str]:
     return ["/".join(name.split("/")[:2]) for name in class_names]
 
 
+@exposed_in("funcmeta.data")
 class Episodes:
     """Draws N-way K-shot episodes from ``inputs`` (N, ...) with integer ``labels`` (N,).
 

@@ -26,17 +26,20 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.sgd import sgd
-from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss
+from funcmeta._src.recipes.common import check_recipe, query_loss
+from funcmeta._src.recipes.results import MamlppResult
 
 __all__ = ["mamlpp", "mamlpp_step_weights"]
 
 
+@exposed_in("funcmeta.recipes")
 def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
     """The multi-step loss weights of MAML++ at ``epoch`` (its reference schedule).
 
@@ -55,6 +58,7 @@ def mamlpp_step_weights(steps: int, epoch: int, msl_epochs: int) -> Tensor:
     return weights
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def mamlpp(
     fmodel: FunctionalModel,
@@ -68,7 +72,7 @@ def mamlpp(
     step_weights: Tensor,
     step_buffers: list[dict[str, Tensor]] | None = None,
     **options: Unpack[AdaptKeywords],
-) -> RecipeResult:
+) -> MamlppResult:
     """MAML++: ``loss`` is ``sum_k step_weights[k] * query_loss(after step k+1)``.
 
     ``lr`` gives step ``k``'s learning rates as ``lr(k)``; usually
@@ -112,7 +116,7 @@ def mamlpp(
         step_loss, logits = query_loss(fmodel, params, loss_fn, query, adapted.buffers)
         total = total + weights[k].to(step_loss.dtype) * step_loss
     loss = cast(Tensor, total)  # a tensor: steps >= 1 (checked above)
-    return RecipeResult(loss, step_loss.detach(), adapted, step_buffers=new_buffers, logits=logits)
+    return MamlppResult(loss, step_loss.detach(), adapted, logits=logits, step_buffers=new_buffers)
 
 
 def _across_tasks(buffers: dict[str, Tensor]) -> dict[str, Tensor]:

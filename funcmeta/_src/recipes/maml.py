@@ -17,16 +17,19 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import Unpack
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, FirstOrderKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.common import check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["fomaml", "maml"]
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def maml(
     fmodel: FunctionalModel,
@@ -57,6 +60,7 @@ def maml(
     return RecipeResult(loss, loss.detach(), adapted, logits=logits)
 
 
+@exposed_in("funcmeta.recipes")
 def fomaml(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

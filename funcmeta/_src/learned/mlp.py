@@ -47,12 +47,14 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, safe_sqrt
 
 __all__ = ["LearnedOptimizer", "LearnedOptimizerState"]
 
 
+@exposed_in("funcmeta.learned")
 class LearnedOptimizerState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
     momenta: tuple[Tree, ...]
@@ -63,6 +65,7 @@ def _check_decay(value: float, name: str) -> float:
     return check_real(value, name, low=0.0, high=1.0, high_open=True)
 
 
+@exposed_in("funcmeta.learned")
 class LearnedOptimizer(nn.Module):
     """A per-coordinate MLP optimizer; :meth:`transform` is it as a
     :class:`~funcmeta.optim.GradientTransformation` (a whole optimizer: its updates are the

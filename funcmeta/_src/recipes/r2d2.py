@@ -29,15 +29,17 @@ from typing import Any
 
 from torch import Tensor
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
+from funcmeta._src.heads.ridge import RidgeHead
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta.heads import RidgeHead
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.protonet import classify_embeddings
+from funcmeta._src.recipes.protonet import classify_embeddings
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["r2d2"]
 
 
+@exposed_in("funcmeta.recipes")
 def r2d2(
     fmodel: FunctionalModel,
     params: Mapping[str, Tensor],

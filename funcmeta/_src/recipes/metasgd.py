@@ -22,17 +22,19 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core import tree
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta.hyper import HyperTree, per_element
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.maml import maml
+from funcmeta._src.optim.hyper import HyperTree, per_element
+from funcmeta._src.recipes.maml import maml
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["metasgd", "metasgd_rates"]
 
 
+@exposed_in("funcmeta.recipes")
 def metasgd_rates(
     params: Tree,
     low: float = 0.005,
@@ -53,6 +55,7 @@ def metasgd_rates(
     return rates
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def metasgd(
     fmodel: FunctionalModel,

@@ -8,7 +8,7 @@ Philox's counter) is kept as its bytes in a ``uint8`` tensor with its dtype and 
 
 Example:
     >>> import numpy as np
-    >>> from funcmeta._src.core.rng_state import get_state, set_state
+    >>> from funcmeta._src.snapshot.rng_state import get_state, set_state
     >>> rng = np.random.default_rng(0)
     >>> saved = get_state(rng, "tasks")
     >>> a = rng.random()

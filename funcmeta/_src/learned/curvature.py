@@ -32,12 +32,14 @@ from torch import Tensor, nn
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation
 
 __all__ = ["MetaCurvature", "MetaCurvatureState"]
 
 
+@exposed_in("funcmeta.learned")
 class MetaCurvatureState(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count
 
@@ -53,6 +55,7 @@ def _key(path: str, mode: int) -> str:
     return f"{path.replace('.', '-')}-{mode}"
 
 
+@exposed_in("funcmeta.learned")
 class MetaCurvature(nn.Module):
     """Learnable per-mode preconditioning matrices for the parameters ``params``.
 

@@ -25,16 +25,19 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.tasks import adapt_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta.recipes._common import RecipeResult, check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.common import check_recipe, query_loss, resolve_opt
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["reptile"]
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def reptile(
     fmodel: FunctionalModel,

@@ -37,15 +37,17 @@ from typing_extensions import Unpack
 
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import check_int, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
+from funcmeta._src.implicit.solvers import CG, ConvergenceWarning
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation, chain
 from funcmeta._src.optim.primitives import add_proximal
-from funcmeta.implicit.solvers import CG, ConvergenceWarning
-from funcmeta.recipes._common import RecipeResult, check_recipe, resolve_opt
+from funcmeta._src.recipes.common import check_recipe, resolve_opt
+from funcmeta._src.recipes.results import ImamlResult
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
 
@@ -55,6 +57,7 @@ LAM_DAMPING = 10.0
 """``d`` of the authors' damped system ``(1 + c) v + H v / (lam + d)``."""
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def imaml(
     fmodel: FunctionalModel,
@@ -73,21 +76,21 @@ def imaml(
     lam_damping: float = LAM_DAMPING,
     max_residual: float = 1e-2,
     **options: Unpack[AdaptKeywords],
-) -> RecipeResult:
+) -> ImamlResult:
     """The iMAML meta-gradient for a batch of tasks, as a surrogate for ``.backward()``.
 
     The inner loop is ``steps`` steps of ``opt`` (or SGD with ``lr``; one of them is required) on the proximal
     objective with strength ``lam``. Then ``cg_steps`` conjugate-gradient iterations solve
     ``((1 + damping) I + H / (lam + lam_damping)) x = grad L_query(phi*)`` per task, stopping
     early once the residual is below ``cg_tol`` relative to the right-hand side. The defaults
-    (:data:`DAMPING`, :data:`LAM_DAMPING`) are the authors'; ``damping=0, lam_damping=0``
+    (``DAMPING``, ``LAM_DAMPING``) are the authors'; ``damping=0, lam_damping=0``
     solves ``(I + H/lam) x = grad L_query(phi*)``, the exact implicit gradient. The parameters must all be adapted
     (the option ``trainable`` is refused); the other options of
     :class:`funcmeta.AdaptOptions` apply to the inner loop. Buffers (BatchNorm) are used as
     the module holds them. ``result.residual`` and ``result.curvature_stop`` report on the
     solve.
 
-    A :class:`ConvergenceWarning` names the tasks whose returned solution has a relative
+    A :class:`funcmeta.implicit.ConvergenceWarning` names the tasks whose returned solution has a relative
     residual above ``max_residual`` (or a non-finite one), and the tasks whose inner loop
     ended with a larger proximal objective than it started with (a diverging inner
     optimizer: lower its learning rate); the meta-gradient of such a task is not the
@@ -148,7 +151,7 @@ def imaml(
     surrogate = sum((params[k] * g).sum() for k, g in meta_grad.items())
     residual = solution.residual.detach()
     _check_convergence(residual, max_residual, s_losses.detach(), free, theta, lam, adapted)
-    return RecipeResult(
+    return ImamlResult(
         surrogate,
         q_losses.detach().mean(),
         adapted,

@@ -44,9 +44,10 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_choice, check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import inside_transform
 from funcmeta._src.core.tree import Tree
-from funcmeta.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
+from funcmeta._src.implicit.solvers import CG, ConvergenceWarning, Solver, _dot, leaves_like
 
 __all__ = ["ConvergenceError", "Report", "root"]
 
@@ -54,10 +55,12 @@ Condition = Callable[[Tree, Tree], Tree]
 OnUnsolved = Literal["raise", "warn", "ignore"]
 
 
+@exposed_in("funcmeta.implicit")
 class ConvergenceError(RuntimeError):
     """The linear solve of an implicit gradient left a residual above ``max_residual``."""
 
 
+@exposed_in("funcmeta.implicit")
 class Report:
     """What :func:`root` found out, filled in as it runs (pass one as ``report=``).
 
@@ -220,6 +223,7 @@ def _record(pb: _Problem, sol: Any) -> None:
     warnings.warn(message, ConvergenceWarning, stacklevel=2)
 
 
+@exposed_in("funcmeta.implicit")
 def root(
     condition: Condition,
     solution: Tree,

@@ -38,9 +38,10 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_choice, check_int
-from funcmeta.data._download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
-from funcmeta.data._files import check_sha256, safe_members
-from funcmeta.data.episodes import ClassLabels, EpisodeBatch, omniglot_characters
+from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.data.download import OMNIGLOT_FILES, OMNIGLOT_URL, download_omniglot
+from funcmeta._src.data.episodes import ClassLabels, EpisodeBatch, omniglot_characters
+from funcmeta._src.data.files import check_sha256, safe_members
 
 __all__ = ["RESAMPLE", "load_omniglot", "load_omniglot_runs", "missing_omniglot_files"]
 
@@ -127,6 +128,7 @@ def _decode(where: str, opener: Opener, size: int, resample: str = "lanczos") ->
     return pixels.reshape(size, size).float() / 255
 
 
+@exposed_in("funcmeta.data")
 def load_omniglot(
     root: str | Path,
     split: str | Sequence[str] = "background",
@@ -148,7 +150,7 @@ def load_omniglot(
     from the folder is fetched into it from the dataset's public repository and verified
     (the minimal splits, whose sha256 is known; ``url`` is the base address, a mirror with
     the repository's layout works). An archive named like an
-    official file must have its sha256 (:data:`funcmeta.data._files.KNOWN_SHA256`); member
+    official file must have its sha256 (the checksums funcmeta knows); member
     names that would leave the archive (absolute, ``..``) are refused; an image that does not
     decode raises ``ValueError`` naming it.
 
@@ -160,7 +162,7 @@ def load_omniglot(
 
     ``images``: ``(N, 1, size, size)`` float32 in [0, 1], strokes 1 when ``invert`` (the
     drawings are black on white), resized from 105x105 with Pillow's filter ``resample`` (one
-    of :data:`RESAMPLE`; ``"bicubic"`` is Pillow's own default, which other loaders use).
+    of ``RESAMPLE``; ``"bicubic"`` is Pillow's own default, which other loaders use).
     ``labels``: ``(N,)`` class index per image, as :class:`~funcmeta.data.ClassLabels` that
     carry each class's character (``labels.groups``). ``class_names``:
     ``"alphabet/characterNN"`` per class, sorted. With ``rotations``, each character also
@@ -257,6 +259,7 @@ def _has_runs(folder: Path) -> bool:
     )
 
 
+@exposed_in("funcmeta.data")
 def missing_omniglot_files(
     root: str | Path,
     splits: str | Sequence[str] = (),
@@ -270,7 +273,7 @@ def missing_omniglot_files(
     repository). A split counts as there unpacked (``images_background/``) or as its archive;
     the runs as ``all_runs.zip``, ``all_runs/`` or ``runNN/``. Empty when everything is there,
     or when ``root`` is a file (an archive, read as given). Only the minimal splits and the
-    runs can be fetched (``download=True``, :data:`OMNIGLOT_FILES`); the others must be put in
+    runs can be fetched (``download=True``, :data:`funcmeta.data.OMNIGLOT_FILES`); the others must be put in
     ``root`` by hand. Raises ``ValueError`` for an unknown split.
 
     Example:
@@ -311,6 +314,7 @@ def _run_files(source: Path, stack: contextlib.ExitStack) -> tuple[dict[str, Ope
     return files, f"{base}/"
 
 
+@exposed_in("funcmeta.data")
 def load_omniglot_runs(
     root: str | Path,
     *,

@@ -28,19 +28,21 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import Unpack
 
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Filter
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.options import HeadKeywords, takes_options
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta.recipes._common import RecipeResult
-from funcmeta.recipes.maml import maml
-from funcmeta.recipes.protonet import embed_episodes
+from funcmeta._src.recipes.maml import maml
+from funcmeta._src.recipes.protonet import embed_episodes
+from funcmeta._src.recipes.results import RecipeResult
 
 __all__ = ["anil"]
 
 
+@exposed_in("funcmeta.recipes")
 @takes_options
 def anil(
     fmodel: FunctionalModel,

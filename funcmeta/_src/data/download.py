@@ -1,6 +1,6 @@
 """Fetching the official Omniglot files into a cache directory, verified by sha256.
 
-Only files whose checksum funcmeta knows (:data:`funcmeta.data._files.KNOWN_SHA256`) are
+Only files whose checksum funcmeta knows (``KNOWN_SHA256``) are
 downloaded: a file is written under its final name only after its sha256 matched.
 """
 
@@ -14,14 +14,15 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from funcmeta._src.core.checks import check_real
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tempfiles import make_temp, remove_stale
-from funcmeta.data._files import KNOWN_SHA256, KNOWN_SIZE, sha256
+from funcmeta._src.data.files import KNOWN_SHA256, KNOWN_SIZE, sha256
 
 __all__ = ["OMNIGLOT_FILES", "OMNIGLOT_URL", "download_omniglot"]
 
 OMNIGLOT_URL = "https://github.com/brendenlake/omniglot/raw/master/"
 """Where the dataset's public repository serves its files; a file's address is this
-followed by its path in :data:`OMNIGLOT_FILES`."""
+followed by its path in :data:`funcmeta.data.OMNIGLOT_FILES`."""
 
 OMNIGLOT_FILES = {
     "images_background_small1.zip": "python/images_background_small1.zip",
@@ -77,6 +78,7 @@ def _fetch(
         raise
 
 
+@exposed_in("funcmeta.data")
 def download_omniglot(
     root: str | Path,
     files: Iterable[str] = DEFAULT_FILES,
@@ -85,7 +87,7 @@ def download_omniglot(
     timeout: float = 60.0,
     deadline: float = 600.0,
 ) -> dict[str, Path]:
-    """Fetch official Omniglot ``files`` (names in :data:`OMNIGLOT_FILES`) into ``root``
+    """Fetch official Omniglot ``files`` (names in :data:`funcmeta.data.OMNIGLOT_FILES`) into ``root``
     and return their paths by name.
 
     A file already in ``root`` with the right sha256 is kept and not fetched again; one with

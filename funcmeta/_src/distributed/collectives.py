@@ -1,0 +1,225 @@
+"""Task-parallel meta-training over plain collectives: the implementation of
+:mod:`funcmeta.distributed`."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from funcmeta._src.core import tree
+from funcmeta._src.core.checks import check_real
+from funcmeta._src.core.exposed import exposed_in
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MismatchError",
+    "PeerError",
+    "average_gradients",
+    "shard",
+    "world",
+]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a collective of :func:`average_gradients` waits for the other ranks by default."""
+
+
+@exposed_in("funcmeta.distributed")
+class PeerError(RuntimeError):
+    """A collective with the other ranks failed or timed out: a peer process is gone or stalled.
+
+    The process group cannot be trusted after it: exit, and resume every rank from its last
+    snapshot (``fm.snapshot.load``; docs/distributed.md)."""
+
+
+@exposed_in("funcmeta.distributed")
+class MismatchError(ValueError):
+    """The ranks disagree on what they average (names, shapes, dtypes, count); raised on
+    every rank, with the same message naming the first difference."""
+
+
+def _named(tensors: Iterable[Tensor] | Mapping[str, Tensor]) -> list[tuple[str, Tensor]]:
+    if isinstance(tensors, Mapping):
+        return [(str(k), v) for k, v in tensors.items()]
+    return [(f"tensor {i}", t) for i, t in enumerate(tensors)]
+
+
+def _signature(named: list[tuple[str, Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+
+
+def _digest(signature: list[tuple[str, tuple[int, ...], str]]) -> int:
+    text = repr(signature).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+
+
+def _first_difference(signatures: list[Any]) -> str:
+    """The first entry in which some rank differs from rank 0, as a sentence."""
+    base = signatures[0]
+    for r, other in enumerate(signatures[1:], start=1):
+        if other == base:
+            continue
+        for i, (a, b) in enumerate(itertools.zip_longest(base, other)):
+            if a == b:
+                continue
+            if a is None or b is None:
+                extra, owner = (b, r) if a is None else (a, 0)
+                return (
+                    f"rank 0 averages {len(base)} tensors and rank {r} {len(other)}; "
+                    f"the first one only rank {owner} has is {extra[0]!r} "
+                    f"(shape {extra[1]}, {extra[2]})"
+                )
+            return (
+                f"entry {i}: rank 0 has {a[0]!r} (shape {a[1]}, {a[2]}), "
+                f"rank {r} has {b[0]!r} (shape {b[1]}, {b[2]})"
+            )
+    return "the ranks' signatures differ"  # pragma: no cover - digests collide only if they differ
+
+
+def _wait(work: Any, timeout: float, what: str) -> None:
+    try:
+        work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:
+        raise PeerError(
+            f"rank {dist.get_rank()}: {what} with the other ranks failed or did not finish "
+            f"within {timeout:g} s: a peer process is gone or stalled ({e}). Exit and resume "
+            "every rank from its last snapshot."
+        ) from e
+
+
+@exposed_in("funcmeta.distributed")
+def world(group: Any = None) -> tuple[int, int]:
+    """``(rank, world_size)`` of ``group``, or ``(0, 1)`` without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@exposed_in("funcmeta.distributed")
+def shard(batch: Any, *, group: Any = None) -> tuple[Any, int]:
+    """This rank's contiguous share of the leading task axis of every tensor in ``batch``.
+
+    Returns ``(share, count)``, where ``count`` is the number of tasks in the share. Shares
+    differ by at most one task. A rank may get none when there are fewer tasks than ranks;
+    its ``count`` is then 0. Raises ``ValueError`` when the tensors disagree on the number of
+    tasks.
+    """
+    leaves = [x for x in tree.leaves(batch) if isinstance(x, Tensor)]
+    if not leaves:
+        raise ValueError("the batch holds no tensors to shard")
+    tasks = leaves[0].shape[0]
+    if any(x.dim() == 0 or x.shape[0] != tasks for x in leaves):
+        raise ValueError(
+            f"every batch tensor needs the same leading task axis ({tasks} tasks expected); "
+            f"got leading sizes {[tuple(x.shape)[:1] for x in leaves]}"
+        )
+    rank, size = world(group)
+    base, extra = divmod(tasks, size)
+    start = rank * base + min(rank, extra)
+    count = base + (1 if rank < extra else 0)
+    share = tree.tree_map(lambda x: x[start : start + count] if isinstance(x, Tensor) else x, batch)
+    return share, count
+
+
+@exposed_in("funcmeta.distributed")
+def average_gradients(
+    tensors: Iterable[Tensor] | Mapping[str, Tensor],
+    count: int | float = 1,
+    *,
+    group: Any = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Replace each tensor's ``.grad`` by the task-weighted mean over the ranks, in place.
+
+    Call it on every rank, with the same tensors in the same order (the model's parameters,
+    then the hyperparameters' parameters), after ``.backward()`` on the mean loss over this
+    rank's ``count`` tasks. The result is ``sum_r count_r * grad_r / sum_r count_r``: the
+    gradient of the mean over all tasks. A missing ``.grad`` counts as zeros (and is set). A
+    rank whose share is empty skips ``.backward()`` and passes ``count=0``. Without an
+    initialised process group it does nothing.
+
+    ``tensors`` may be a dict ``name -> tensor`` (``dict(net.named_parameters())``): errors
+    then name the tensors. The ranks first check that they average the same thing
+    (:class:`MismatchError` on every rank if not); each collective waits at most
+    ``timeout`` seconds (:class:`PeerError` if a peer is gone or stalled).
+    """
+    named = _named(tensors)
+    check_real(count, "count (the number of tasks this rank's loss is the mean over)", low=0.0)
+    check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
+    if world(group)[1] == 1:
+        return
+    device = named[0][1].device if named else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    _check_signature(_signature(named), device, group, timeout)
+    if not named:
+        return
+    grads = [torch.zeros_like(t) if t.grad is None else t.grad for _, t in named]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_ones(1)]) * float(count)
+    _wait(
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        timeout,
+        "averaging the gradients",
+    )
+    total = flat[-1]
+    if float(total) == 0:
+        raise ValueError("no rank had any task: nothing to average")
+    flat = flat[:-1] / total
+    offset = 0
+    for (_, t), g in zip(named, grads, strict=True):
+        n = g.numel()
+        t.grad = flat[offset : offset + n].reshape(g.shape).to(g.dtype).clone()
+        offset += n
+
+
+def _check_signature(
+    signature: list[Any], device: torch.device, group: Any, timeout: float
+) -> None:
+    """Raise :class:`MismatchError` on every rank unless all ranks have ``signature``."""
+    size = world(group)[1]
+    mine = torch.tensor([_digest(signature)], dtype=torch.int64, device=device)
+    digests = [torch.empty_like(mine) for _ in range(size)]
+    _wait(
+        dist.all_gather(digests, mine, group=group, async_op=True),
+        timeout,
+        "comparing what the ranks average",
+    )
+    if all(bool((d == digests[0]).all()) for d in digests):
+        return
+    # every rank saw the same digests and gets here: gather the signatures to name the difference
+    signatures = _gather_signatures(signature, device, group, timeout)
+    raise MismatchError(
+        "the ranks disagree on the tensors they average (fm.distributed.average_gradients "
+        f"needs the same names, shapes and dtypes in the same order on every rank): "
+        f"{_first_difference(signatures)}"
+    )
+
+
+def _gather_signatures(
+    signature: list[Any], device: torch.device, group: Any, timeout: float
+) -> list[Any]:
+    """Every rank's signature, gathered as JSON bytes in two tensor collectives that each
+    wait at most ``timeout`` (``all_gather_object`` has no timeout, and unpickles what the
+    peers send)."""
+    size = world(group)[1]
+    data = torch.tensor(list(json.dumps(signature).encode()), dtype=torch.uint8, device=device)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(size)]
+    what = "naming the difference in what the ranks average"
+    _wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in range(size)]
+    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
+    return [
+        [(e[0], tuple(e[1]), e[2]) for e in json.loads(bytes(g[: int(n)].tolist()).decode())]
+        for g, n in zip(gathered, lengths, strict=True)
+    ]

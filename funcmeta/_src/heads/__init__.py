@@ -1,0 +1,3 @@
+"""Closed-form heads (:mod:`funcmeta.heads`): ``ridge`` solves ridge regression for many
+tasks at once, exactly or implicitly through :func:`funcmeta.implicit.root`, and holds the
+R2D2 classifier head with its learnable regulariser, scale and bias."""
