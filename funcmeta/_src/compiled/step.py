@@ -202,8 +202,8 @@ class MetaStep:
         tasks: int,
     ) -> Tensor:
         """The mean query loss after the inner loop: :func:`funcmeta.adapt_tasks`'s loop
-        (``funcmeta._src.inner.tasks.task_inner_loop``) and
-        :func:`funcmeta.task_losses`'s forward, as ``torch.compile`` traces them."""
+        (its ``task_inner_loop``) and :func:`funcmeta.task_losses`'s forward, as
+        ``torch.compile`` traces them."""
         # the model's parameters and buffers are shared by the tasks; each task updates
         # its own copy of the buffers (BatchNorm's running statistics)
         task_buffers = per_task(buffers, dict.fromkeys(buffers), tasks, copy=True)
