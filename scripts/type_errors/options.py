@@ -21,3 +21,5 @@ fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, tasks, sgd, steps=1, truncate=
 fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, batch, batch, steps=1, checkpoint_step=True)
 # expect: Unexpected keyword argument "first_order" for "fomaml"
 fm.recipes.fomaml(fmodel, fmodel.params, F.mse_loss, batch, batch, steps=1, first_order=False)
+# expect: Unexpected keyword argument "allow_unsed" for "compile_meta_step"
+fm.compile_meta_step(fmodel, F.mse_loss, sgd, steps=1, allow_unsed=True)
