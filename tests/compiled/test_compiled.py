@@ -529,3 +529,76 @@ def test_bad_calls_are_named():
     _, query = sinusoid(tasks=3)
     with pytest.raises(ValueError, match="support holds 4 tasks and query 3"):
         step(support, query)
+
+
+def identity_compile(monkeypatch):
+    """torch.compile as the identity: the step runs the graph's computation uncompiled."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+
+
+def test_the_first_call_raises_the_plain_paths_errors_the_graph_cannot_see(monkeypatch):
+    """In the graph, torch.func.grad gives a zero gradient where autograd finds that the inner
+    loss does not depend on an adapted parameter; the step runs the plain path's check once,
+    before its first graph call, and raises what fm.adapt_tasks raises."""
+    identity_compile(monkeypatch)
+    _, fmodel, opt, _, _, _, (support, query) = setup("sgd")
+
+    def constant(out, y):  # no gradient history to the parameters
+        return (y**2).mean()
+
+    with pytest.raises(ValueError, match="does not depend on the adapted parameters"):
+        fm.adapt_tasks(fmodel, fmodel.params, constant, support, opt, steps=1)
+    step = fm.compile_meta_step(fmodel, constant, opt, steps=1)
+    with pytest.raises(ValueError, match="does not depend on the adapted parameters"):
+        step(support, query)
+
+    torch.manual_seed(0)
+    spare = nn.Sequential(mlp(), nn.Linear(1, 1).to(DTYPE))  # the last layer is never run
+    spare.forward = spare[0].forward  # type: ignore[method-assign]
+    unused = fm.functional_model(spare)
+    step = fm.compile_meta_step(unused, F.mse_loss, opt, steps=1)
+    with pytest.raises(ValueError, match=r"does not depend on the adapted parameters \['1.bias'"):
+        step(support, query)
+    step = fm.compile_meta_step(unused, F.mse_loss, opt, steps=1, allow_unused=True)
+    step(support, query)
+    assert step.eager_reason is None
+
+
+def test_the_check_leaves_the_random_draws_to_the_graph(monkeypatch):
+    """The check runs once and restores the generators (its dropout draws included): the
+    graph draws what it would have."""
+    identity_compile(monkeypatch)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1, 12), nn.Dropout(0.5), nn.Tanh(), nn.Linear(12, 1)).to(DTYPE)
+    fmodel = fm.functional_model(net.train())
+    support, query = sinusoid()
+    step = fm.compile_meta_step(fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=2)
+    seen: list[torch.Tensor] = []
+    graph = step._compiled_step
+
+    def watched(*args):
+        seen.append(torch.get_rng_state())
+        return graph(*args)
+
+    monkeypatch.setattr(step, "_compiled_step", watched)
+    before = torch.get_rng_state()
+    step(support, query)
+    assert step._checked and torch.equal(seen[0], before)
+    step(support, query)  # checked once
+    assert len(seen) == 2
+
+
+def test_under_no_grad_the_step_computes_the_query_loss_only(monkeypatch):
+    """As fm.adapt_tasks and fm.task_losses under torch.no_grad(): a loss, no meta-gradient."""
+    identity_compile(monkeypatch)
+    net, fmodel, opt, _, _, loss_fn, (support, query) = setup("sgd")
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2)
+    for p in net.parameters():
+        p.grad = None
+    with torch.no_grad():
+        loss = step(support, query)
+    assert all(p.grad is None for p in net.parameters())
+    with torch.no_grad():
+        result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=2)
+        plain = fm.task_losses(fmodel, result.params, loss_fn, query, buffers=result.buffers)
+    assert torch.equal(loss, plain.losses.mean())

@@ -131,6 +131,7 @@ class MetaStep:
         self.options = AdaptOptions.of(options)
         self.compile_seconds: dict[tuple[Any, ...], float] = {}
         self._given = dict(options)
+        self._checked = False  # the plain path's check before the first graph call
         self.eager_reason: str | None = None if compile else COMPILE_FALSE
         if compile and untraced(options) is not None:
             self.eager_reason = untraced(options)
@@ -230,7 +231,9 @@ class MetaStep:
     def __call__(self, support: tuple[Any, Any], query: tuple[Any, Any]) -> Tensor:
         """One meta-iteration on a batch of tasks: the meta-gradients are added to ``.grad``
         of the model's parameters that require grad and of the ``hyper`` modules'
-        parameters; returns the mean query loss (without a graph)."""
+        parameters; returns the mean query loss (without a graph). Under ``torch.no_grad()``
+        it runs the plain path, which computes the query loss and no meta-gradient, as
+        :func:`funcmeta.adapt_tasks` and :func:`funcmeta.task_losses` do there."""
         s, q = split_batch(support), split_batch(query)
         tasks = task_count(s)
         warn_one_task_as_many(s, tasks)
@@ -242,11 +245,33 @@ class MetaStep:
         warn_tf32_second_order(self.fmodel.module, params.values(), self.options.first_order)
         hyper: list[dict[str, Tensor]] = [dict(m.named_parameters()) for m in self.hyper]
         self._calls += 1
-        if self._compiled is not None and self.eager_reason is None:
+        if self._compiled is not None and self.eager_reason is None and torch.is_grad_enabled():
+            if not self._checked:
+                self._check_on_the_plain_path(support, params)
+                self._checked = True
             done = self._compiled_step(params, hyper, s, q, tasks)
             if done is not None:
                 return done
         return self._eager_step(support, query, params, hyper)
+
+    def _check_on_the_plain_path(self, support: tuple[Any, Any], params: dict[str, Tensor]) -> None:
+        """The plain path's inner loop on this support batch, once, first order and without a
+        graph, for its errors: ``torch.func.grad`` in the graph gives a zero gradient where
+        ``autograd.grad`` finds that the inner loss does not depend on an adapted parameter,
+        which the plain path refuses (unless ``allow_unused=True``). The random number
+        generators are restored after it, so the compiled run draws what it would have."""
+        devices = sorted({p.device.index or 0 for p in params.values() if p.is_cuda})
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the call itself says what it has to say
+            adapt_tasks(
+                self.fmodel,
+                {k: v.detach() for k, v in params.items()},
+                self.loss_fn,
+                support,
+                self.opt,
+                steps=self.steps,
+                **self._given,
+            )
 
     def chunks(self, tasks: int) -> list[tuple[int, int]]:
         """The ``(start, stop)`` task ranges one call runs, one graph call each: all tasks
@@ -532,9 +557,10 @@ def compile_meta_step(
     ``allow_unused`` compile; ``loss_scale``, ``on_nonfinite``, ``checkpoint_steps`` and
     ``offload_activations`` decide on the host at every step or use autograd machinery that
     torch.compile does not trace: given, the step runs :func:`funcmeta.adapt_tasks` with them
-    and says so once, naming the option (``MetaStep.eager_reason``). In the graph, an
-    adapted parameter the inner loss does not use gets a zero inner gradient, as with
-    ``allow_unused=True`` (the plain path raises unless it is given). ``compile=False`` runs
+    and says so once, naming the option (``MetaStep.eager_reason``). Before its first
+    graph call the step runs the plain path's inner loop once, first order and without a
+    graph, and raises its errors, which ``torch.func.grad`` in the graph would not (an inner
+    loss that does not depend on an adapted parameter). ``compile=False`` runs
     the plain path eagerly (the reference the compiled graph is tested against).
 
     ``mode`` is ``torch.compile``'s. ``None``, the default, picks per device

@@ -325,7 +325,7 @@ def task_losses_of(
     trees = (batch, dict(params), buffers)
     in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
     if traced:
-        return torch.func.vmap(one_task, in_dims=in_dims)(*trees)
+        return torch.func.vmap(one_task, in_dims=in_dims, randomness="different")(*trees)
     return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now() if chunk == "model" else chunk)
 
 

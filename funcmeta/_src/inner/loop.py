@@ -198,7 +198,9 @@ class InnerLoop:
         """``(loss, scaled gradients, new_buffers)`` by ``torch.func.grad``, which
         ``torch.compile`` traces and which nests in the outer ``torch.func.grad`` of
         :func:`funcmeta.compile_meta_step`. In first order (and in steps without a graph) the
-        gradients are constants; a parameter the loss does not use gets a zero gradient."""
+        gradients are constants. A parameter the loss does not use gets a zero gradient
+        here, where ``autograd.grad`` finds none: the compiled step runs the plain path's
+        check once before its first graph call."""
 
         def objective(
             wrt: list[Tensor], bufs: dict[str, Tensor]
@@ -206,7 +208,9 @@ class InnerLoop:
             total, loss, new_buffers = self._objective(wrt, bufs)
             return total, (loss, new_buffers)
 
-        at = leaves if mode.graph else [p.detach() for p in leaves]
+        # first order (and a step without a graph) differentiates detached copies, as the
+        # eager step does: nothing the forward returns stays connected to the outer graph
+        at = leaves if mode.second_order else [p.detach() for p in leaves]
         grads, (loss, new_buffers) = torch.func.grad(objective, has_aux=True)(at, buffers)
         if not mode.second_order:
             grads = [g.detach() for g in grads]
