@@ -162,7 +162,8 @@ def load_omniglot(
 
     ``images``: ``(N, 1, size, size)`` float32 in [0, 1], strokes 1 when ``invert`` (the
     drawings are black on white), resized from 105x105 with Pillow's filter ``resample`` (one
-    of ``RESAMPLE``; ``"bicubic"`` is Pillow's own default, which other loaders use).
+    of ``"lanczos"``, ``"bicubic"``, ``"bilinear"``, ``"hamming"``, ``"box"``, ``"nearest"``;
+    ``"bicubic"`` is Pillow's own default, which other loaders use).
     ``labels``: ``(N,)`` class index per image, as :class:`~funcmeta.data.ClassLabels` that
     carry each class's character (``labels.groups``). ``class_names``:
     ``"alphabet/characterNN"`` per class, sorted. With ``rotations``, each character also
