@@ -15,7 +15,7 @@ threshold fixed; peak allocated bytes on CUDA).
 
     python benchmarks/memory/bert_meta.py [--device cpu] [--batch 8] [--steps 5] [--repeats 1]
 
-``tests/integration/test_bert_meta.py`` runs :func:`meta_iteration` on a small config.
+``benchmarks/tests/test_benchmark_bert_meta.py`` runs :func:`meta_iteration` on a small config.
 """
 
 from __future__ import annotations

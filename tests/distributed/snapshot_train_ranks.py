@@ -1,7 +1,7 @@
 """Two-rank Meta-SGD training that snapshots every step and resumes from the snapshots.
 
 Used by tests/distributed/test_distributed_failures.py:
-    python tests/snapshot_train_ranks.py RANK RENDEZVOUS FOLDER STEPS [KILL_AT]
+    python tests/distributed/snapshot_train_ranks.py RANK RENDEZVOUS FOLDER STEPS [KILL_AT]
 Each rank keeps its own snapshot ``FOLDER/state{RANK}.pt`` (its random states differ). With
 KILL_AT, rank 1 kills itself with SIGKILL during that step, before averaging; rank 0 then
 fails with fm.distributed.PeerError.

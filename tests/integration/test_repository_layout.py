@@ -6,6 +6,8 @@ example imports are its shared helper modules (``_name.py``), which say so."""
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,3 +108,36 @@ def test_examples_import_only_the_shared_helper_modules_beside_them():
     for name in used:
         doc = ast.get_docstring(tree(EXAMPLES / f"{name}.py")) or ""
         assert "shared" in doc.lower(), f"examples/{name}.py does not say it is shared"
+
+
+# A path of this repository, as code, docs and tests name one (``benchmarks/speed/tasks.py``).
+_PATH = re.compile(
+    r"(?<![\w/.-])((?:benchmarks|tests|examples|funcmeta|docs|scripts|\.ci)/[\w./-]*\w"
+    r"\.(?:py|md|sh|png|json|toml))"
+)
+# Paths in other repositories that the porting examples name as their sources.
+_UPSTREAM = {
+    "examples/vision/maml_omniglot.py",  # learn2learn's
+    "examples/few-shot/maml_omniglot.py",  # higher's
+    "examples/maml-omniglot.py",  # higher's, before its move
+}
+
+
+def test_every_repository_path_named_in_code_docs_and_tests_exists():
+    """A file moved is a name changed: every path of this repository that a module, a test,
+    a page or a script names exists (files a run writes, under an ``out/`` folder, aside;
+    ``CHANGELOG.md`` and the benchmark history keep the paths of their day)."""
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    missing = []
+    for name in tracked:
+        if not name.endswith((".py", ".md", ".sh", ".toml", "Makefile")):
+            continue
+        if name in ("CHANGELOG.md", "benchmarks/RESULTS.md"):
+            continue
+        for found in _PATH.findall((ROOT / name).read_text(errors="ignore")):
+            if "/out/" in found or found in _UPSTREAM or (ROOT / found).exists():
+                continue
+            missing.append(f"{name} names {found}")
+    assert missing == []

@@ -10,7 +10,7 @@ divided by the task count; the targets do not count); the chunk is the largest p
 whose work stays within :data:`CPU_BUDGET` (2**31), at least 1, and all tasks at once where
 that is the task count or more. On any other device (CUDA) all tasks run at once: one launch
 per operation is what batching is for there. The budget is fitted to what the measuring
-tuner chose on ``benchmarks/tasks.py`` (``benchmarks/RESULTS.md``): all at once for the
+tuner chose on ``benchmarks/speed/tasks.py`` (``benchmarks/RESULTS.md``): all at once for the
 sinusoid MLP (1,761 parameters x 10 inputs per task) at 4 to 64 tasks; all at once at 4
 tasks and chunks of 4 at 16 to 64 tasks for conv4 5-way 1-shot (112,261 x 3,920); one task
 at a time for conv4 20-way 1-shot, 16 tasks (113,236 x 15,680).

@@ -15,9 +15,9 @@ When it runs: in second-order steps (:func:`funcmeta.checkpoint.kernels.twice_di
 where torch's own kernels run op by op too, and wherever torch has no fused kernel for the
 layer (``nn.GRU`` and ``nn.RNN`` on CPU, float64). Where torch has one (cuDNN on CUDA, oneDNN's
 LSTM on CPU in float32), first-order steps and query passes run it once per task instead,
-which measured faster than one op-by-op pass (``benchmarks/sequence_tasks.py``). A call that builds no graph (evaluation) with
+which measured faster than one op-by-op pass (``benchmarks/speed/sequence_tasks.py``). A call that builds no graph (evaluation) with
 weights all tasks share runs the layer once, as torch computes it, on the tasks joined to
-its batch (``benchmarks/recurrent_evaluation.py``).
+its batch (``benchmarks/speed/recurrent_evaluation.py``).
 
 Covered: any ``num_layers``, ``bidirectional``, ``batch_first`` either way, ``bias=False``,
 ``proj_size``, inputs with or without a batch dimension, ``hx`` given or not, per task or
@@ -286,7 +286,7 @@ class TaskRecurrent(Standin):
         """The layer on a task-batched packed sequence: one pass with each sequence's later
         steps masked, or once per task (each task's own packed sequence) on cuDNN's kernel,
         or where one pass cannot be exact. On CPU torch runs packed sequences op by op, so one
-        pass measured faster than once per task there (``benchmarks/sequence_tasks.py``)."""
+        pass measured faster than once per task there (``benchmarks/speed/sequence_tasks.py``)."""
         m = cast(nn.RNNBase, self.original)
         level = packed.level
         why = _why_not(m, seq, hxs, [*hxs, *weights.values()], packed)
@@ -382,7 +382,7 @@ def _merged(m: nn.RNNBase, given: Tensor, hxs: list[Any], level: int, tasks: int
     (``(T * N, L, I)`` batch first), the states ``(layers * dirs, T * N, H)``; one sequence
     per task becomes a batch of T. Only for calls that build no graph: with gradients, an
     LSTM's ANIL meta-iteration measured slower this way than once per task on the fused
-    kernel (``benchmarks/recurrent_evaluation.py``)."""
+    kernel (``benchmarks/speed/recurrent_evaluation.py``)."""
     x = _per_task(given, level, tasks)
     assert x is not None
     unbatched = given.dim() == 2
