@@ -59,9 +59,9 @@ nitpick_ignore_regex = [
     # class, unqualified. It is documented as funcmeta.tree.Filter, which references resolve.
     (r"py:class", r"Filter"),
     # Private types in the signatures of public callables, which users never build: the
-    # executor FunctionalModel takes (functional_model builds it), the plan MetaStep.plan_for
-    # returns, and the base of the Krylov solvers.
-    (r"py:class", r"funcmeta\._src\.(module\.executor\.Executor|compiled\.plan\.CompilePlan)"),
+    # executor FunctionalModel takes (functional_model builds it) and the base of the Krylov
+    # solvers.
+    (r"py:class", r"funcmeta\._src\.module\.executor\.Executor"),
     (r"py:class", r"funcmeta\._src\.implicit\.solvers\._Krylov"),
 ]
 

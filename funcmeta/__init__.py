@@ -34,6 +34,7 @@ from funcmeta import (
     snapshot,
     tree,
 )
+from funcmeta._src.compiled.plan import CompilePlan as CompilePlan
 from funcmeta._src.compiled.step import MetaStep as MetaStep
 from funcmeta._src.compiled.step import compile_meta_step as compile_meta_step
 from funcmeta._src.core.precision import TF32Warning as TF32Warning
@@ -70,6 +71,7 @@ __all__ = [
     "Evaluation",
     "FunctionalModel",
     "LossFn",
+    "CompilePlan",
     "MetaStep",
     "NonFiniteError",
     "TF32Warning",

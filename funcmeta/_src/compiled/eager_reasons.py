@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-__all__ = ["COMPILE_FALSE", "RULES", "UNTRACED", "Rule", "explain", "untraced"]
+__all__ = ["COMPILE_FALSE", "RULES", "UNTRACED", "Rule", "explain", "first_line", "untraced"]
 
 COMPILE_FALSE = "compile=False was given: pass compile=True (the default) to compile the step"
 
@@ -114,7 +114,8 @@ def _text(error: BaseException) -> str:
     return "\n".join(parts).lower()
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, at most 200 characters."""
     lines = str(error).strip().splitlines()
     return lines[0][:200] if lines else ""
 
@@ -127,7 +128,7 @@ def explain(error: BaseException) -> str:
         if any(word in text for word in rule.words):
             return f"{rule.says} ({type(error).__name__})"
     return (
-        f"{type(error).__name__}: {_first_line(error)}. torch.compile could not compile this "
+        f"{type(error).__name__}: {first_line(error)}. torch.compile could not compile this "
         f"meta-iteration; use {_PLAIN}, or compile=False to say so without trying "
         "(TORCH_LOGS=graph_breaks shows where tracing stopped)"
     )

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from funcmeta._src.compiled.passes import cpu_passes
+from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import inductor_aten_max_pool_backward
 
 __all__ = ["CompilePlan", "compile_plan"]
@@ -26,10 +27,11 @@ __all__ = ["CompilePlan", "compile_plan"]
 _GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 
 
+@exposed_in("funcmeta")
 @dataclasses.dataclass(frozen=True)
 class CompilePlan:
     """How :func:`funcmeta.compile_meta_step` compiles its graph for one kind of device and model:
-    what ``compile_plan`` chose (``MetaStep.plan``).
+    what ``MetaStep.plan_for`` chooses (``MetaStep.plan``).
 
     Attributes:
         device: the device type the model's parameters are on (``"cpu"``, ``"cuda"``, ...).
@@ -39,7 +41,7 @@ class CompilePlan:
             ``{"triton.cudagraphs": True}``.
         options: inductor options, or ``None``.
         graph_passes: whether the options get the step's CPU graph passes
-            (``funcmeta._src.compiled.passes.cpu_passes``), added by
+            (the tall batched products turned), added by
             :meth:`compile_kwargs`: making them imports inductor, which a plan does not.
         task_chunk: how many tasks one graph call takes (``None``: all of them).
         cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into

@@ -63,7 +63,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from funcmeta._src.compiled.eager_reasons import COMPILE_FALSE, explain, untraced
+from funcmeta._src.compiled.eager_reasons import COMPILE_FALSE, explain, first_line, untraced
 from funcmeta._src.compiled.plan import CompilePlan, compile_plan
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
@@ -75,7 +75,7 @@ from funcmeta._src.core.fence import (
     set_saved_tensor_hooks_state,
     with_own_code_object,
 )
-from funcmeta._src.core.precision import warn_tf32_second_order
+from funcmeta._src.core.precision import CONVOLUTIONS, warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.forward import task_losses_of
 from funcmeta._src.inner.inputs import per_task, split_batch, task_count, warn_one_task_as_many
@@ -149,7 +149,7 @@ class MetaStep:
             try:
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
-                self.options_note = f"{how}: {type(error).__name__}: {_first_line(error)}"
+                self.options_note = f"{how}: {type(error).__name__}: {first_line(error)}"
                 self._compiled = torch.compile(graph, fullgraph=True, dynamic=False)
                 self.plan = dataclasses.replace(
                     plan, mode=None, options=None, cuda_graphs=False, graph_passes=False
@@ -435,16 +435,6 @@ class MetaStep:
         return loss.detach()
 
 
-_CONVOLUTIONS = (
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-)
-
-
 def _device(fmodel: FunctionalModel) -> str:
     """The device type of the model's parameters (``"cpu"`` for a model without any;
     ``"mixed"`` where they are on several kinds of device)."""
@@ -453,7 +443,7 @@ def _device(fmodel: FunctionalModel) -> str:
 
 
 def _convolutional(fmodel: FunctionalModel) -> bool:
-    return any(isinstance(m, _CONVOLUTIONS) for m in fmodel.module.modules())
+    return any(isinstance(m, CONVOLUTIONS) for m in fmodel.module.modules())
 
 
 def _mark_step_begin() -> None:
@@ -526,11 +516,6 @@ def _kind(*values: Any) -> tuple[Any, ...]:
 def _describe(key: tuple[Any, ...]) -> str:
     shapes = [str(k[0]) for k in key if isinstance(k, tuple)]
     return "shapes " + ", ".join(shapes[:6]) + (", ..." if len(shapes) > 6 else "")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else type(error).__name__
 
 
 @exposed_in("funcmeta")

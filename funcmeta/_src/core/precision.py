@@ -41,7 +41,14 @@ from torch import Tensor, nn
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import autocast_enabled, user_stacklevel
 
-__all__ = ["TF32Warning", "exact_float32", "tf32_on", "tf32_state", "warn_tf32_second_order"]
+__all__ = [
+    "CONVOLUTIONS",
+    "TF32Warning",
+    "exact_float32",
+    "tf32_on",
+    "tf32_state",
+    "warn_tf32_second_order",
+]
 
 _backends: Any = cast(Any, torch.backends)  # cudnn.conv and kin live on a swapped-in module
 
@@ -197,7 +204,8 @@ def tf32_on() -> list[str]:
     return on + (["conv", "rnn"] if b.cudnn.allow_tf32 else [])
 
 
-_CONVOLUTIONS = (
+#: The convolution layers: what runs on cuDNN, and what makes a compiled step one task per graph.
+CONVOLUTIONS = (
     nn.Conv1d,
     nn.Conv2d,
     nn.Conv3d,
@@ -224,7 +232,7 @@ def _operators(module: nn.Module) -> set[str]:
     convolutions and RNNs where it has such layers."""
     used = {"matmul"}
     for m in module.modules():
-        if isinstance(m, _CONVOLUTIONS):
+        if isinstance(m, CONVOLUTIONS):
             used.add("conv")
         elif isinstance(m, _RECURRENT):
             used.add("rnn")
