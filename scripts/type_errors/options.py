@@ -23,3 +23,7 @@ fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, batch, batch, steps=1, checkp
 fm.recipes.fomaml(fmodel, fmodel.params, F.mse_loss, batch, batch, steps=1, first_order=False)
 # expect: Unexpected keyword argument "allow_unsed" for "compile_meta_step"
 fm.compile_meta_step(fmodel, F.mse_loss, sgd, steps=1, allow_unsed=True)
+# expect: Unexpected keyword argument "trainabel" for "tune_task_chunk"
+fm.tune_task_chunk(fmodel, fmodel.params, F.mse_loss, tasks, sgd, steps=1, trainabel=["weight"])
+# expect: Unexpected keyword argument "first_ordr" for "evaluate"
+fm.evaluate(fmodel, fmodel.params, fm.data.Sinusoid(), sgd, steps=1, first_ordr=True)

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.exposed import exposed_in
@@ -15,6 +16,7 @@ from funcmeta._src.core.types import NonFiniteError
 from funcmeta._src.data.episodes import EpisodeBatch, Episodes
 from funcmeta._src.inner.adapt import adapt
 from funcmeta._src.inner.inputs import check_model
+from funcmeta._src.inner.options import AdaptKeywords
 from funcmeta._src.inner.tasks import adapt_tasks, apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -107,7 +109,7 @@ def _adapted_logits(
     steps: int,
     buffers: Mapping[str, Tensor] | None,
     batched: bool,
-    options: dict[str, Any],
+    options: Mapping[str, Any],
 ) -> Tensor:
     if batched:
         result = adapt_tasks(
@@ -145,7 +147,7 @@ def evaluate(
     batch_tasks: int = 32,
     seed: int = 0,
     buffers: Mapping[str, Tensor] | None = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> Evaluation:
     """Few-shot classification accuracy over episodes, with its 95% confidence interval.
 

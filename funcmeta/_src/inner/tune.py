@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from funcmeta._src.batching.chunks import candidate_chunks
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import split_batch, task_count
+from funcmeta._src.inner.options import AdaptKeywords
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -55,7 +57,7 @@ def tune_task_chunk(
     candidates: Sequence[int] | None = None,
     repeats: int = 3,
     buffers: Mapping[str, Tensor] | None = None,
-    **options: Any,
+    **options: Unpack[AdaptKeywords],
 ) -> dict[int, float]:
     """Time a meta-iteration for each chunk size and set ``fmodel.task_chunk`` to the fastest.
 
