@@ -509,6 +509,8 @@ def test_bad_calls_are_named():
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, checkpoint_step=True)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="truncate must be"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, truncate=0.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_nonfinite='skip' is not available with task"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, on_nonfinite="skip")
     with pytest.raises(ValueError, match=r"truncate must be an int in \[0, steps=1\]"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, truncate=2)
     with pytest.raises(ValueError, match="steps"):

@@ -78,7 +78,13 @@ from funcmeta._src.core.fence import (
 from funcmeta._src.core.precision import CONVOLUTIONS, warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.forward import task_losses_of
-from funcmeta._src.inner.inputs import per_task, split_batch, task_count, warn_one_task_as_many
+from funcmeta._src.inner.inputs import (
+    check_task_options,
+    per_task,
+    split_batch,
+    task_count,
+    warn_one_task_as_many,
+)
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_inner_loop, task_losses
@@ -571,7 +577,9 @@ def compile_meta_step(
     if task_chunk is not None and task_chunk != "auto":
         check_int(task_chunk, "task_chunk", low=1, what="a positive int, 'auto' or None")
     # an unknown option or a bad value raises here, naming it, as fm.adapt_tasks would
-    AdaptOptions.of(options).check_steps(steps)
+    checked = AdaptOptions.of(options)
+    checked.check_steps(steps)
+    check_task_options(checked)
     if not isinstance(fmodel, FunctionalModel):
         raise TypeError(
             f"compile_meta_step expects a FunctionalModel (fm.functional_model(net)), got "

@@ -60,6 +60,7 @@ __all__ = [
     "check_batch_call",
     "check_call",
     "check_model",
+    "check_task_options",
     "split_batch",
     "per_task",
     "split_inputs",
@@ -279,6 +280,16 @@ def _expanded(value: Tensor, tasks: int, copy: bool) -> Tensor:
     return view.clone() if copy else view
 
 
+def check_task_options(options: AdaptOptions) -> None:
+    """Raise ``ValueError`` for an option task batching cannot take (``on_nonfinite="skip"``:
+    the tasks share the optimizer's step count)."""
+    if options.on_nonfinite == "skip":
+        raise ValueError(
+            "on_nonfinite='skip' is not available with task batching: the tasks share the "
+            "optimizer's step count; use 'raise', or adapt the tasks one by one"
+        )
+
+
 def check_adapt_call(
     fmodel: Any,
     params: Any,
@@ -294,11 +305,8 @@ def check_adapt_call(
     :func:`funcmeta.adapt_tasks`) before any computation: :func:`check_batch_call`, the step
     count, and the options task batching cannot take."""
     options.check_steps(steps)
-    if task_batched and options.on_nonfinite == "skip":
-        raise ValueError(
-            "on_nonfinite='skip' is not available with task batching: the tasks share the "
-            "optimizer's step count; use 'raise', or adapt the tasks one by one"
-        )
+    if task_batched:
+        check_task_options(options)
     checked = check_batch_call(
         fmodel, params, batch, opt=opt, buffers=buffers, task_batched=task_batched
     )
