@@ -12,10 +12,10 @@ Three layers, bottom up:
   choice), collect the losses.
 
 It calls nothing above it: the forward is a value the caller builds
-(``funcmeta._src.inner.forward``), never a callback into the caller.
-
-The call was checked before (``funcmeta._src.inner.inputs.check_adapt_call``); the forward each step
-runs is given (``funcmeta._src.inner.forward``).
+(``funcmeta._src.inner.forward``), never a callback into the caller, and the call was checked
+before (``funcmeta._src.inner.inputs.check_adapt_call``). A traced loop
+(``InnerLoop.traced``) is the same loop as ``torch.compile`` traces it for
+:func:`funcmeta.compile_meta_step`: the inner gradient by ``torch.func.grad``.
 """
 
 from __future__ import annotations
