@@ -13,7 +13,7 @@ points): the query MSE before and after one inner step, mean and 95% interval.
 The run of ``make demo`` (4000 iterations for each of the six method and shot settings,
 with ``--plot examples/out/sinusoid_demo.png``) took about 3.5 minutes (214 s) on 2 CPU
 cores that other work shared: it got half a core, 98 s of CPU time. On an idle machine, from
-a fresh clone, it took 82 s (81 s of CPU time). The time grows with the iterations: the full length, for the comparison with the
+a fresh clone, it took 98 s (96 s of CPU time). The time grows with the iterations: the full length, for the comparison with the
 published 10-shot figures, runs five times as many and takes about five times as long.
 """
 
