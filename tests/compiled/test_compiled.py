@@ -604,3 +604,36 @@ def test_under_no_grad_the_step_computes_the_query_loss_only(monkeypatch):
         result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=2)
         plain = fm.task_losses(fmodel, result.params, loss_fn, query, buffers=result.buffers)
     assert torch.equal(loss, plain.losses.mean())
+
+
+def test_auto_on_a_cpu_is_the_rule_of_functional_models_auto():
+    """A model without convolutions on a CPU: ``task_chunk="auto"`` chunks the graph calls as
+    fm.functional_model's ``"auto"`` chunks the forward (all tasks for a small model, one at
+    a time here: a million parameters times 2,000 inputs per task), with the plain path's
+    meta-gradients."""
+    from funcmeta._src.batching.chunks import rule_chunk
+
+    torch.manual_seed(0)
+    small = fm.compile_meta_step(
+        fm.functional_model(mlp()), F.mse_loss, fm.optim.sgd(lr=0.1), steps=1
+    )
+    assert small.plan.task_chunk == "rule" and small.chunks(4, inputs_per_task=5) == [(0, 4)]
+    net = nn.Linear(1000, 1000).to(DTYPE)
+    fmodel = fm.functional_model(net)
+    opt = fm.optim.sgd(lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    support = (
+        torch.randn(4, 2, 1000, generator=g, dtype=DTYPE),
+        torch.randn(4, 2, 1000, generator=g, dtype=DTYPE),
+    )
+    query = (
+        torch.randn(4, 2, 1000, generator=g, dtype=DTYPE),
+        torch.randn(4, 2, 1000, generator=g, dtype=DTYPE),
+    )
+    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, compile=False)
+    assert rule_chunk(4, inputs_per_task=2000, parameters=1_001_000, device="cpu") == 1
+    plain_loss, plain = meta_grads(net, [], lambda: step(support, query))
+    ours_loss, ours = meta_grads(net, [], lambda: traced(step, support, query))
+    assert step.task_chunk == 1  # four graph calls of one task
+    assert relative(ours, plain) < 1e-10
+    assert torch.allclose(ours_loss, plain_loss, rtol=1e-12, atol=0)

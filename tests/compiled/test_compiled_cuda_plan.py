@@ -30,7 +30,7 @@ CUDA_CONV_OPTIONS = {"triton.cudagraphs": True, "layout_optimization": False}
     ("device", "convolutional", "mode", "chunk", "expected"),
     [
         # device, conv net, mode, task_chunk -> (mode, CUDA graphs, task_chunk)
-        ("cpu", False, None, "auto", (None, False, None)),
+        ("cpu", False, None, "auto", (None, False, "rule")),  # functional_model's rule
         ("cpu", True, None, "auto", (None, False, 1)),
         ("cuda", False, None, "auto", ("reduce-overhead", True, None)),
         ("cuda", True, None, "auto", ("reduce-overhead", True, 1)),
@@ -45,7 +45,7 @@ CUDA_CONV_OPTIONS = {"triton.cudagraphs": True, "layout_optimization": False}
             "auto",
             ("max-autotune-no-cudagraphs", False, None),
         ),
-        ("cpu", False, "reduce-overhead", "auto", ("reduce-overhead", False, None)),
+        ("cpu", False, "reduce-overhead", "auto", ("reduce-overhead", False, "rule")),
         ("mps", True, None, "auto", (None, False, None)),
     ],
 )

@@ -43,7 +43,8 @@ class CompilePlan:
         graph_passes: whether the options get the step's CPU graph passes
             (the tall batched products turned), added by
             :meth:`compile_kwargs`: making them imports inductor, which a plan does not.
-        task_chunk: how many tasks one graph call takes (``None``: all of them).
+        task_chunk: how many tasks one graph call takes (``None``: all of them; ``"rule"``:
+            the rule of ``task_chunk="auto"`` on each call's shapes).
         cuda_graphs: whether the graph is replayed as a CUDA graph. Each replay writes into
             the same output tensors, so the step copies a graph call's results before it
             keeps them, and marks each call a new step
@@ -56,7 +57,7 @@ class CompilePlan:
     device: str
     mode: str | None
     options: Mapping[str, Any] | None
-    task_chunk: int | None
+    task_chunk: int | Literal["rule"] | None
     cuda_graphs: bool
     lowering: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     note: str | None = None
@@ -91,10 +92,12 @@ def compile_plan(
       conversions to compile.
     - a ``mode`` given is torch.compile's, as it is; CUDA graphs where it asks for them on
       CUDA (``"reduce-overhead"``, ``"max-autotune"``).
-    - ``task_chunk="auto"``: 1 for a model with convolutions on a CPU or CUDA, all tasks in
-      one graph otherwise. All tasks of conv4 in one graph compiled for 6 to over 20 minutes
-      on a CPU and did not finish in 140 s on an H200; the graph of one task compiled in
-      3-5 minutes on the CPU. A number or ``None`` is kept.
+    - ``task_chunk="auto"``: 1 for a model with convolutions on a CPU or CUDA: all tasks of
+      conv4 in one graph compiled for 6 to over 20 minutes on a CPU and did not finish in
+      140 s on an H200; the graph of one task compiled in 3-5 minutes on the CPU. Otherwise
+      the rule of :func:`funcmeta.functional_model`'s ``task_chunk="auto"``: on a CPU
+      ``"rule"``, applied to each call's shapes (all tasks for a small model), elsewhere all
+      tasks in one graph. A number or ``None`` is kept.
 
     Example:
         >>> from funcmeta._src.compiled.plan import compile_plan
@@ -104,9 +107,12 @@ def compile_plan(
         >>> compile_plan("cuda", convolutional=False).compile_kwargs()
         {'mode': 'reduce-overhead'}
     """
-    chunk = task_chunk
-    if chunk == "auto":
-        chunk = 1 if convolutional and device in ("cpu", "cuda") else None
+    chunk: int | Literal["rule"] | None = task_chunk  # type: ignore[assignment]
+    if task_chunk == "auto":
+        if convolutional and device in ("cpu", "cuda"):
+            chunk = 1  # the graph of one task: its compile time is bounded
+        else:  # the rule of fm.functional_model's task_chunk="auto": all tasks but on a CPU
+            chunk = "rule" if device == "cpu" else None
     if mode is not None:
         graphs = mode in _GRAPH_MODES
         note = (

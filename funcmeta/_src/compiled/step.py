@@ -63,6 +63,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
+from funcmeta._src.batching.chunks import rule_chunk
 from funcmeta._src.compiled.eager_reasons import COMPILE_FALSE, explain, first_line, untraced
 from funcmeta._src.compiled.plan import CompilePlan, compile_plan
 from funcmeta._src.core import tree
@@ -105,7 +106,7 @@ class MetaStep:
             captured on the second call of a kind, which this does not count.
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
         task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
-            as ``"auto"`` chose.
+            as ``"auto"`` chose (under the rule: for the latest call).
         plan: how the graph is compiled (``CompilePlan``: mode, inductor options, task
             chunk, CUDA graphs), chosen by ``compile_plan`` for the model's device.
         options_note: why the graph is compiled with torch.compile's defaults instead of
@@ -131,7 +132,8 @@ class MetaStep:
     ) -> None:
         self.fmodel, self.loss_fn, self.opt, self.steps = fmodel, loss_fn, opt, steps
         self.plan = plan
-        self.task_chunk = plan.task_chunk
+        self.task_chunk = None if plan.task_chunk == "rule" else plan.task_chunk
+        self._parameter_count = sum(p.numel() for p in fmodel.module.parameters())
         self._calls = 0
         self.hyper = list(hyper)
         self.options = AdaptOptions.of(options)
@@ -279,9 +281,18 @@ class MetaStep:
                 **self._given,
             )
 
-    def chunks(self, tasks: int) -> list[tuple[int, int]]:
+    def chunks(self, tasks: int, inputs_per_task: int = 0) -> list[tuple[int, int]]:
         """The ``(start, stop)`` task ranges one call runs, one graph call each: all tasks
-        at once, or ``task_chunk`` at a time (the last range holds what is left)."""
+        at once, or ``task_chunk`` at a time (the last range holds what is left). Under the
+        rule (``plan.task_chunk == "rule"``) the chunk is that of ``task_chunk="auto"`` for
+        ``tasks`` tasks of ``inputs_per_task`` input elements each, kept in ``task_chunk``."""
+        if self.plan.task_chunk == "rule":
+            self.task_chunk = rule_chunk(
+                tasks,
+                inputs_per_task=inputs_per_task,
+                parameters=self._parameter_count,
+                device="cpu",
+            )
         c = tasks if self.task_chunk is None else min(self.task_chunk, tasks)
         return [(i, min(i + c, tasks)) for i in range(0, tasks, c)]
 
@@ -301,7 +312,8 @@ class MetaStep:
         detached = {k: v.detach() for k, v in params.items()}
         raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
         buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
-        ranges = self.chunks(tasks)
+        inputs = sum(x.numel() for x in tree.leaves(support[0]) if isinstance(x, Tensor))
+        ranges = self.chunks(tasks, inputs // max(tasks, 1))
         # a CUDA graph writes every replay into the same output tensors: its results are
         # copied (or weighted into new tensors) before the next replay, and never kept
         replayed = self.plan.cuda_graphs and graph is self._compiled
@@ -566,8 +578,9 @@ def compile_meta_step(
     batched activations outgrow the caches, and one task at a time runs faster
     (``docs/tasks.md``). ``None``: all tasks in one graph. ``"auto"``, the default: 1 for a
     model with convolutions on a CPU or on CUDA (the graph of all tasks of conv4 took many
-    minutes to compile on either), ``None`` otherwise (``MetaStep.task_chunk`` says
-    which).
+    minutes to compile on either); otherwise the rule of :func:`funcmeta.functional_model`'s
+    ``task_chunk="auto"`` on each call's shapes, which is all tasks at once for a small model
+    and on CUDA (``MetaStep.task_chunk`` says which).
 
     Returns a :class:`funcmeta.MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
     query loss to ``.grad`` and returns that loss. The support and query batches carry the
