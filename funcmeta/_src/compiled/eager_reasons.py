@@ -14,8 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from funcmeta._src.inner.options import AdaptOptions
 
 __all__ = ["COMPILE_FALSE", "RULES", "UNTRACED", "Rule", "explain", "first_line", "untraced"]
 
@@ -89,12 +90,12 @@ RULES: list[Rule] = [
 ]
 
 
-def untraced(options: Mapping[str, Any]) -> str | None:
+def untraced(options: AdaptOptions) -> str | None:
     """Why the inner-loop ``options`` given to :func:`funcmeta.compile_meta_step` keep its
     meta-iteration eager, naming the first of them that does (:data:`UNTRACED`), else
-    ``None``; an option given at its default value compiles."""
+    ``None``; an option at its default value compiles."""
     for name, why in UNTRACED.items():
-        value = options.get(name)
+        value = getattr(options, name)
         if value not in (None, False):
             return (
                 f"{name}={value!r} is not compiled: it {why}; use {_PLAIN}, or leave "

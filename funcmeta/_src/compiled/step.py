@@ -126,7 +126,7 @@ class MetaStep:
         *,
         steps: int,
         hyper: Sequence[nn.Module],
-        options: Mapping[str, Any],
+        options: AdaptOptions,
         compile: bool,
         plan: CompilePlan,
     ) -> None:
@@ -136,13 +136,13 @@ class MetaStep:
         self._parameter_count = sum(p.numel() for p in fmodel.module.parameters())
         self._calls = 0
         self.hyper = list(hyper)
-        self.options = AdaptOptions.of(options)
+        self.options = options
         self.compile_seconds: dict[tuple[Any, ...], float] = {}
-        self._given = dict(options)
         self._checked = False  # the plain path's check before the first graph call
         self.eager_reason: str | None = None if compile else COMPILE_FALSE
-        if compile and untraced(options) is not None:
-            self.eager_reason = untraced(options)
+        reason = untraced(options) if compile else None
+        if reason is not None:
+            self.eager_reason = reason
             compile = False
             warnings.warn(f"compile_meta_step runs eagerly: {self.eager_reason}", stacklevel=3)
         self._buffer_names = list(fmodel.buffers)
@@ -278,7 +278,7 @@ class MetaStep:
                 support,
                 self.opt,
                 steps=self.steps,
-                **self._given,
+                **vars(self.options),
             )
 
     def chunks(self, tasks: int, inputs_per_task: int = 0) -> list[tuple[int, int]]:
@@ -435,7 +435,7 @@ class MetaStep:
             support,
             self.opt,
             steps=self.steps,
-            **self._given,
+            **vars(self.options),
         )
         with at("the query batch"):
             losses, _, _ = task_losses(
@@ -616,7 +616,7 @@ def compile_meta_step(
         opt,
         steps=steps,
         hyper=modules,
-        options=options,
+        options=checked,
         compile=compile,
         plan=plan,
     )
