@@ -312,7 +312,9 @@ class MetaStep:
         detached = {k: v.detach() for k, v in params.items()}
         raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
         buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
-        inputs = sum(x.numel() for x in tree.leaves(support[0]) if isinstance(x, Tensor))
+        inputs = 0
+        if self.plan.task_chunk == "rule":  # the rule reads the inputs' size
+            inputs = sum(x.numel() for x in tree.leaves(support[0]) if isinstance(x, Tensor))
         ranges = self.chunks(tasks, inputs // max(tasks, 1))
         # a CUDA graph writes every replay into the same output tensors: its results are
         # copied (or weighted into new tensors) before the next replay, and never kept
