@@ -9,7 +9,7 @@ sequences; meta-training learns the adapters' initialisation and the rates that 
 steps count. The base model never changes (``requires_grad=False``: funcmeta neither adapts
 nor meta-trains frozen parameters).
 
-    python examples/lora_maml.py                       # second order, bf16 base, CPU
+    python examples/lora_maml.py                       # second order, bf16 base where native
     python examples/lora_maml.py --first-order --iterations 100
 
 On 2 CPU cores that other work shared, the first took about 13.5 minutes (811 s) and the
@@ -119,16 +119,27 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bf16",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="the frozen base in bfloat16 under CPU autocast (the adapters stay float32); "
-        "--no-bf16: all float32",
+        "--no-bf16: all float32; default: bf16 where the CPU computes it natively "
+        "(fm.choose_autocast), float32 elsewhere, where bf16 is emulated and slow",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tasks")
     return p
 
 
+def precision_of(args: argparse.Namespace) -> fm.AutocastChoice:
+    """``--bf16`` / ``--no-bf16`` as given; without either, ``fm.choose_autocast("cpu")``: bf16
+    where the CPU computes it natively, float32 elsewhere."""
+    wanted = "auto" if args.bf16 is None else ("bf16" if args.bf16 else "fp32")
+    return fm.choose_autocast("cpu", wanted)
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     args = parser().parse_args(argv)
+    choice = precision_of(args)
+    args.bf16 = choice.name == "bf16"
+    print(f"precision: {choice.name} ({choice.reason})")
     model = lora_decoder(args)
     fmodel = fm.functional_model(model)
     adapters = {k: v for k, v in fmodel.params.items() if v.requires_grad}

@@ -37,6 +37,9 @@ from funcmeta import (
 from funcmeta._src.compiled.plan import CompilePlan as CompilePlan
 from funcmeta._src.compiled.step import MetaStep as MetaStep
 from funcmeta._src.compiled.step import compile_meta_step as compile_meta_step
+from funcmeta._src.core.autocast_choice import AutocastChoice as AutocastChoice
+from funcmeta._src.core.autocast_choice import choose_autocast as choose_autocast
+from funcmeta._src.core.autocast_choice import cpu_has_native_bf16 as cpu_has_native_bf16
 from funcmeta._src.core.precision import TF32Warning as TF32Warning
 from funcmeta._src.core.precision import exact_float32 as exact_float32
 from funcmeta._src.core.renames import install as _point_old_names
@@ -68,6 +71,7 @@ __all__ = [
     "AdaptOptions",
     "AdaptResult",
     "Args",
+    "AutocastChoice",
     "Evaluation",
     "FunctionalModel",
     "LossFn",
@@ -82,7 +86,9 @@ __all__ = [
     "adapt_tasks",
     "apply_tasks",
     "apply_updates",
+    "choose_autocast",
     "compile_meta_step",
+    "cpu_has_native_bf16",
     "cpu_memory",
     "data",
     "distributed",
