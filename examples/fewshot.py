@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -280,7 +281,11 @@ def parser() -> argparse.ArgumentParser:
         default=Path("examples/out/fewshot.png"),
         help="plot of the meta-test accuracy during training",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none when stderr is not a terminal)",
+    )
     add_threads_option(
         p,
         available_cores(),
@@ -313,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     curve: list[tuple[int, float]] = []
     steps = range(args.iterations)
     bar = None
-    if tqdm is not None and not args.no_progress:
+    if tqdm is not None and not args.no_progress and sys.stderr.isatty():
         steps = bar = tqdm(steps, desc="meta-training", unit="it")
     start = time.perf_counter()
     for i in steps:

@@ -59,6 +59,7 @@ import argparse
 import ast
 import json
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -491,7 +492,7 @@ class Trainer:
         self.curve_sets = curve_sets or {}
         self.rng = torch.Generator().manual_seed(args.seed)
         self.bar = None
-        if progress and tqdm is not None and not args.no_progress:
+        if progress and tqdm is not None and not args.no_progress and sys.stderr.isatty():
             self.bar = tqdm(total=round(args.budget), desc=recipe.name, unit="s", leave=False)
         self.progress = progress and not args.no_progress
         self.trained = 0.0  # seconds of training so far
@@ -799,7 +800,12 @@ def parser() -> argparse.ArgumentParser:
         default=Path("examples/out/omniglot.png"),
         help="plot of the errors and the learning curves",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar, nor the line printed every 30 s of training in its place "
+        "(where stderr is not a terminal or tqdm is missing)",
+    )
     p.add_argument(
         "--compiled",
         action="store_true",

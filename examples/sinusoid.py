@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -72,7 +73,7 @@ def train(method: str, shots: int, args: argparse.Namespace) -> tuple[fm.Functio
     rng = torch.Generator().manual_seed(args.seed + shots)
     steps = range(args.iterations)
     bar = None
-    if tqdm is not None and not args.no_progress:
+    if tqdm is not None and not args.no_progress and sys.stderr.isatty():
         steps = bar = tqdm(steps, desc=f"{method:>8} {shots:>2}-shot", unit="it", leave=False)
     running = None
     compiled = None
@@ -181,7 +182,11 @@ def parser() -> argparse.ArgumentParser:
         default=Path("examples/out/sinusoid.png"),
         help="where to save the plot of the query MSE after one step (needs matplotlib)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (there is none when stderr is not a terminal)",
+    )
     p.add_argument(
         "--compiled",
         action="store_true",

@@ -165,7 +165,9 @@ def _hooked() -> nn.Module:
 
 
 def _bert() -> nn.Module:
-    pytest.importorskip("transformers")
+    pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
@@ -182,7 +184,9 @@ def _bert() -> nn.Module:
 
 
 def _gpt2() -> nn.Module:
-    pytest.importorskip("transformers")
+    pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     from transformers import GPT2Config, GPT2Model
 
     config = GPT2Config(
@@ -204,7 +208,9 @@ def _gpt2() -> nn.Module:
 
 
 def _t5() -> nn.Module:
-    pytest.importorskip("transformers")
+    pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(
@@ -359,7 +365,9 @@ class SequenceNet(nn.Module):
         super().__init__()
         self.kind = kind
         if kind == "hf":
-            transformers = pytest.importorskip("transformers")
+            transformers = pytest.importorskip(
+                "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+            )
             config = transformers.BertConfig(
                 vocab_size=30,
                 hidden_size=16,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from bench_scripts import load
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
 bert_meta = load("memory/bert_meta.py")
 
 SMALL = bert_meta.Scenario(

@@ -9,8 +9,8 @@ import argparse
 import pytest
 from bench_scripts import load
 
-pytest.importorskip("peft")
-pytest.importorskip("transformers")
+pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[dev]'")
+pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
 decoder_meta = load("memory/decoder_meta.py")
 
 

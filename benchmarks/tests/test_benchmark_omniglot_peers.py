@@ -46,8 +46,13 @@ def meta_gradients(recipe: omniglot.Recipe, episodes: fm.data.EpisodeBatch) -> l
     [(m, p) for m in omniglot_peers.METHODS for p in omniglot_peers.peers_of(m)],
 )
 def test_peer_meta_gradients_match_funcmeta(float64, method: str, peer: str) -> None:
-    if peer not in peers.PEERS:  # optional: pip install -e .[bench]; not installed in CI
-        pytest.skip(f"{peer} is not installed")
+    if peer not in peers.PEERS:  # optional peers, not installed in CI
+        how = (
+            "bash benchmarks/peers/build_learn2learn.sh"
+            if peer == "learn2learn"
+            else "pip install -e '.[bench]'"
+        )
+        pytest.skip(f"{peer} is not installed: {how}")
     args = omniglot.parser().parse_args(ARGS)
     episodes = batch()
     torch.manual_seed(0)

@@ -530,7 +530,9 @@ V, N, L = 40, 4, 7
 
 
 def _hf(name: str) -> nn.Module:
-    tr = pytest.importorskip("transformers")
+    tr = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     small = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=24)
     if name == "bert":
         cfg = tr.BertConfig(
@@ -677,7 +679,9 @@ def test_attention_dropout_runs_batched_and_recomputes_its_masks():
     """Train-mode attention dropout: the merged call draws every task's masks at once, and a
     checkpoint's recomputation draws the same ones (the generator is restored): step and
     layer checkpointing give the meta-gradients of the run without them."""
-    tr = pytest.importorskip("transformers")
+    tr = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     cfg = tr.BertConfig(
         vocab_size=V,
         hidden_size=16,

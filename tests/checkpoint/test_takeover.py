@@ -236,7 +236,9 @@ def test_second_order_memory_as_funcmeta_checkpoint_layers(monkeypatch):
 
 def _hf(kind: str) -> nn.Module:
     """The zoo's BERT and GPT-2 (width 8, two layers, no dropout), or a Llama like them."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     torch.manual_seed(0)
     if kind == "bert":
         model = zoo._bert()

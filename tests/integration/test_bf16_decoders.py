@@ -15,7 +15,9 @@ from torch import nn
 
 import funcmeta as fm
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+)
 T, N, L, V = 2, 3, 6, 32
 
 

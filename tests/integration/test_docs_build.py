@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_sphinx_build_has_no_warnings(tmp_path):
-    pytest.importorskip("sphinx", reason="the docs build needs the dev extra (sphinx)")
-    pytest.importorskip("myst_parser", reason="the docs build needs the dev extra (myst-parser)")
+    pytest.importorskip("sphinx", reason="sphinx is not installed: pip install -e '.[dev]'")
+    pytest.importorskip(
+        "myst_parser", reason="myst-parser is not installed: pip install -e '.[dev]'"
+    )
     cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html", "-q"]
     run = subprocess.run(
         [*cmd, str(ROOT / "docs"), str(tmp_path / "html")],

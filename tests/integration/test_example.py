@@ -87,7 +87,7 @@ def test_sinusoid_meta_trains_with_the_compiled_step(tmp_path):
 )
 def test_fewshot_example_runs_every_recipe(recipe, tmp_path):
     pytest.importorskip(
-        "sklearn", reason="the digits example needs scikit-learn (a dev dependency)"
+        "sklearn", reason="scikit-learn is not installed: pip install -e '.[examples]'"
     )
     scores = load("fewshot").main(
         [
@@ -451,9 +451,9 @@ def test_checkpointed_maml_example_saves_memory_with_the_same_meta_gradients(cap
 def test_lora_maml_example_learns_adapters_that_adapt(order):
     """MAML on a bf16 decoder's LoRA adapters, task batched: after meta-training, a few inner
     steps on the adapters lower each task's query loss well below the unadapted one."""
-    pytest.importorskip("peft")
+    pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[dev]'")
     example = load("lora_maml")
-    argv = ["--iterations", "60"] + (["--first-order"] if order == "first" else [])
+    argv = ["--iterations", "60", "--bf16"] + (["--first-order"] if order == "first" else [])
     history = example.main(argv)
     before, after = history["before"][-10:], history["after"][-10:]
     assert sum(after) / 10 < sum(before) / 10 - 0.15

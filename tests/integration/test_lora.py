@@ -13,8 +13,10 @@ from torch.func import functional_call
 
 import funcmeta as fm
 
-peft = pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[dev]'")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+)
 
 T, N, L, V = 3, 4, 6, 32
 

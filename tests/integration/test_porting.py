@@ -143,7 +143,9 @@ def test_the_batched_port_gives_the_loops_meta_gradients(setup):
 
 
 def test_port_is_bit_identical_to_higher(setup):
-    higher = pytest.importorskip("higher")
+    higher = pytest.importorskip(
+        "higher", reason="higher is not installed: pip install -e '.[bench]'"
+    )
     m, images, args = setup
 
     def meta_gradient(net, batch):
@@ -160,7 +162,9 @@ def test_port_is_bit_identical_to_higher(setup):
 
 
 def test_port_is_bit_identical_to_torchopt(setup):
-    torchopt = pytest.importorskip("torchopt")
+    torchopt = pytest.importorskip(
+        "torchopt", reason="torchopt is not installed: pip install -e '.[bench]'"
+    )
     m, images, args = setup
     inner: dict = {}
 

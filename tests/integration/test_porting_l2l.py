@@ -73,7 +73,10 @@ def test_the_port_gives_learn2learns_meta_gradients(tasks, batched, steps):
 
 
 def test_the_port_gives_learn2learns_own_meta_gradients(tasks):
-    l2l = pytest.importorskip("learn2learn")
+    l2l = pytest.importorskip(
+        "learn2learn",
+        reason="learn2learn is not installed: bash benchmarks/peers/build_learn2learn.sh",
+    )
     m, model, (support, query) = tasks
     maml = l2l.algorithms.MAML(model, lr=0.5, first_order=False)
     for p in maml.parameters():

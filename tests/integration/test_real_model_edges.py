@@ -282,7 +282,9 @@ def test_buffers_read_by_the_forward_are_exact_only_when_passed():
 
 
 def _llama(use_cache: bool):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
     config = transformers.LlamaConfig(
         vocab_size=13,
         hidden_size=8,
