@@ -6,7 +6,10 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_FLOOR ?= 2.5.0
 TORCH_NEWEST ?= 2.15.0
 
-.PHONY: setup setup-dev demo test test-matrix lint docs bench omniglot gpu-check clean
+# pytest-xdist workers for the suite (one per core; each computes on one thread, tests/conftest.py)
+TEST_WORKERS ?= auto
+
+.PHONY: setup setup-dev demo test test-slow test-matrix lint docs bench omniglot gpu-check clean
 
 setup:
 	@$(PYTHON) scripts/has_torch.py || $(PIP) install "$(TORCH_PIN)"
@@ -19,8 +22,13 @@ setup-dev:
 demo: setup
 	$(PYTHON) examples/sinusoid.py --iterations 4000 --plot examples/out/sinusoid_demo.png
 
+# The suite without the tests marked slow (long end-to-end runs, soak and peer-failure tests,
+# real compiles); `make test-slow` runs those. CI runs both.
 test: setup-dev
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+
+test-slow: setup-dev
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m slow
 
 # The suite on the oldest torch we claim and on the newest release, each in its own
 # environment under .matrix/ (about 4 GB each: PyPI's torch wheels carry CUDA libraries).

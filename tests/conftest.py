@@ -7,6 +7,7 @@ it; docs/memory.md, "TF32 and second order")."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +18,12 @@ import funcmeta as fm
 
 # the shared helpers (helpers.py, zoo.py) sit here, above the test folders
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Under pytest-xdist (make test runs one worker per core) each worker computes on one thread:
+# workers with several intra-op threads each would oversubscribe the cores, and a thread pool
+# that waits for a descheduled thread slows every operation many times over on a shared machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ.get("FUNCMETA_TEST_THREADS", "1")))
 
 
 def pytest_collection_modifyitems(config, items):

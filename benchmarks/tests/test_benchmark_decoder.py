@@ -14,6 +14,7 @@ pytest.importorskip("transformers", reason="transformers is not installed: pip i
 decoder_meta = load("memory/decoder_meta.py")
 
 
+@pytest.mark.slow
 def test_the_decoder_benchmark_runs_every_setting_on_a_tiny_decoder():
     args = argparse.Namespace(device="cpu", steps=3, repeats=1, length=16, small=True)
     results = {m: decoder_meta.run_point(args, m) for m in ("none", "model's own", "per-layer")}

@@ -6,11 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from bench_scripts import script
 
 SCRIPT = script("speed/overhead.py")
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_and_both_rows_agree():
     run = subprocess.run(
         [sys.executable, str(SCRIPT), "--repeats", "1"], capture_output=True, text=True, timeout=300

@@ -209,6 +209,7 @@ def test_the_graphs_computation_gives_the_recipes_meta_gradients(recipe):
     assert relative(ours, theirs) < 1e-10
 
 
+@pytest.mark.slow
 def test_compiled_once_per_kind_of_input_with_the_plain_paths_meta_gradients():
     """torch.compile for real (a small model: compiling takes seconds): Adam with learnable
     per-layer rates, float64, to 1e-10; the first call's time reported; the same shapes reuse
@@ -232,6 +233,7 @@ def test_compiled_once_per_kind_of_input_with_the_plain_paths_meta_gradients():
     assert len(step.compile_seconds) == 2
 
 
+@pytest.mark.slow
 def test_each_step_has_its_own_recompile_limit():
     """torch.compile stops compiling a function after its recompile limit (8 graphs); the
     steps of a process must not share one function, or the ninth model compiled in a process
@@ -257,6 +259,7 @@ def test_each_step_has_its_own_recompile_limit():
     assert [s.eager_reason for s in steps] == [None, None, None]
 
 
+@pytest.mark.slow
 def test_compiled_in_chunks_of_tasks_gives_the_same_meta_gradients():
     """task_chunk=3 on 4 tasks, compiled for real: two kinds of chunk, both compiled by the
     first call without a warning, reused by the second; the meta-gradients of all tasks."""
@@ -276,6 +279,7 @@ def test_compiled_in_chunks_of_tasks_gives_the_same_meta_gradients():
     assert torch.allclose(loss, plain_loss, rtol=1e-12, atol=0)
 
 
+@pytest.mark.slow
 def test_compiled_batchnorm_in_float32_is_as_close_to_float64_as_the_plain_path():
     """A conv net with BatchNorm (batch statistics), compiled for real in float32 ("auto":
     one task at a time on a CPU): its meta-gradient is no further from the float64 one than

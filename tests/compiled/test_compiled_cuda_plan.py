@@ -199,6 +199,7 @@ def test_a_new_batch_shape_on_cuda_graphs_compiles_its_own_graph(monkeypatch):
     assert len(step.compile_seconds) == 2 and len(made[0].outputs) == 2
 
 
+@pytest.mark.slow
 def test_compiled_for_real_with_the_cuda_plan_on_a_cpu(monkeypatch):
     """torch.compile for real, as the step compiles on CUDA (``mode="reduce-overhead"``), on
     CPU tensors: inductor runs the graph without CUDA graphs (they capture CUDA work only)

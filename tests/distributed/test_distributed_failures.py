@@ -124,6 +124,7 @@ def test_mismatched_ranks_raise_the_same_named_error(case, difference, tmp_path)
     assert len(messages) == 1  # the same words on every rank
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dead", "stalled", "stalled-naming"])
 def test_a_lost_peer_makes_the_survivor_raise_within_the_timeout(case, tmp_path):
     survivor, lost = _run(case, tmp_path)
@@ -180,6 +181,7 @@ def _launch(folder: Path, rendezvous: str, steps: int, *kill: str) -> list[int]:
     return codes
 
 
+@pytest.mark.slow
 def test_two_ranks_killed_and_resumed_end_bit_identical(tmp_path):
     steps = 12
     whole, broken = tmp_path / "whole", tmp_path / "broken"

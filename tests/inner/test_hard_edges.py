@@ -98,6 +98,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc to read RSS")
 def test_two_hundred_meta_iterations_in_constant_memory():
     """Task-batched Meta-SGD with step checkpointing: no graph, state or statistics kept

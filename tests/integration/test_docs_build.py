@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_sphinx_build_has_no_warnings(tmp_path):
     pytest.importorskip("sphinx", reason="sphinx is not installed: pip install -e '.[dev]'")
     pytest.importorskip(

@@ -111,6 +111,7 @@ def test_fewshot_example_runs_every_recipe(recipe, tmp_path):
     assert 0.0 <= scores["after"] <= 1.0 and 0.0 <= scores["before"] <= 1.0
 
 
+@pytest.mark.slow
 def test_omniglot_example_runs_every_recipe_on_the_real_data(tmp_path, capsys):
     """A short run of examples/omniglot.py on the official files: every recipe trains for a
     few iterations and is scored on the 20 official runs and on held-out episodes; the
@@ -226,6 +227,7 @@ def test_omniglot_budget_settings_zero_the_head_before_every_inner_loop(tmp_path
         assert not torch.equal(recipe.net.features[0].conv.weight, body)  # the body learns
 
 
+@pytest.mark.slow
 def test_omniglot_budget_reptile_and_imaml_run(tmp_path):
     """The default settings' own paths: Reptile's update through Adam on batches of 20 drawn
     from 5 examples per class, iMAML with 5 queries per class and the undamped system set by
@@ -428,6 +430,7 @@ def test_omniglot_combine_puts_runs_in_one_file_and_refuses_what_does_not_fit(tm
         omniglot.main(["--combine", str(tmp_path / "missing.json"), "--out", str(out)])
 
 
+@pytest.mark.slow
 def test_checkpointed_maml_example_saves_memory_with_the_same_meta_gradients(capsys):
     """The motivating scenario's example: the model that checkpoints its own modules keeps a
     fraction of the unchecked model's peak memory in a second-order meta-iteration, with
@@ -459,6 +462,7 @@ def test_lora_maml_example_learns_adapters_that_adapt(order):
     assert sum(after) / 10 < sum(before) / 10 - 0.15
 
 
+@pytest.mark.slow
 def test_omniglot_example_compiled_trains_as_the_recipes_do(tmp_path):
     """``--compiled`` runs MAML as one compiled graph (one task per graph call): the same
     training losses as the recipe, to float32 rounding, over the same episodes. (The other

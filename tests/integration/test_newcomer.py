@@ -112,3 +112,23 @@ def test_sinusoid_draws_its_bar_on_a_terminal_and_its_time_on_a_line_of_its_own(
     took = re.search(r"took \d+ s", text)
     assert took is not None, text[-2000:]
     assert took.start() == 0 or text[took.start() - 1] in "\r\n", repr(text[: took.end()][-200:])
+
+
+def test_ci_runs_the_fast_and_the_slow_tests_and_each_half_selects_tests():
+    """make test leaves out the tests marked slow, make test-slow runs exactly those, and
+    .ci/run runs both: CI runs every test, and neither half is empty (pytest's exit code 5)."""
+    make = (ROOT / "Makefile").read_text()
+    ci = (ROOT / ".ci" / "run").read_text().split()
+    assert '-m "not slow"' in make.split("\ntest:")[1].split("\n\n")[0]
+    assert "-m slow" in make.split("\ntest-slow:")[1].split("\n\n")[0]
+    assert ci.index("test") < ci.index("test-slow") and ci[ci.index("test") - 1] == "make"
+    for marker in ("slow", "not slow"):
+        run = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marker, "tests/inner"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        last = run.stdout.splitlines()[-1]
+        assert run.returncode == 0 and re.match(r"[1-9]\d*/\d+ tests collected", last), last

@@ -35,6 +35,7 @@ def saved_step(path):
         return 0
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_is_bit_identical(tmp_path):
     run(tmp_path / "a.pt", tmp_path / "a_out.pt")
     state = tmp_path / "b.pt"
