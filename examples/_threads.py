@@ -3,10 +3,11 @@ keeps freed memory (:func:`funcmeta.keep_freed_memory`).
 
 Small operations (the sinusoid MLP, a 50-feature linear solve) gain nothing from more
 threads, and lose badly when another process holds a core: each parallel region waits for
-its slowest thread. Measured on 2 cores with another process spinning on one of them, the
-``make demo`` run took 2.1x longer with 2 threads and no longer with 1. Convolutions on
-28x28 images do gain (conv4 MAML, 20-way, meta-batch 4: 0.61 s per iteration with 1 thread,
-0.35 s with 2), so those examples take every core they may run on.
+its slowest thread. Measured on this project's 2-core AMD EPYC (2026-11-24) with another
+process spinning on one of its cores, the ``make demo`` run took 2.1x longer with 2 threads
+and no longer with 1. Convolutions on 28x28 images do gain (conv4 MAML, 20-way, meta-batch 4,
+on the same machine: 0.61 s per iteration with 1 thread, 0.35 s with 2), so those examples
+take every core they may run on.
 
 A shared module of the examples, not an example: each one imports it plainly (``from _threads
 import ...``), as Python puts a script's own folder on ``sys.path``; the benchmarks reach it

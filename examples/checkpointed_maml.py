@@ -55,18 +55,22 @@ last window), the skipped count and the two ratios; the exit status is 0 or 1.
 After the meta-training curve (every tenth iteration) it prints one meta-iteration's peak
 memory and time with the model's own checkpoints and without them (the same model,
 ``checkpointed=False``), the largest difference of their meta-gradients, and the ``RESULT``
-line. On this project's CPU machine, 2 cores that other work shared while these ran (load
-average about 5; an idle machine runs them faster), wall time with CPU time in brackets:
+line. Measured on this project's 2-core AMD EPYC, which has AVX-512 BF16, idle and with one
+other single-threaded job running (2026-11-28), wall time with CPU time in brackets:
 
     python examples/checkpointed_maml.py
         # width 64, bf16: query loss 0.93 -> 0.15 over 30 iterations (RESULT: 0.872 -> 0.155),
-        # memory 0.25x the unchecked model's, RESULT PASS; 676 s (467 s)
+        # memory 0.32x the unchecked model's, time 1.93x, RESULT PASS; idle 55 s (92 s), with
+        # the other job 208 s (251 s): two threads wait on each other's turns of the cores
+    python examples/checkpointed_maml.py --width 768 --rows 64 --iterations 10 --no-measure
+        # the GPU's width, few rows: 1.20 -> 0.78 (RESULT: 1.134 -> 0.920), RESULT PASS; in
+        # bf16 35 s (64 s); on a CPU without bf16 instructions (torch capped to AVX2 with
+        # ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), where auto runs float32: idle
+        # 50 s (93 s), with the other job 184 s (231 s)
     python examples/checkpointed_maml.py --precision fp16
         # fp16 + GradScaler("cpu"): 0.93 -> 0.15 (RESULT: 0.869 -> 0.155), none of the 30
-        # skipped, memory 0.27x, RESULT PASS; 1523 s (1044 s): CPU fp16 products are slow
-    python examples/checkpointed_maml.py --width 768 --rows 64 --iterations 10 --no-measure
-        # the GPU's width in bf16, few rows: 1.20 -> 0.78 (RESULT: 1.134 -> 0.920), RESULT
-        # PASS; 411 s (271 s)
+        # skipped, memory 0.27x, RESULT PASS; 1523 s (1044 s) on the same machine loaded by
+        # several other jobs (load average about 5, 2026-11-26): CPU fp16 products are slow
     python examples/checkpointed_maml.py --device cuda --width 768 --rows 4096 --iterations 10 \
         --repeats 3 --max-memory-ratio 0.4 --max-time-ratio 2.5
         # the GPU check (fp16 + GradScaler): the same lines, a PASS or FAIL line for each

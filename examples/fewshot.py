@@ -18,11 +18,11 @@ files and where they are published.
     python examples/fewshot.py --recipe maml --iterations 100
     python examples/fewshot.py --omniglot data/omniglot --download --iterations 100
 
-Running time, measured on 2 CPU cores shared with other jobs (load average about 5: an idle
-machine is faster): ``--recipe maml --iterations 100`` took 670 s, and ``--omniglot
-../shared/data/omniglot --iterations 100`` (the minimal splits) 409 s, each with its 300 test
-episodes before and after; the default 600 iterations of MAML on the digits took 219 s on 2
-idle cores (benchmarks/RESULTS.md).
+Running time, measured on this project's 2-core AMD EPYC shared with other jobs (2026-11-26;
+load average about 5: an idle machine is faster): ``--recipe maml --iterations 100`` took
+670 s, and ``--omniglot ../shared/data/omniglot --iterations 100`` (the minimal splits) 409 s,
+each with its 300 test episodes before and after; the default 600 iterations of MAML on the
+digits took 219 s on 2 idle AMD EPYC cores (2026-11-21, benchmarks/RESULTS.md).
 
 Recipes: maml, fomaml, metasgd, anil, reptile, mamlpp, imaml. The script prints the
 meta-test accuracy (mean and 95% interval over episodes) and saves the training curve.

@@ -14,8 +14,8 @@ the others.
     python examples/hyperparameters.py                       # about 15 s on 2 CPU cores
     python examples/hyperparameters.py --solver normal_cg    # about 27 s
 
-Both times were measured on 2 CPU cores that other work shared, the process getting half a
-core (7 s and 13 s of CPU time): an idle machine runs them faster.
+Both times were measured on 2 AMD EPYC cores that other work shared (2026-11-26), the
+process getting half a core (7 s and 13 s of CPU time): an idle machine runs them faster.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ published, and exits with status 1.
     python examples/l2l_maml_omniglot_port.py --data ../shared/data/omniglot --iterations 20
     python examples/l2l_maml_omniglot_port.py --data data/omniglot --download
 
-Running time, measured on 2 CPU cores shared with other jobs (load average about 5: an idle
-machine is faster): the first command took 75 s (20 meta-iterations of 32 tasks, with loading
-and five tests).
+Running time, measured on this project's 2-core AMD EPYC shared with other jobs (2026-11-26;
+load average about 5: an idle machine is faster): the first command took 75 s (20
+meta-iterations of 32 tasks, with loading and five tests).
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ of an optimizer.
 
     python examples/learned_optimizer.py        # about 6 minutes on 2 CPU cores
 
-That run took 358 s on 2 CPU cores that other work shared: the process got less than half a
-core (150 s of CPU time), so an idle machine runs it faster. It ended with a held-out query
-MSE of 3.685 for SGD at its best rate (0.00562) and 2.917 for the learned optimizer (0.79x).
-``--iterations`` (1000 meta-iterations) and ``--tasks`` (25 per meta-batch) set its length.
+That run took 358 s on 2 AMD EPYC cores that other work shared (measured 2026-11-26): the
+process got less than half a core (150 s of CPU time), so an idle machine runs it faster. It
+ended with a held-out query MSE of 3.685 for SGD at its best rate (0.00562) and 2.917 for the
+learned optimizer (0.79x). ``--iterations`` (1000 meta-iterations) and ``--tasks`` (25 per
+meta-batch) set its length.
 
 ``benchmarks/checks/learned_optimizer.py`` is the measured version (several seeds, Adam and
 Meta-Curvature too); its figures are in benchmarks/RESULTS.md.

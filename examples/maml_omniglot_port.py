@@ -21,7 +21,8 @@ the module's parameters (``fmodel.params``, which are ``net.parameters()``: the 
 
 It keeps freed memory (:func:`funcmeta.keep_freed_memory`; ``--no-keep-freed-memory`` leaves
 glibc's defaults): 32 tasks' activations of tens of MiB otherwise start on fresh pages at
-every step. On 2 cores the loop then took 9.15 s per meta-iteration instead of 12.55 s.
+every step. On 2 AMD EPYC cores (2026-11-24) the loop then took 9.15 s per meta-iteration
+instead of 12.55 s.
 
 ``--data`` is a folder with the official archives of ``--splits`` (as published or
 unpacked); ``--download`` fetches the minimal splits into it, each checked against its
@@ -32,10 +33,10 @@ where they are published, and exits with status 1.
     python examples/maml_omniglot_port.py --data ../shared/data/omniglot --iterations 20
     python examples/maml_omniglot_port.py --data data/omniglot --download --iterations 20
 
-Running time, measured on 2 CPU cores shared with other jobs (load average about 5: an idle
-machine is faster): ``--data ../shared/data/omniglot --iterations 10 --test-every 10`` took
-1330 s (loading, 10 meta-iterations of 32 tasks, one test); a meta-iteration took 9.15 s on 2
-idle cores (above).
+Running time, measured on this project's 2-core AMD EPYC shared with other jobs (2026-11-26;
+load average about 5: an idle machine is faster): ``--data ../shared/data/omniglot
+--iterations 10 --test-every 10`` took 1330 s (loading, 10 meta-iterations of 32 tasks, one
+test); a meta-iteration took 9.15 s on 2 idle cores (above, 2026-11-24).
 """
 
 from __future__ import annotations

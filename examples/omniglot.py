@@ -32,11 +32,12 @@ splits and ``all_runs.zip``) into ``--data``, each checked against its sha256; w
 (and without ``--download``) the script stops with one message that names the files, where
 they are published and ``--download``, and exits with status 1.
 
-Running time on a CPU, measured on 2 CPU cores shared with other jobs (load average about 5: an
-idle machine is faster): the run ``--data ../shared/data/omniglot --recipes maml --budget 20
---eval-episodes 50`` took 281 s (20 s of training, 24 s of evaluation; the rest reads the data,
-computes the baseline on the runs and scores the learning curve's points). The default run,
-every recipe at 240 s, took 72 minutes on 2 idle cores (docs/fewshot.md).
+Running time on a CPU, measured on this project's 2-core AMD EPYC shared with other jobs
+(2026-11-26; load average about 5: an idle machine is faster): the run ``--data
+../shared/data/omniglot --recipes maml --budget 20 --eval-episodes 50`` took 281 s (20 s of
+training, 24 s of evaluation; the rest reads the data, computes the baseline on the runs and
+scores the learning curve's points). The default run, every recipe at 240 s, took 72 minutes
+on 2 idle AMD EPYC cores (2026-11-24, docs/fewshot.md).
 
 MAML-family models get a 20-way head (the official runs are 20-way); on 5-way episodes they
 are adapted and scored on its first 5 outputs (``fm.evaluate`` does this). Prototypical

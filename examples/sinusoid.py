@@ -11,10 +11,13 @@ points): the query MSE before and after one inner step, mean and 95% interval.
     python examples/sinusoid.py                       # full length, 20000 iterations
 
 The run of ``make demo`` (4000 iterations for each of the six method and shot settings,
-with ``--plot examples/out/sinusoid_demo.png``) took about 3.5 minutes (214 s) on 2 CPU
-cores that other work shared: it got half a core, 98 s of CPU time. On an idle machine, from
-a fresh clone, it took 98 s (96 s of CPU time). The time grows with the iterations: the full length, for the comparison with the
-published 10-shot figures, runs five times as many and takes about five times as long.
+with ``--plot examples/out/sinusoid_demo.png``) runs on one thread. From a fresh clone on this
+project's 2-core AMD EPYC (2026-11-28), the script took 73 s on the idle machine and 79 s
+with another single-threaded job running; ``make demo`` in all (its installs included) took
+83 s and 90 s. On 2 cores loaded by several other jobs (load average about 5, 2026-11-26) it
+took 214 s, the process getting half a core. The time grows with the iterations: the full
+length, for the comparison with the published 10-shot figures, runs five times as many and
+takes about five times as long.
 """
 
 from __future__ import annotations
