@@ -35,6 +35,7 @@ __all__ = [
     "add_allocator_option",
     "add_threads_option",
     "available_cores",
+    "idle_cores",
     "use_allocator",
     "use_threads",
 ]
@@ -45,6 +46,18 @@ def available_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def idle_cores() -> int:
+    """The cores this process may run on less those the last minute's load average says
+    other work holds (at least 1): where another job runs, a thread pool as wide as the
+    machine waits at every parallel region for the thread that job has descheduled."""
+    cores = available_cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this system
+        return cores
+    return max(1, min(cores, cores - round(load)))
 
 
 def add_threads_option(parser: argparse.ArgumentParser, default: int, workload: str) -> None:

@@ -91,6 +91,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from _threads import add_threads_option, idle_cores, use_threads
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -420,6 +421,13 @@ def parser() -> argparse.ArgumentParser:
         default=2.0**16,
         help="GradScaler's initial scale (fp16 only; torch's default)",
     )
+    add_threads_option(
+        p,
+        idle_cores(),
+        "the cores the load average leaves idle: the blocks' products gain from more threads, "
+        "and a thread on a core another job holds makes every parallel region wait for it (the "
+        "768-wide run took 184 s with 2 threads beside another job, 80 s with 1)",
+    )
     p.add_argument("--width", type=int, default=64, help="the residual stream's width")
     p.add_argument("--inputs", type=int, default=32, help="input features")
     p.add_argument("--modules", type=int, default=40, help="residual blocks, each checkpointed")
@@ -501,8 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.measure_worker:
         settings = argparse.Namespace(**json.loads(args.settings))
+        use_threads(settings)  # the parent's choice, not this process's own reading
         print(json.dumps(measure_one(settings, args.measure_worker == "checkpointed")))
         return 0
+    use_threads(args)
     targets = args.max_memory_ratio is not None or args.max_time_ratio is not None
     if args.no_measure and targets:
         p.error("--max-memory-ratio and --max-time-ratio need the measurement (no --no-measure)")
@@ -515,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.device}; inner rates from {args.inner_lr * scale:.3g}, Adam "
         f"{args.outer_lr * scale:.3g}"
     )
-    print(f"precision: {precision.name} ({precision.reason})")
+    print(f"precision: {precision.name} ({precision.reason}); {args.threads} thread(s)")
     start = time.perf_counter()
     history = train(args)
     print(f"meta-training: {time.perf_counter() - start:.1f} s")

@@ -36,6 +36,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _threads_restored():
+    """An example's main sets torch's thread count (--threads): the next test in this process
+    gets the count back."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(autouse=True)
 def _exact_float32_on_cuda(request):
     if request.node.get_closest_marker("cuda") is None or not torch.cuda.is_available():
         yield

@@ -113,6 +113,8 @@ def test_an_unknown_precision_is_refused():
 
 
 def _load(name):
+    if str(EXAMPLES) not in sys.path:  # as when run as a script: its helpers beside it
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -578,3 +578,22 @@ def test_omniglot_examples_help_shows_every_option_with_its_default(name, capsys
         assert "support examples per class (K-shot) (default: 1)" in text
     else:
         assert "(default: data/omniglot)" in text
+
+
+@pytest.mark.parametrize(("average", "expected"), [(0.1, 2), (1.2, 1), (5.0, 1), (None, 2)])
+def test_the_checkpointed_example_takes_the_cores_the_load_leaves_idle(
+    monkeypatch, average, expected
+):
+    """``--threads``' default in checkpointed_maml.py: the cores less the load average (a
+    thread on a core another job holds makes every parallel region wait); no load average:
+    every core."""
+    threads = load("_threads")
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+
+    def loadavg():
+        if average is None:
+            raise OSError("no load average")
+        return (average, average, average)
+
+    monkeypatch.setattr(threads.os, "getloadavg", loadavg)
+    assert threads.idle_cores() == expected
