@@ -216,3 +216,57 @@ def test_sequences_and_right_batches_say_nothing():
         fm.adapt(
             seq, seq.params, F.mse_loss, (torch.randn(3, 5, 2), torch.randn(3, 5, 1)), SGD, steps=1
         )
+
+
+class _Attend(nn.Module):
+    """One task of (N, L, D) sequences through self-attention: a real sequence model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.head = nn.MultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        "attention",
+        "softmax over the sequence",
+        "per-channel prelu",
+    ],
+)
+def test_layers_that_read_a_leading_axis_say_nothing(layers):
+    """Only layers that act on the last axis alone make the leading-task-axis warning: not
+    nn.MultiheadAttention (it lives among torch's activations), not a softmax over another
+    axis, not a PReLU with a weight per channel (axis 1)."""
+    net = {
+        "attention": _Attend,
+        "softmax over the sequence": lambda: nn.Sequential(
+            nn.Linear(4, 4), nn.Softmax(dim=1), nn.Linear(4, 1)
+        ),
+        "per-channel prelu": lambda: nn.Sequential(
+            nn.Linear(4, 4), nn.PReLU(num_parameters=5), nn.Linear(4, 1)
+        ),
+    }[layers]()
+    f = fm.functional_model(net)
+    x, y = torch.randn(3, 5, 4), torch.randn(3, 5, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fm.TaskAxisWarning)
+        fm.adapt(f, f.params, F.mse_loss, (x, y), SGD, steps=1)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [nn.GELU(), nn.SiLU(), nn.Softmax(dim=-1), nn.PReLU(), nn.GLU(dim=-1)],
+    ids=["gelu", "silu", "softmax-last", "prelu-one", "glu-last"],
+)
+def test_pointwise_layers_still_warn(layer):
+    width = 8 if isinstance(layer, nn.GLU) else 4
+    net = nn.Sequential(nn.Linear(4, width), layer, nn.Linear(4, 1))
+    f = fm.functional_model(net)
+    with pytest.warns(fm.TaskAxisWarning, match="ONE task of 3 x 5"):
+        fm.adapt(
+            f, f.params, F.mse_loss, (torch.randn(3, 5, 4), torch.randn(3, 5, 1)), SGD, steps=1
+        )

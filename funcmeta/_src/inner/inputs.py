@@ -340,11 +340,53 @@ _LAST_AXIS = (
 )
 
 
+#: Activations that act on each element alone (any input shape).
+_ELEMENTWISE = (
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.SELU,
+    nn.CELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Sigmoid,
+    nn.Tanh,
+    nn.Hardtanh,
+    nn.Hardsigmoid,
+    nn.Hardswish,
+    nn.Hardshrink,
+    nn.Softshrink,
+    nn.Tanhshrink,
+    nn.Softplus,
+    nn.Softsign,
+    nn.LogSigmoid,
+    nn.Threshold,
+    nn.RReLU,
+)
+
+
+def _acts_on_the_last_axis(m: nn.Module) -> bool:
+    """Whether the layer ``m`` itself reads no leading axis: an elementwise activation, one
+    PReLU weight, a softmax or GLU over ``dim=-1``, or a layer of :data:`_LAST_AXIS`. Not
+    attention (it mixes a sequence), not a softmax over another axis, not a per-channel PReLU
+    (it reads axis 1)."""
+    if isinstance(m, _LAST_AXIS + _ELEMENTWISE):
+        return True
+    if isinstance(m, nn.PReLU):
+        return m.num_parameters == 1
+    if isinstance(m, nn.Softmax | nn.LogSoftmax | nn.Softmin | nn.GLU):
+        return m.dim == -1
+    return False
+
+
 def _last_axis_only(module: nn.Module) -> bool:
     """Whether every layer of ``module`` acts on the last axis alone (an MLP): no layer
-    reads a sequence, an image or a set along the leading axes."""
+    reads a sequence, an image or a set along the leading axes (the root's own forward is
+    judged by its layers)."""
     return all(
-        isinstance(m, _LAST_AXIS) or type(m).__module__ == "torch.nn.modules.activation"
+        _acts_on_the_last_axis(m)
         for m in module.modules()
         if m is not module or isinstance(m, _LAST_AXIS)
     ) and any(isinstance(m, nn.Linear) for m in module.modules())

@@ -3,7 +3,9 @@ subclass per recipe with diagnostics of its own, holding only those."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import NoReturn
 
 from torch import Tensor
 
@@ -47,6 +49,34 @@ class RecipeResult:
     query_loss: Tensor | None
     adapted: AdaptResult | None
     logits: Tensor | None = None
+
+    def __iter__(self) -> NoReturn:
+        raise TypeError(_NOT_A_TUPLE.format(what="unpacked", fields=_fields(self)))
+
+    def __getitem__(self, index: object) -> NoReturn:
+        old = _TUPLE_ORDER[index] if isinstance(index, int) and -7 <= index < 7 else None
+        was = f" (out[{index}] was {old}: write out.{old})" if old else ""
+        raise TypeError(_NOT_A_TUPLE.format(what=f"indexed{was}", fields=_fields(self)))
+
+
+#: The order of the fields when recipe results were tuples (before 96e8464).
+_TUPLE_ORDER = (
+    "loss",
+    "query_loss",
+    "adapted",
+    "step_buffers",
+    "residual",
+    "curvature_stop",
+    "logits",
+)
+_NOT_A_TUPLE = (
+    "a recipe's result is no longer a tuple and cannot be {what}: name its fields, {fields} "
+    "(CHANGELOG.md, 96e8464: one result type per recipe)"
+)
+
+
+def _fields(result: RecipeResult) -> str:
+    return ", ".join(f"out.{f.name}" for f in dataclasses.fields(result))
 
 
 @exposed_in("funcmeta.recipes")
