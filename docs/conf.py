@@ -61,7 +61,7 @@ nitpick_ignore_regex = [
     # Private types in the signatures of public callables, which users never build: the
     # executor FunctionalModel takes (functional_model builds it) and the base of the Krylov
     # solvers.
-    (r"py:class", r"funcmeta\._src\.module\.executor\.Executor"),
+    (r"py:class", r"funcmeta\._src\.module\.task_protocol\.Executor"),
     (r"py:class", r"funcmeta\._src\.implicit\.solvers\._Krylov"),
 ]
 

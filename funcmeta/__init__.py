@@ -59,6 +59,7 @@ from funcmeta._src.inner.tasks import apply_tasks as apply_tasks
 from funcmeta._src.inner.tasks import task_losses as task_losses
 from funcmeta._src.inner.tune import tune_task_chunk as tune_task_chunk
 from funcmeta._src.module.functional import FunctionalModel as FunctionalModel
+from funcmeta._src.module.guard import ConcurrentUseError as ConcurrentUseError
 from funcmeta._src.optim.base import apply_updates as apply_updates
 from funcmeta.cpu_memory import keep_freed_memory as keep_freed_memory
 from funcmeta.evaluation import Evaluation as Evaluation
@@ -76,6 +77,7 @@ __all__ = [
     "FunctionalModel",
     "LossFn",
     "CompilePlan",
+    "ConcurrentUseError",
     "MetaStep",
     "NonFiniteError",
     "TF32Warning",

@@ -190,7 +190,46 @@ def violations(root: Path = ROOT) -> list[str]:
                         f"funcmeta/{path.relative_to(root)}:{lineno}: touches private "
                         f"internals outside funcmeta/_src/core/fence/: {source[lineno - 1].strip()}"
                     )
+    for circle in import_cycles(root):
+        names = ", ".join(f"funcmeta.{m}" for m in circle)
+        out.append(f"an import circle: {names} import each other (type-only imports count)")
     return out
+
+
+def import_cycles(root: Path = ROOT) -> list[list[str]]:
+    """The circles of imports among the modules of ``funcmeta/_src`` (type-only and
+    function-level imports included): each a list of modules that import each other, round."""
+    files = sorted((root / "_src").rglob("*.py"))
+    known = {module_name(p, root) for p in files}
+    graph = {module_name(p, root): sorted(imports(p, root) & known) for p in files}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        order[node] = low[node] = len(order)
+        stack.append(node)
+        for dep in graph[node]:
+            if dep not in order:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], order[dep])
+        if low[node] == order[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in order:
+            visit(node)
+    return circles
 
 
 def main() -> int:

@@ -46,6 +46,37 @@ def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_pa
     assert not any("kernels.py:2" in v for v in found), found
 
 
+def test_no_import_circle_among_the_private_modules():
+    assert check_layers.import_cycles() == []
+
+
+def test_the_circle_check_finds_type_only_and_function_level_circles(tmp_path):
+    package = tmp_path / "funcmeta"
+    (package / "_src/module").mkdir(parents=True)
+    (package / "_src/core/fence").mkdir(parents=True)
+    (package / "_src/module/functional.py").write_text(
+        "from funcmeta._src.module.protocol import Executor\n"
+    )
+    (package / "_src/module/protocol.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from funcmeta._src.module.functional import FunctionalModel\nExecutor = 1\n"
+    )
+    (package / "_src/core/fence/__init__.py").write_text(
+        "from funcmeta._src.core.fence.autograd import run\n"
+    )
+    (package / "_src/core/fence/autograd.py").write_text(
+        "def run():\n    from funcmeta._src.core.fence import run\n"
+    )
+    circles = check_layers.import_cycles(package)
+    assert sorted(circles) == [
+        ["_src.core.fence", "_src.core.fence.autograd"],
+        ["_src.module.functional", "_src.module.protocol"],
+    ]
+    assert any(
+        "an import circle: funcmeta._src.core.fence" in v for v in check_layers.violations(package)
+    )
+
+
 def test_the_layering_check_catches_an_implementation_in_a_public_module(tmp_path):
     package = tmp_path / "funcmeta"
     (package / "_src/core").mkdir(parents=True)

@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
-from funcmeta._src.module.executor import ChunkRun, TaskCall
+from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
 
 __all__ = [
     "CPU_BUDGET",

@@ -5,7 +5,7 @@ under ``vmap``; it owns the chunk choice (``funcmeta._src.batching.chunks``: the
 per task.
 
 :func:`funcmeta.functional_model` gives every model one (see
-``funcmeta._src.module.executor``). The stand-ins for layer families
+``funcmeta._src.module.task_protocol``). The stand-ins for layer families
 (``funcmeta._src.batching.layers``) run inside the task runner it is built with.
 
 Example:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,11 +40,8 @@ from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import inside_transform, is_vmap_refusal
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
-from funcmeta._src.module.executor import ChunkRun, TaskCall
 from funcmeta._src.module.functional import Swap, execute
-
-if TYPE_CHECKING:
-    from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.task_protocol import ChunkRun, PlainRunner, TaskCall
 
 __all__ = ["TaskExecutor"]
 
@@ -131,7 +128,7 @@ class TaskExecutor:
 
     def run(
         self,
-        model: FunctionalModel,
+        model: PlainRunner,
         params: Mapping[str, Tensor],
         buffers: Mapping[str, Tensor],
         args: tuple[Any, ...],
@@ -144,7 +141,7 @@ class TaskExecutor:
 
     def _run(
         self,
-        model: FunctionalModel,
+        model: PlainRunner,
         params: Mapping[str, Tensor],
         buffers: Mapping[str, Tensor],
         args: tuple[Any, ...],

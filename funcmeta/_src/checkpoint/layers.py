@@ -52,6 +52,7 @@ from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.tree import Predicate
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
+from funcmeta._src.module.guard import guard_of
 from funcmeta._src.module.shadow import Standin, ancestors, relative, shadow, within
 
 __all__ = [
@@ -160,6 +161,8 @@ class TensorSlots:
     bookkeeping took longer than the layer's kernels."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
+        # a recomputation in a backward must not meet another thread's run of the model
+        self.guard = guard_of(modules[0]) if modules else None
         self.params: list[tuple[Tensor, list[tuple[dict, str]]]] = []
         self.buffers: list[tuple[Tensor, list[tuple[dict, str]]]] = []
         seen: set[tuple[int, str]] = set()
@@ -188,20 +191,21 @@ class TensorSlots:
         """These tensors in the places for the block; the previous ones back after it. With
         ``keep_replaced``, a buffer the block replaced (``self.count = self.count + 1``)
         stays, for the run to collect."""
-        saved: list[tuple[dict, str, Any, Any, bool]] = []
-        groups = ((self.params, params, False), (self.buffers, buffers, True))
-        for entries, values, is_buffer in groups:
-            for (_, places), value in zip(entries, values, strict=True):
-                for d, key in places:
-                    saved.append((d, key, d[key], value, is_buffer))
-                    d[key] = value
-        try:
-            yield
-        finally:
-            for d, key, old, value, is_buffer in reversed(saved):
-                if keep_replaced and is_buffer and d[key] is not value:
-                    continue
-                d[key] = old
+        with self.guard or contextlib.nullcontext():
+            saved: list[tuple[dict, str, Any, Any, bool]] = []
+            groups = ((self.params, params, False), (self.buffers, buffers, True))
+            try:
+                for entries, values, is_buffer in groups:
+                    for (_, places), value in zip(entries, values, strict=True):
+                        for d, key in places:
+                            saved.append((d, key, d[key], value, is_buffer))
+                            d[key] = value
+                yield
+            finally:
+                for d, key, old, value, is_buffer in reversed(saved):
+                    if keep_replaced and is_buffer and d[key] is not value:
+                        continue
+                    d[key] = old
 
 
 class _Checkpointed(Standin):

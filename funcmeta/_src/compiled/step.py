@@ -90,6 +90,7 @@ from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions
 from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_inner_loop, task_losses
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.guard import guard_of
 from funcmeta._src.optim.base import GradientTransformation
 
 __all__ = ["MetaStep", "compile_meta_step"]
@@ -257,7 +258,9 @@ class MetaStep:
             if not self._checked:
                 self._check_on_the_plain_path(support, params)
                 self._checked = True
-            done = self._compiled_step(params, hyper, s, q, tasks)
+            # the traced run swaps tensors into the module (functional_call): one thread
+            with guard_of(self.fmodel.module):
+                done = self._compiled_step(params, hyper, s, q, tasks)
             if done is not None:
                 return done
         return self._eager_step(support, query, params, hyper)

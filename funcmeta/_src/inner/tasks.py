@@ -55,8 +55,8 @@ from funcmeta._src.inner.inputs import (
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
 from funcmeta._src.inner.place import unless_set
-from funcmeta._src.module.executor import ChunkRun, TaskCall
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
 from funcmeta._src.optim.base import GradientTransformation
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_inner_loop", "task_losses"]

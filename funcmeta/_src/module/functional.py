@@ -30,8 +30,9 @@ from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.vmap import any_batched
 from funcmeta._src.module import scope
-from funcmeta._src.module.executor import Executor
+from funcmeta._src.module.guard import guard_of
 from funcmeta._src.module.shadow import synced
+from funcmeta._src.module.task_protocol import Executor
 
 __all__ = ["FunctionalModel", "Swap", "check_layers", "execute"]
 
@@ -247,6 +248,8 @@ class Swap:
     def __init__(self, module: nn.Module, runner: nn.Module) -> None:
         self.params = self._places(module, runner, "params")
         self.buffers = self._places(module, runner, "buffers")
+        self.guard = guard_of(module)
+        self.guard.what = f"the model {type(module).__name__}"
 
     @staticmethod
     def _places(
@@ -270,22 +273,25 @@ class Swap:
 
     @contextlib.contextmanager
     def __call__(self, params: Mapping[str, Tensor], buffers: dict[str, Tensor]) -> Iterator[None]:
-        saved: list[tuple[dict, str, Any]] = []
-        try:
-            for places, values in ((self.params, params), (self.buffers, buffers)):
-                for key, slots in places:
-                    value = values[key]
-                    for owner, attr in slots:
-                        saved.append((owner, attr, owner[attr]))
-                        owner[attr] = value
-            yield
-        finally:
-            for key, slots in self.buffers:
-                owner, attr = slots[0]
-                if owner[attr] is not buffers[key]:
-                    buffers[key] = owner[attr]
-            for owner, attr, value in reversed(saved):
-                owner[attr] = value
+        """The tensors in place for the block, inside the module's guard (one thread at a
+        time: :exc:`funcmeta.ConcurrentUseError` for a second one)."""
+        with self.guard:
+            saved: list[tuple[dict, str, Any]] = []
+            try:
+                for places, values in ((self.params, params), (self.buffers, buffers)):
+                    for key, slots in places:
+                        value = values[key]
+                        for owner, attr in slots:
+                            saved.append((owner, attr, owner[attr]))
+                            owner[attr] = value
+                yield
+            finally:
+                for key, slots in self.buffers:
+                    owner, attr = slots[0]
+                    if owner[attr] is not buffers[key]:
+                        buffers[key] = owner[attr]
+                for owner, attr, value in reversed(saved):
+                    owner[attr] = value
 
 
 _DICTS = {"params": parameter_dict, "buffers": buffer_dict}

@@ -131,7 +131,7 @@ def dispatch_checkpoint(function: Any, args: tuple[Any, ...], kwargs: dict[str, 
 
 def _trampoline(function: Any, *args: Any, **kwargs: Any) -> Any:
     # runs as torch.utils.checkpoint.checkpoint's code, with that module's globals
-    from funcmeta._src.core.fence import dispatch_checkpoint
+    from funcmeta._src.core.fence.autograd import dispatch_checkpoint
 
     return dispatch_checkpoint(function, args, kwargs)
 

@@ -11,7 +11,7 @@ The chunk of a task-batched inner loop is the executor's to choose: :func:`funcm
 describes its call (:class:`TaskCall`) and runs on the :class:`ChunkRun` it gets back.
 
 Example:
-    >>> from funcmeta._src.module.executor import ChunkRun, Executor
+    >>> from funcmeta._src.module.task_protocol import ChunkRun, Executor
     >>> sorted(name for name in vars(Executor) if not name.startswith("_"))
     ['choices', 'chunk_for', 'chunk_now', 'count_with_inner_loop', 'per_task', 'per_task_layers', 'run', 'task_chunk']
     >>> ChunkRun(4).chunk
@@ -22,14 +22,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from funcmeta._src.module.functional import FunctionalModel
+__all__ = ["ChunkRun", "Executor", "PlainRunner", "TaskCall"]
 
-__all__ = ["ChunkRun", "Executor", "TaskCall"]
+
+class PlainRunner(Protocol):
+    """What an executor runs a task's call with (a :class:`~funcmeta.FunctionalModel`): its
+    module run as it is, the tensors given swapped in."""
+
+    def run_plain(
+        self,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]: ...
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,7 @@ class Executor(Protocol):
 
     def run(
         self,
-        model: FunctionalModel,
+        model: PlainRunner,
         params: Mapping[str, Tensor],
         buffers: Mapping[str, Tensor],
         args: tuple[Any, ...],
