@@ -12,9 +12,10 @@ nor meta-trains frozen parameters).
     python examples/lora_maml.py                       # second order, bf16 base where native
     python examples/lora_maml.py --first-order --iterations 100
 
-On 2 CPU cores that other work shared, the first took about 13.5 minutes (811 s) and the
-second about 5 minutes (293 s); each process got less than half a core (335 s and 122 s of
-CPU time), so an idle machine runs them faster. In the first, the query loss after 3 inner
+On this project's 2-core AMD EPYC (which has AVX-512 BF16), loaded by several other jobs
+(2026-11-26), the first took about 13.5 minutes (811 s) and the second about 5 minutes
+(293 s); each process got less than half a core (335 s and 122 s of CPU time), so an idle
+machine runs them faster. In the first, the query loss after 3 inner
 steps fell from 2.69 to 2.21 over the 150 iterations, while the loss before adapting stayed
 near 2.78.
 """
