@@ -495,6 +495,38 @@ def test_an_option_the_graph_cannot_hold_runs_eagerly_naming_it(option):
     assert relative(ours, theirs) == 0.0
 
 
+@pytest.mark.parametrize("order", ["second", "first"])
+def test_a_model_with_checkpointed_layers_runs_eagerly_naming_them(order):
+    """compile_meta_step on a model built with checkpoint_layers= runs fm.adapt_tasks on the
+    checkpointed layers (the traced step would run the module without them): the warning and
+    eager_reason name the layers and what is missing; the meta-gradients are those of
+    fm.adapt_tasks on the same checkpointed model, exactly, in float64."""
+    torch.manual_seed(0)
+    net = mlp().double()
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    opt = fm.optim.sgd(lr=0.1)
+    support, query = (tuple(t.double() for t in part) for part in sinusoid(tasks=4))
+    first = order == "first"
+
+    def plain():
+        result = fm.adapt_tasks(
+            fmodel, fmodel.params, F.mse_loss, support, opt, steps=2, first_order=first
+        )
+        loss = fm.task_losses(fmodel, result.params, F.mse_loss, query, buffers=result.buffers)
+        loss.losses.mean().backward()
+        return loss.losses.mean()
+
+    _, theirs = meta_grads(net, [], plain)
+    with pytest.warns(UserWarning, match=r"runs eagerly: checkpoint_layers=\['0', '2', '4'\]"):
+        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, first_order=first)
+    assert "torch.func.functional_call, without funcmeta's checkpointed layers" in (
+        step.eager_reason or ""
+    )
+    assert "build the model without checkpoint_layers to compile" in step.eager_reason
+    _, ours = meta_grads(net, [], lambda: step(support, query))
+    assert relative(ours, theirs) == 0.0
+
+
 def test_every_option_of_adapt_tasks_is_compiled_or_named():
     """The options compile_meta_step compiles and those it names cover AdaptOptions."""
     from dataclasses import fields
@@ -527,9 +559,6 @@ def test_bad_calls_are_named():
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, hyper=[0.1])
     with pytest.raises(TypeError, match="expects a FunctionalModel"):
         fm.compile_meta_step(net, F.mse_loss, opt, steps=1)
-    checkpointed = fm.functional_model(mlp(), checkpoint_layers="sequential")
-    with pytest.raises(ValueError, match="does not compile per-layer checkpointing"):
-        fm.compile_meta_step(checkpointed, F.mse_loss, opt, steps=1)
     step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=1, compile=False)
     support, _ = sinusoid(tasks=4)
     _, query = sinusoid(tasks=3)

@@ -18,7 +18,16 @@ from typing import NamedTuple
 
 from funcmeta._src.inner.options import AdaptOptions
 
-__all__ = ["COMPILE_FALSE", "RULES", "UNTRACED", "Rule", "explain", "first_line", "untraced"]
+__all__ = [
+    "COMPILE_FALSE",
+    "RULES",
+    "UNTRACED",
+    "Rule",
+    "checkpointed_layers",
+    "explain",
+    "first_line",
+    "untraced",
+]
 
 COMPILE_FALSE = "compile=False was given: pass compile=True (the default) to compile the step"
 
@@ -88,6 +97,21 @@ RULES: list[Rule] = [
         "for; keep the tasks, shots and queries the same from call to call",
     ),
 ]
+
+
+def checkpointed_layers(names: list[str]) -> str:
+    """Why a model built with ``checkpoint_layers=`` keeps :func:`funcmeta.compile_meta_step`
+    eager: the traced step runs the module itself through ``torch.func.functional_call``
+    (``funcmeta._src.inner.forward.traced_run``), not the checkpointed runner, whose layers
+    are the checkpoint engine's autograd Functions."""
+    return (
+        f"checkpoint_layers={names} is not compiled: the traced step runs the module itself "
+        "through torch.func.functional_call, without funcmeta's checkpointed layers (autograd "
+        "Functions that keep each layer's inputs and recompute it), so a graph would hold "
+        "every activation; the step runs fm.adapt_tasks on the checkpointed layers instead "
+        "(their memory, the same meta-gradients); build the model without checkpoint_layers "
+        "to compile"
+    )
 
 
 def untraced(options: AdaptOptions) -> str | None:

@@ -64,7 +64,13 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from funcmeta._src.batching.chunks import rule_chunk
-from funcmeta._src.compiled.eager_reasons import COMPILE_FALSE, explain, first_line, untraced
+from funcmeta._src.compiled.eager_reasons import (
+    COMPILE_FALSE,
+    checkpointed_layers,
+    explain,
+    first_line,
+    untraced,
+)
 from funcmeta._src.compiled.plan import CompilePlan, compile_plan
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_int
@@ -78,13 +84,13 @@ from funcmeta._src.core.fence import (
 )
 from funcmeta._src.core.precision import CONVOLUTIONS, warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.inner.forward import task_losses_of
+from funcmeta._src.inner.forward import vmapped_losses
 from funcmeta._src.inner.inputs import (
     check_task_options,
-    per_task,
     split_batch,
     task_count,
     warn_one_task_as_many,
+    with_task_axis,
 )
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions
 from funcmeta._src.inner.place import at
@@ -142,6 +148,8 @@ class MetaStep:
         self._checked = False  # the plain path's check before the first graph call
         self.eager_reason: str | None = None if compile else COMPILE_FALSE
         reason = untraced(options) if compile else None
+        if reason is None and compile and fmodel.checkpointed:
+            reason = checkpointed_layers(fmodel.checkpointed)
         if reason is not None:
             self.eager_reason = reason
             compile = False
@@ -216,7 +224,7 @@ class MetaStep:
         ``torch.compile`` traces them."""
         # the model's parameters and buffers are shared by the tasks; each task updates
         # its own copy of the buffers (BatchNorm's running statistics)
-        task_buffers = per_task(buffers, dict.fromkeys(buffers), tasks, copy=True)
+        task_buffers = with_task_axis(buffers, dict.fromkeys(buffers), tasks, copy=True)
         result, dims = task_inner_loop(
             self.fmodel,
             self.loss_fn,
@@ -230,7 +238,7 @@ class MetaStep:
             tasks=tasks,
             traced=True,
         )
-        losses, _ = task_losses_of(
+        losses, _ = vmapped_losses(
             self.fmodel, self.loss_fn, query, dims, result.params, result.buffers, traced=True
         )
         return losses.mean()
@@ -565,7 +573,9 @@ def compile_meta_step(
     ``allow_unused`` compile; ``loss_scale``, ``on_nonfinite``, ``checkpoint_steps`` and
     ``offload_activations`` decide on the host at every step or use autograd machinery that
     torch.compile does not trace: given, the step runs :func:`funcmeta.adapt_tasks` with them
-    and says so once, naming the option (``MetaStep.eager_reason``). Before its first
+    and says so once, naming the option (``MetaStep.eager_reason``); so does a model built
+    with ``checkpoint_layers=``, whose checkpointed layers the traced step cannot run. Before
+    its first
     graph call the step runs the plain path's inner loop once, first order and without a
     graph, and raises its errors, which ``torch.func.grad`` in the graph would not (an inner
     loss that does not depend on an adapted parameter). ``compile=False`` runs
@@ -602,11 +612,6 @@ def compile_meta_step(
         raise TypeError(
             f"compile_meta_step expects a FunctionalModel (fm.functional_model(net)), got "
             f"{type(fmodel).__name__}"
-        )
-    if fmodel.checkpointed:
-        raise ValueError(
-            "compile_meta_step does not compile per-layer checkpointing (checkpoint_layers="
-            f"{fmodel.checkpointed}); build the model without it, or use fm.adapt_tasks"
         )
     if not isinstance(opt, GradientTransformation):
         raise TypeError(f"opt must be a funcmeta optimizer (fm.optim.*), got {type(opt).__name__}")

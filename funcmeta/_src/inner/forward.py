@@ -2,7 +2,7 @@
 under ``vmap``, and the outputs of T tasks (:func:`funcmeta.apply_tasks`).
 
 :func:`forward_loss` is one task's ``loss_fn(fmodel(params, *args, **kwargs), targets)``;
-a failing ``loss_fn`` is re-raised with what it was given. :func:`task_losses_of` and
+a failing ``loss_fn`` is re-raised with what it was given. :func:`vmapped_losses` and
 :func:`task_outputs_of` run the model once for T tasks, the task axis taken by ``vmap``
 (``funcmeta._src.core.vmap.vmap_flat``, in chunks of ``fmodel.chunk_now()``). The inputs
 were checked before (``funcmeta._src.inner.inputs.check_batch_call``).
@@ -45,7 +45,7 @@ __all__ = [
     "raised_at_the_call",
     "forward_loss",
     "forward_loss_outputs",
-    "task_losses_of",
+    "vmapped_losses",
     "task_outputs_of",
 ]
 
@@ -297,7 +297,7 @@ def batch_dims(batch: Any) -> Any:
     return tree.tree_map(lambda x: 0 if isinstance(x, Tensor) else None, batch)
 
 
-def task_losses_of(
+def vmapped_losses(
     fmodel: FunctionalModel,
     loss_fn: LossFn,
     batch: tuple[CallInputs, Any],
@@ -337,7 +337,7 @@ def task_outputs_of(
     buffers: dict[str, Tensor],
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task outputs and new per-task buffers of the call ``(args, kwargs)``, under vmap;
-    ``dims`` as in :func:`task_losses_of`."""
+    ``dims`` as in :func:`vmapped_losses`."""
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
         return run_model(fmodel, p, bufs, c[0], c[1])

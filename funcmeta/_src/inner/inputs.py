@@ -62,7 +62,7 @@ __all__ = [
     "check_model",
     "check_task_options",
     "split_batch",
-    "per_task",
+    "with_task_axis",
     "split_inputs",
     "leftover_task_axis",
     "warn_one_task_as_many",
@@ -255,11 +255,11 @@ def _task_trees(
     buffers (default: the module's) with one copy per task."""
     buffers = fmodel.buffers if buffers is None else buffers
     dims = check_tree(buffers, fmodel.buffer_shapes, "buffers", tasks=tasks)
-    copies = per_task(buffers, dims, tasks, copy=True)
+    copies = with_task_axis(buffers, dims, tasks, copy=True)
     return check_tree(params, fmodel.param_shapes, "params", tasks=tasks), copies
 
 
-def per_task(
+def with_task_axis(
     values: Mapping[str, Tensor | None],
     dims: Mapping[str, int | None],
     tasks: int,

@@ -43,14 +43,14 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
-from funcmeta._src.inner.forward import raised_at_the_call, task_losses_of, task_outputs_of
+from funcmeta._src.inner.forward import raised_at_the_call, task_outputs_of, vmapped_losses
 from funcmeta._src.inner.inputs import (
     CallInputs,
     CheckedCall,
     check_adapt_call,
     check_batch_call,
-    per_task,
     task_count,
+    with_task_axis,
 )
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
@@ -129,7 +129,7 @@ def task_losses(
     checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
     assert checked.param_dims is not None  # task-batched: one entry per parameter
     run = functools.partial(
-        task_losses_of,
+        vmapped_losses,
         fmodel,
         loss_fn,
         checked.batch,
@@ -221,9 +221,9 @@ def task_inner_loop(
 ) -> tuple[AdaptResult, dict[str, int | None]]:
     """The inner loop of T tasks on a checked call: the adapted parameters split off
     (``funcmeta._src.inner.loop.split_adapted``), given a task axis
-    (``funcmeta._src.inner.inputs.per_task``), and the steps of
+    (``funcmeta._src.inner.inputs.with_task_axis``), and the steps of
     ``funcmeta._src.inner.loop.inner_loop`` on the forward
-    ``funcmeta._src.inner.forward.task_losses_of``. Returns the result and which of its
+    ``funcmeta._src.inner.forward.vmapped_losses``. Returns the result and which of its
     parameters carry the task axis (0) and which are shared (``None``).
 
     ``dims`` says that of ``params``, and ``buffers`` carry the axis. ``chunk`` is the forward's
@@ -236,13 +236,13 @@ def task_inner_loop(
     # The view is made with grad enabled: a view made under no_grad reports requires_grad
     # but is no graph node of its own, so gradients would skip it.
     with torch.enable_grad():
-        adapted = per_task(adapted, dims, tasks)
+        adapted = with_task_axis(adapted, dims, tasks)
         if watch is not None:
             adapted = watch(adapted)
     # adapted parameters carry the task axis now; fixed ones keep their dims
     step_dims = {k: 0 if adapted.get(k) is not None else dims[k] for k in dims}
     forward = functools.partial(
-        task_losses_of, fmodel, loss_fn, batch, step_dims, chunk=chunk, traced=traced
+        vmapped_losses, fmodel, loss_fn, batch, step_dims, chunk=chunk, traced=traced
     )
     result = inner_loop(
         adapted,
