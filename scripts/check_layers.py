@@ -41,6 +41,7 @@ ROWS: list[list[str]] = [
     ["_src.optim"],
     ["_src.module"],
     ["_src.checkpoint", "_src.batching"],
+    ["_src.runtime"],
     ["_src.inner"],
     [
         "_src.compiled",

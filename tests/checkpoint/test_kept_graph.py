@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 import funcmeta as fm
 from funcmeta._src.checkpoint import engine
-from funcmeta._src.inner import loop
+from funcmeta._src.runtime import eager
 
 W, BLOCKS = 6, 3
 
@@ -84,7 +84,7 @@ def _meta_gradient(fmodel: Any, tasks: bool, steps: bool, dtype: torch.dtype) ->
 @pytest.mark.parametrize("how", ["layers", "takeover"])
 def test_the_kept_graph_gives_the_recomputations_numbers(monkeypatch, how, tasks, steps, dtype):
     kept = _meta_gradient(_fmodel(how, dtype), tasks, steps, dtype)
-    monkeypatch.setattr(loop, "kept_for_the_gradient", contextlib.nullcontext)
+    monkeypatch.setattr(eager, "kept_for_the_gradient", contextlib.nullcontext)
     recomputed = _meta_gradient(_fmodel(how, dtype), tasks, steps, dtype)
     for a, b in zip(kept, recomputed, strict=True):
         assert a is not None and torch.equal(a, b)

@@ -53,8 +53,8 @@ def test_fifty_meta_iterations_keep_no_graph_alive():
 _AUTOCAST_LOOP = """
 import gc, os, sys, torch, torch.nn.functional as F, funcmeta as fm
 if sys.argv[2] == "leaves":  # the failure this guards against: fresh inputs made as leaves
-    import funcmeta._src.inner.loop, funcmeta._src.checkpoint.engine
-    funcmeta._src.inner.loop.graph_input = funcmeta._src.checkpoint.engine.graph_input = lambda t: t.detach().requires_grad_()
+    import funcmeta._src.runtime.eager, funcmeta._src.checkpoint.engine
+    funcmeta._src.runtime.eager.graph_input = funcmeta._src.checkpoint.engine.graph_input = lambda t: t.detach().requires_grad_()
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -102,7 +102,7 @@ RULES: list[Rule] = [
 def checkpointed_layers(names: list[str]) -> str:
     """Why a model built with ``checkpoint_layers=`` keeps :func:`funcmeta.compile_meta_step`
     eager: the traced step runs the module itself through ``torch.func.functional_call``
-    (``funcmeta._src.inner.forward.traced_run``), not the checkpointed runner, whose layers
+    (``funcmeta._src.runtime.traced.TracedRuntime.run``), not the checkpointed runner, whose layers
     are the checkpoint engine's autograd Functions."""
     return (
         f"checkpoint_layers={names} is not compiled: the traced step runs the module itself "

@@ -93,11 +93,12 @@ from funcmeta._src.inner.inputs import (
     with_task_axis,
 )
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions
-from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_inner_loop, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.guard import guard_of
 from funcmeta._src.optim.base import GradientTransformation
+from funcmeta._src.runtime import TRACED
+from funcmeta._src.runtime.place import at
 
 __all__ = ["MetaStep", "compile_meta_step"]
 
@@ -236,10 +237,10 @@ class MetaStep:
             self.steps,
             self.options,
             tasks=tasks,
-            traced=True,
+            runtime=TRACED,
         )
         losses, _ = vmapped_losses(
-            self.fmodel, self.loss_fn, query, dims, result.params, result.buffers, traced=True
+            self.fmodel, self.loss_fn, query, dims, result.params, result.buffers, runtime=TRACED
         )
         return losses.mean()
 

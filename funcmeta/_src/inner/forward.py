@@ -29,13 +29,10 @@ from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import error_like
-from funcmeta._src.core.fence import traceback_modules
 from funcmeta._src.core.types import LossFn
-from funcmeta._src.core.vmap import any_batched, vmap_flat
 from funcmeta._src.inner.inputs import CallInputs, TaskAxisError
-from funcmeta._src.inner.place import current
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.module.shadow import Standin
+from funcmeta._src.runtime import EAGER, Runtime
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -57,12 +54,13 @@ def forward_loss(
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
     *,
-    traced: bool = False,
+    runtime: Runtime = EAGER,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
-    ``((args, kwargs), targets)`` made by ``funcmeta._src.inner.inputs.check_adapt_call``."""
+    ``((args, kwargs), targets)`` made by ``funcmeta._src.inner.inputs.check_adapt_call``,
+    the model run by ``runtime``."""
     (loss, _), new_buffers = forward_loss_outputs(
-        fmodel, loss_fn, batch, params, buffers, traced=traced
+        fmodel, loss_fn, batch, params, buffers, runtime=runtime
     )
     return loss, new_buffers
 
@@ -74,14 +72,13 @@ def forward_loss_outputs(
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
     *,
-    traced: bool = False,
+    runtime: Runtime = EAGER,
 ) -> tuple[tuple[Tensor, Any], dict[str, Tensor]]:
     """:func:`forward_loss` that also gives the model's outputs: ``((loss, outputs),
-    new_buffers)``; ``traced``: the model runs as :func:`traced_run` runs it."""
+    new_buffers)``."""
     (args, kwargs), targets = batch
     # the inner loop's parameters have the checked names and shapes
-    run = traced_run if traced else run_model
-    out, new_buffers = run(fmodel, params, buffers, args, kwargs)
+    out, new_buffers = runtime.run(fmodel, params, buffers, args, kwargs)
     _check_elementwise(loss_fn, out, targets)
     try:
         loss = loss_fn(out, targets)
@@ -122,122 +119,6 @@ def raised_at_the_call(function: _F) -> _F:
             raise error.with_traceback(None) from None
 
     return cast(_F, call)
-
-
-def traced_run(
-    fmodel: FunctionalModel,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[Any, dict[str, Tensor]]:
-    """The model's run as ``torch.compile`` traces it (:func:`funcmeta.compile_meta_step`):
-    ``torch.func.functional_call`` on fresh copies of the buffers, ``(out, new_buffers)``, the
-    numbers of :func:`run_model` (which swaps the tensors in itself and goes through the
-    task executor, neither of which dynamo traces)."""
-    new_buffers = {k: b.clone() for k, b in buffers.items()}
-    out = torch.func.functional_call(fmodel.module, (dict(params), new_buffers), args, kwargs)
-    return out, new_buffers
-
-
-def run_model(
-    fmodel: FunctionalModel,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[Any, dict[str, Tensor]]:
-    """``fmodel.run_checked``, with task-batched inputs handed straight to the model's task
-    executor (the call goes down the packages, never back up through the model); a dtype
-    mismatch inside the model (torch's "must have the same dtype") is said again with the
-    dtypes of the inputs and parameters and the fix."""
-    batched = False
-    try:
-        fmodel.check_buffers(buffers)
-        executor = fmodel.executor
-        batched = any_batched(params, buffers, args, kwargs)
-        if executor is not None and batched:
-            return executor.run(fmodel, params, buffers, args, kwargs)
-        return fmodel.run_plain(params, buffers, args, kwargs)
-    except (RuntimeError, IndexError) as error:
-        text = str(error)
-        if isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text):
-            raise error_like(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
-        if _WHERE in text or not _about_shapes(error):
-            raise
-        where = _where_it_failed(fmodel, error, args, kwargs, batched)
-        raise error_like(error, f"{text}\n{where}") from error
-
-
-_WHERE = "funcmeta: the model's forward failed on"
-_SHAPE_WORDS = ("shape", "size", "dimension", "dim ", "mat1", "mat2", "expected input", "index")
-
-
-def _about_shapes(error: BaseException) -> bool:
-    """Whether ``error`` reads as a shape (or index) mismatch inside the model."""
-    text = str(error).lower()
-    return any(word in text for word in _SHAPE_WORDS)
-
-
-def _shapes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    given = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
-    parts = [
-        f"{name} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
-        for name, v in given
-        if isinstance(v, Tensor)
-    ]
-    return ", ".join(parts) if parts else "no tensor arguments"
-
-
-def _where_it_failed(
-    fmodel: FunctionalModel,
-    error: BaseException,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    batched: bool,
-) -> str:
-    """Which batch the model failed on (as the caller said: ``funcmeta._src.inner.place``),
-    its inputs' shapes, and the innermost of the model's layers on the error's traceback."""
-    names = {id(m): name for name, m in fmodel.module.named_modules()}
-    # a task-batched run goes through stand-ins for some layers: each names its original
-    seen = [m.original if isinstance(m, Standin) else m for m in traceback_modules(error)]
-    layers = [m for m in seen if id(m) in names]
-    if layers:
-        name = names[id(layers[-1])]
-        layer = (
-            f"in layer '{name}' ({type(layers[-1]).__name__})"
-            if name
-            else f"in the model's own forward ({type(layers[-1]).__name__})"
-        )
-    else:
-        layer = "outside the model's layers"
-    tasks = " (shapes per task: every task of the batch runs this layer alike)" if batched else ""
-    return (
-        f"{_WHERE} {current() or 'a batch'}{tasks}, {layer}; its inputs: {_shapes(args, kwargs)}. "
-        "Check the batch's shapes against the model's (a batch of shape (N, features) for "
-        "nn.Linear(features, ...)); a leftover or missing task axis shows here too"
-    )
-
-
-def _dtypes_hint(
-    params: Mapping[str, Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> str:
-    kinds: dict[torch.dtype, list[str]] = {}
-    for name, p in params.items():
-        kinds.setdefault(p.dtype, []).append(name)
-    common = max(kinds, key=lambda d: len(kinds[d]))
-    odd = {n: str(d).replace("torch.", "") for d, ns in kinds.items() if d != common for n in ns}
-    given = [(f"argument {i}", v) for i, v in enumerate(args)] + list(kwargs.items())
-    inputs = {w: str(v.dtype).replace("torch.", "") for w, v in given if isinstance(v, Tensor)}
-    want = str(common).replace("torch.", "")
-    parts = [f"The parameters are {want}" + (f", except {odd}" if odd else "")]
-    parts.append(f"the inputs are {inputs}")
-    fix = (
-        f"cast the odd parameters with the module (module.to(torch.{want}))"
-        if odd
-        else f"give the model {want} inputs (x.to(torch.{want})); integer inputs are for embeddings"
-    )
-    return "; ".join(parts) + f": {fix}."
 
 
 _ELEMENTWISE = (F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss)
@@ -307,26 +188,25 @@ def vmapped_losses(
     *,
     outputs: bool = False,
     chunk: int | Literal["model"] | None = "model",
-    traced: bool = False,
+    runtime: Runtime = EAGER,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
     ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
 
     ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
-    buffers carry it. ``chunk``: the tasks run at once (``"model"``: the model's choice now).
-    ``traced``: as ``torch.compile`` traces it, all tasks in one ``torch.func.vmap`` and the
-    model run by :func:`traced_run`.
+    buffers carry it. ``chunk``: the tasks run at once (``"model"``: the model's choice now),
+    where ``runtime`` maps the tasks in chunks (the eager one; the traced one maps them all).
     """
     forward = forward_loss_outputs if outputs else forward_loss
 
     def one_task(b: Any, p: dict[str, Tensor], bufs: dict[str, Tensor]) -> Any:
-        return forward(fmodel, loss_fn, b, p, bufs, traced=traced)
+        return forward(fmodel, loss_fn, b, p, bufs, runtime=runtime)
 
     trees = (batch, dict(params), buffers)
     in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
-    if traced:
-        return torch.func.vmap(one_task, in_dims=in_dims, randomness="different")(*trees)
-    return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now() if chunk == "model" else chunk)
+    return runtime.over_tasks(
+        one_task, trees, in_dims, lambda: fmodel.chunk_now() if chunk == "model" else chunk
+    )
 
 
 def task_outputs_of(
@@ -340,8 +220,8 @@ def task_outputs_of(
     ``dims`` as in :func:`vmapped_losses`."""
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
-        return run_model(fmodel, p, bufs, c[0], c[1])
+        return EAGER.run(fmodel, p, bufs, c[0], c[1])
 
     trees = (dict(params), buffers, call)
     in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))
-    return vmap_flat(one_task, trees, in_dims, fmodel.chunk_now())
+    return EAGER.over_tasks(one_task, trees, in_dims, fmodel.chunk_now)

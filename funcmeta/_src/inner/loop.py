@@ -13,9 +13,10 @@ Three layers, bottom up:
 
 It calls nothing above it: the forward is a value the caller builds
 (``funcmeta._src.inner.forward``), never a callback into the caller, and the call was checked
-before (``funcmeta._src.inner.inputs.check_adapt_call``). A traced loop
-(``InnerLoop.traced``) is the same loop as ``torch.compile`` traces it for
-:func:`funcmeta.compile_meta_step`: the inner gradient by ``torch.func.grad``.
+before (``funcmeta._src.inner.inputs.check_adapt_call``). How the inner gradient is taken,
+what frames each step and the kernels of second-order steps are the runtime's
+(``funcmeta._src.runtime``: eager for ``fm.adapt`` and ``fm.adapt_tasks``, traced for
+:func:`funcmeta.compile_meta_step`); the loop asks it and branches on nothing.
 """
 
 from __future__ import annotations
@@ -30,16 +31,14 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from funcmeta._src.checkpoint.engine import graph_input, kept_for_the_gradient
 from funcmeta._src.core import kernels, tree
-from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.tree import Filter, PyTreeSpec, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
 from funcmeta._src.inner.options import AdaptOptions
-from funcmeta._src.inner.place import at
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.base import step as optim_step
 from funcmeta._src.optim.clip import clip_grads_by_global_norm
+from funcmeta._src.runtime import EAGER, Runtime
 
 __all__ = [
     "Forward",
@@ -78,10 +77,8 @@ class InnerLoop:
     (shape ``(T,)``) when ``tasks`` is the number of tasks; the inner gradient is then that
     of their sum, which is each task's own gradient since the tasks share nothing.
     ``param_spec`` is the tree structure of the adapted parameters, whose leaves the steps
-    take and return as a flat list (in the order of ``names``). ``traced``: the steps are
-    traced by ``torch.compile`` inside ``torch.func`` transforms
-    (:func:`funcmeta.compile_meta_step`): the inner gradient is ``torch.func.grad``'s and the
-    loop runs without the eager path's error reports and kernel choice.
+    take and return as a flat list (in the order of ``names``). ``runtime`` takes the inner
+    gradient, frames each step and chooses the second-order steps' kernels.
     """
 
     forward: Forward
@@ -91,7 +88,7 @@ class InnerLoop:
     fixed: Tree | None
     options: AdaptOptions
     tasks: int | None = None
-    traced: bool = False
+    runtime: Runtime = EAGER
 
     def unrolled_step(
         self,
@@ -117,8 +114,16 @@ class InnerLoop:
         buffers: dict[str, Tensor],
         leaves: list[Tensor],
     ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
-        gradient = self._traced_gradient if self.traced else self._autograd_gradient
-        loss, grads, new_buffers = gradient(mode, buffers, leaves)
+        # A second-order step's checkpointed layers take their inner gradient on their
+        # forward's graph, dropped right after it: one recomputation fewer, for one step's
+        # activations held for a moment. Not where the activations are offloaded (the least
+        # device memory asked for), nor under a step checkpoint, which runs the step's
+        # forward again inside its inner gradient: that would hold the graphs of both runs.
+        keep = mode.second_order and not (mode.offload or self.options.checkpoint_steps)
+        loss, found, new_buffers = self.runtime.gradient(
+            self._objective, leaves, buffers, second_order=mode.second_order, keep_graph=keep
+        )
+        grads = _fill_unused(tuple(found), leaves, self.names, self.options.allow_unused)
         scale = self.options.scale
         if scale is not None:
             inv = 1.0 / scale
@@ -159,63 +164,6 @@ class InnerLoop:
         scale = self.options.scale
         return (objective if scale is None else objective * scale), loss, new_buffers
 
-    def _autograd_gradient(
-        self, mode: StepMode, buffers: dict[str, Tensor], leaves: list[Tensor]
-    ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
-        """``(loss, scaled gradients, new_buffers)`` by ``torch.autograd.grad`` on the
-        forward's graph (``create_graph`` in second order)."""
-        second = mode.second_order
-        with torch.enable_grad():
-            if second:
-                if not all(p.requires_grad for p in leaves):
-                    leaves = [p if p.requires_grad else graph_input(p) for p in leaves]
-                wrt = leaves
-            else:
-                wrt = [graph_input(p) for p in leaves]
-            # A second-order step's checkpointed layers take their inner gradient on their
-            # forward's graph, dropped right after it: one recomputation fewer, for one step's
-            # activations held for a moment. Not where the activations are offloaded (the
-            # least device memory asked for), nor under a step checkpoint, which runs the
-            # step's forward again inside its inner gradient: that would hold the graphs of
-            # both runs at once.
-            keep = second and not (mode.offload or self.options.checkpoint_steps)
-            with kept_for_the_gradient() if keep else contextlib.nullcontext():
-                objective, loss, new_buffers = self._objective(wrt, buffers)
-                if not objective.requires_grad:
-                    raise ValueError(
-                        "the inner loss does not depend on the adapted parameters (it has no "
-                        "gradient history): loss_fn must compute the loss from the model's "
-                        "output (a loss of the targets alone, or one computed under "
-                        "torch.no_grad() or from .detach()ed outputs, cannot be adapted on)"
-                    )
-                found = torch.autograd.grad(objective, wrt, create_graph=second, allow_unused=True)
-        grads = _fill_unused(found, wrt, self.names, self.options.allow_unused)
-        return loss, grads, new_buffers
-
-    def _traced_gradient(
-        self, mode: StepMode, buffers: dict[str, Tensor], leaves: list[Tensor]
-    ) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
-        """``(loss, scaled gradients, new_buffers)`` by ``torch.func.grad``, which
-        ``torch.compile`` traces and which nests in the outer ``torch.func.grad`` of
-        :func:`funcmeta.compile_meta_step`. In first order (and in steps without a graph) the
-        gradients are constants. A parameter the loss does not use gets a zero gradient
-        here, where ``autograd.grad`` finds none: the compiled step runs the plain path's
-        check once before its first graph call."""
-
-        def objective(
-            wrt: list[Tensor], bufs: dict[str, Tensor]
-        ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
-            total, loss, new_buffers = self._objective(wrt, bufs)
-            return total, (loss, new_buffers)
-
-        # first order (and a step without a graph) differentiates detached copies, as the
-        # eager step does: nothing the forward returns stays connected to the outer graph
-        at = leaves if mode.second_order else [p.detach() for p in leaves]
-        grads, (loss, new_buffers) = torch.func.grad(objective, has_aux=True)(at, buffers)
-        if not mode.second_order:
-            grads = [g.detach() for g in grads]
-        return loss, list(grads), new_buffers
-
 
 def _offload(on: bool, leaves: Any) -> contextlib.AbstractContextManager:
     """``save_on_cpu`` (pinned when the parameters are on CUDA) if ``on``."""
@@ -254,17 +202,13 @@ def _take_steps(
         for k in range(steps):
             if k == truncate and truncate > 0:
                 leaves = _reenter(leaves, start)
-            if k == truncate and not first_order and not inner.traced:
-                kernel_choice.enter_context(kernels.twice_differentiable())
+            if k == truncate and not first_order:
+                inner.runtime.second_order_kernels(kernel_choice)
             graph = k >= truncate
             mode = StepMode(graph, graph and not first_order, offload)
-            if inner.traced:
-                leaves, state, buffers, loss, was_skipped = inner.unrolled_step(
-                    k, mode, state, buffers, *leaves
-                )
-            else:
-                leaves, state, buffers, loss, was_skipped = _reported_step(
-                    inner, k, mode, outer, steps, leaves, state, buffers
+            with inner.runtime.step_scope(k, steps, inner.options.first_order):
+                leaves, state, buffers, loss, was_skipped = checkpointed_step(
+                    inner, k, mode, outer, leaves, state, buffers
                 )
             losses.append(loss)
             if was_skipped:
@@ -287,27 +231,6 @@ def _take_steps(
     return AdaptResult(dict(final), buffers, stacked, state, tuple(skipped), overflowed)
 
 
-def _reported_step(
-    inner: InnerLoop,
-    k: int,
-    mode: StepMode,
-    outer: bool,
-    steps: int,
-    leaves: list[Tensor],
-    state: Any,
-    buffers: dict[str, Tensor],
-) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
-    """Step ``k`` (:func:`checkpointed_step`), an error in the model naming the step and
-    running out of memory naming the options that bound it."""
-    try:
-        with at(f"the support batch at inner step {k}"):
-            return checkpointed_step(inner, k, mode, outer, leaves, state, buffers)
-    except RuntimeError as error:  # torch.OutOfMemoryError is one
-        if not _out_of_memory(error):
-            raise
-        raise _memory_error(error, k, steps, inner.options) from error
-
-
 class _NonFiniteGradient(torch.autograd.Function):
     """The identity, whose backward gives NaN: the adapted parameters of an inner loop that
     overflowed under a GradScaler, so that every meta-gradient through them is non-finite
@@ -320,32 +243,6 @@ class _NonFiniteGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         return torch.full_like(grad, math.nan)
-
-
-def _out_of_memory(error: RuntimeError) -> bool:
-    """Whether ``error`` is an allocator failure (CUDA's ``OutOfMemoryError``, or the CPU
-    allocator's "can't allocate memory")."""
-    oom = getattr(torch, "OutOfMemoryError", None)
-    if oom is not None and isinstance(error, oom):
-        return True
-    message = str(error)
-    return "out of memory" in message.lower() or "can't allocate memory" in message
-
-
-def _memory_error(error: RuntimeError, k: int, steps: int, options: AdaptOptions) -> Exception:
-    """``error`` again, its message naming the step and the options that bound the memory."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    held = "" if options.first_order else " (each second-order step keeps its graph)"
-    message = (
-        f"out of memory at inner step {k} of {steps}{held}: {first}\n"
-        "The inner loop's memory grows with the number of steps. To bound it: "
-        "checkpoint_steps=True keeps only each step's parameters and recomputes the steps in "
-        "the outer backward (same meta-gradients), and first_order=True or truncate= keeps no "
-        "graph of the steps; per-layer checkpointing (functional_model(..., "
-        "checkpoint_layers=...)) lowers what each step keeps. Fewer steps or tasks per call "
-        "(task_chunk=) also help."
-    )
-    return error_like(error, message)
 
 
 def checkpointed_step(
@@ -390,12 +287,12 @@ def inner_loop(
     forward: Forward,
     tasks: int | None = None,
     state: Any = None,
-    traced: bool = False,
+    runtime: Runtime = EAGER,
 ) -> AdaptResult:
     """Once the arguments are checked and the adapted parameters split off
     (:func:`split_adapted`): initialise the optimizer unless ``state`` is given, and run
-    ``steps`` steps with ``forward`` (the forward for the adapted parameters); ``traced``
-    as in :class:`InnerLoop`."""
+    ``steps`` steps with ``forward`` (the forward for the adapted parameters), on
+    ``runtime``."""
     names, leaves, spec = _adapted_leaves(adapted, frozen)
     if state is None:
         state = opt.init(adapted)
@@ -409,7 +306,7 @@ def inner_loop(
         fixed=fixed,
         options=options,
         tasks=tasks,
-        traced=traced,
+        runtime=runtime,
     )
     return _take_steps(inner, leaves, state, buffers, steps)
 

@@ -54,10 +54,11 @@ from funcmeta._src.inner.inputs import (
 )
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
-from funcmeta._src.inner.place import unless_set
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
 from funcmeta._src.optim.base import GradientTransformation
+from funcmeta._src.runtime import EAGER, Runtime
+from funcmeta._src.runtime.place import unless_set
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_inner_loop", "task_losses"]
 
@@ -217,7 +218,7 @@ def task_inner_loop(
     state: Any = None,
     chunk: int | Literal["model"] | None = "model",
     watch: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-    traced: bool = False,
+    runtime: Runtime = EAGER,
 ) -> tuple[AdaptResult, dict[str, int | None]]:
     """The inner loop of T tasks on a checked call: the adapted parameters split off
     (``funcmeta._src.inner.loop.split_adapted``), given a task axis
@@ -228,8 +229,8 @@ def task_inner_loop(
 
     ``dims`` says that of ``params``, and ``buffers`` carry the axis. ``chunk`` is the forward's
     chunk of tasks, ``watch`` sees the parameters given the task axis (the measured chunk
-    tuner's marks), and ``traced`` is the loop ``torch.compile`` traces
-    (:func:`funcmeta.compile_meta_step`).
+    tuner's marks), and ``runtime`` how the steps run (``funcmeta._src.runtime``: the traced
+    one for :func:`funcmeta.compile_meta_step`).
     """
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     # Every task adapts its own copy: shared initial parameters get a task axis (a view).
@@ -242,7 +243,7 @@ def task_inner_loop(
     # adapted parameters carry the task axis now; fixed ones keep their dims
     step_dims = {k: 0 if adapted.get(k) is not None else dims[k] for k in dims}
     forward = functools.partial(
-        vmapped_losses, fmodel, loss_fn, batch, step_dims, chunk=chunk, traced=traced
+        vmapped_losses, fmodel, loss_fn, batch, step_dims, chunk=chunk, runtime=runtime
     )
     result = inner_loop(
         adapted,
@@ -255,7 +256,7 @@ def task_inner_loop(
         forward=forward,
         tasks=tasks,
         state=state,
-        traced=traced,
+        runtime=runtime,
     )
     return result, step_dims
 

@@ -10,11 +10,11 @@ from torch import Tensor
 
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model, split_batch, task_count
-from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.sgd import sgd
+from funcmeta._src.runtime.place import at
 
 __all__ = ["check_recipe", "query_loss", "resolve_opt"]
 

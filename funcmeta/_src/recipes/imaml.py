@@ -41,13 +41,13 @@ from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.implicit.solvers import CG, ConvergenceWarning
 from funcmeta._src.inner.options import AdaptKeywords, takes_options
-from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import adapt_tasks, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation, chain
 from funcmeta._src.optim.primitives import add_proximal
 from funcmeta._src.recipes.common import check_recipe, resolve_opt
 from funcmeta._src.recipes.results import ImamlResult
+from funcmeta._src.runtime.place import at
 
 __all__ = ["DAMPING", "LAM_DAMPING", "ConvergenceWarning", "imaml"]
 

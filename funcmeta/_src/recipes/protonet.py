@@ -30,10 +30,10 @@ from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
-from funcmeta._src.inner.place import at
 from funcmeta._src.inner.tasks import apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.recipes.results import RecipeResult
+from funcmeta._src.runtime.place import at
 
 __all__ = ["prototype_logits", "protonet"]
 

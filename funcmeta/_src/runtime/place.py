@@ -1,9 +1,9 @@
 """Which batch the model runs on now (the support batch at an inner step, the query batch,
 a batch given to :func:`funcmeta.task_losses`), so that an error inside the model's forward
-can say where it happened (``funcmeta._src.inner.forward.run_model``).
+can say where it happened (``funcmeta._src.runtime.eager.EagerRuntime.run``).
 
 Example:
-    >>> from funcmeta._src.inner.place import at, current
+    >>> from funcmeta._src.runtime.place import at, current
     >>> with at("the query batch"):
     ...     current()
     'the query batch'

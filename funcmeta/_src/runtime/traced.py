@@ -1,0 +1,93 @@
+"""The traced runtime: :data:`TRACED`, the step as ``fm.compile_meta_step`` traces it.
+
+The model runs through ``torch.func.functional_call`` on fresh copies of the buffers (no
+tensor swap of its own, no task executor: neither is traced by dynamo), all tasks of a call
+under one ``torch.func.vmap`` (dropout draws per task), and the inner gradient is
+``torch.func.grad``'s, which nests in the compiled step's outer ``torch.func.grad``. No step
+frame and no kernel choice: the graph holds what it computes. A leaf the objective does not
+use gets a zero gradient here (``autograd.grad`` finds none): the compiled step runs the
+eager path's check once before its first graph call.
+
+Example:
+    >>> import torch, funcmeta as fm
+    >>> from funcmeta._src.runtime import TRACED
+    >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
+    >>> out, _ = TRACED.run(fmodel, fmodel.params, fmodel.buffers, (torch.ones(3, 2),), {})
+    >>> out.shape
+    torch.Size([3, 1])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.runtime.base import Objective, Runtime
+
+__all__ = ["TRACED", "TracedRuntime"]
+
+
+class TracedRuntime(Runtime):
+    """The traced runtime (see the module docstring); :data:`TRACED` is the one instance."""
+
+    def run(
+        self,
+        fmodel: FunctionalModel,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        new_buffers = {k: b.clone() for k, b in buffers.items()}
+        out = torch.func.functional_call(fmodel.module, (dict(params), new_buffers), args, kwargs)
+        return out, new_buffers
+
+    def over_tasks(
+        self,
+        one_task: Callable[..., Any],
+        trees: tuple[Any, ...],
+        in_dims: tuple[Any, ...],
+        chunk: Callable[[], int | None],
+    ) -> Any:
+        # the compiled step chunks its graph calls itself; one vmap over the tasks given
+        return torch.func.vmap(one_task, in_dims=in_dims, randomness="different")(*trees)
+
+    def gradient(
+        self,
+        objective: Objective,
+        leaves: list[Tensor],
+        buffers: dict[str, Tensor],
+        *,
+        second_order: bool,
+        keep_graph: bool,
+    ) -> tuple[Tensor, list[Tensor | None], dict[str, Tensor]]:
+        def traced(
+            wrt: list[Tensor], bufs: dict[str, Tensor]
+        ) -> tuple[Tensor, tuple[Tensor, dict[str, Tensor]]]:
+            total, loss, new_buffers = objective(wrt, bufs)
+            return total, (loss, new_buffers)
+
+        # first order (and a step without a graph) differentiates detached copies, as the
+        # eager step does: nothing the forward returns stays connected to the outer graph
+        at = leaves if second_order else [p.detach() for p in leaves]
+        grads, (loss, new_buffers) = torch.func.grad(traced, has_aux=True)(at, buffers)
+        if not second_order:
+            grads = [g.detach() for g in grads]
+        return loss, list(grads), new_buffers
+
+    def second_order_kernels(self, steps: contextlib.ExitStack) -> None:
+        return None  # the graph holds what it computes (and dynamo traces no ExitStack entry)
+
+    def step_scope(
+        self, k: int, steps: int, first_order: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+#: The traced runtime.
+TRACED = TracedRuntime()
