@@ -46,6 +46,25 @@ def test_the_layering_check_catches_an_upward_import_and_a_private_access(tmp_pa
     assert not any("kernels.py:2" in v for v in found), found
 
 
+def test_the_inner_loop_takes_a_runtime_and_no_traced_flag():
+    """How a step runs is one object (``funcmeta._src.runtime``) handed down from the entry
+    point: no function of the inner loop or the compiled step takes a ``traced`` flag, and
+    none reads one."""
+    import ast
+
+    found = []
+    for folder in ("inner", "compiled"):
+        for path in sorted((ROOT / "funcmeta/_src" / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                args = node.args if isinstance(node, ast.FunctionDef) else None
+                names = [a.arg for a in (*args.args, *args.kwonlyargs)] if args else []
+                if "traced" in names or (isinstance(node, ast.Attribute) and node.attr == "traced"):
+                    found.append(f"{path.name}:{node.lineno}")
+                if isinstance(node, ast.keyword) and node.arg == "traced":
+                    found.append(f"{path.name}:{node.value.lineno}")
+    assert found == []
+
+
 def test_no_import_circle_among_the_private_modules():
     assert check_layers.import_cycles() == []
 
