@@ -52,7 +52,26 @@ class EagerRuntime(Runtime):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
-        return _run(fmodel, params, buffers, args, kwargs)
+        """``fmodel.run_checked``, with task-batched inputs handed straight to the model's task
+        executor (the call goes down the packages, never back up through the model); a dtype
+        mismatch inside the model (torch's "must have the same dtype") is said again with the
+        dtypes of the inputs and parameters and the fix."""
+        batched = False
+        try:
+            fmodel.check_buffers(buffers)
+            executor = fmodel.executor
+            batched = any_batched(params, buffers, args, kwargs)
+            if executor is not None and batched:
+                return executor.run(fmodel, params, buffers, args, kwargs)
+            return fmodel.run_plain(params, buffers, args, kwargs)
+        except (RuntimeError, IndexError) as error:
+            text = str(error)
+            if isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text):
+                raise error_like(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
+            if _WHERE in text or not _about_shapes(error):
+                raise
+            where = _where_it_failed(fmodel, error, args, kwargs, batched)
+            raise error_like(error, f"{text}\n{where}") from error
 
     def over_tasks(
         self,
@@ -134,35 +153,6 @@ def _memory_error(error: RuntimeError, k: int, steps: int, first_order: bool) ->
         "(task_chunk=) also help."
     )
     return error_like(error, message)
-
-
-def _run(
-    fmodel: FunctionalModel,
-    params: Mapping[str, Tensor],
-    buffers: Mapping[str, Tensor],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> tuple[Any, dict[str, Tensor]]:
-    """``fmodel.run_checked``, with task-batched inputs handed straight to the model's task
-    executor (the call goes down the packages, never back up through the model); a dtype
-    mismatch inside the model (torch's "must have the same dtype") is said again with the
-    dtypes of the inputs and parameters and the fix."""
-    batched = False
-    try:
-        fmodel.check_buffers(buffers)
-        executor = fmodel.executor
-        batched = any_batched(params, buffers, args, kwargs)
-        if executor is not None and batched:
-            return executor.run(fmodel, params, buffers, args, kwargs)
-        return fmodel.run_plain(params, buffers, args, kwargs)
-    except (RuntimeError, IndexError) as error:
-        text = str(error)
-        if isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text):
-            raise error_like(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error
-        if _WHERE in text or not _about_shapes(error):
-            raise
-        where = _where_it_failed(fmodel, error, args, kwargs, batched)
-        raise error_like(error, f"{text}\n{where}") from error
 
 
 _WHERE = "funcmeta: the model's forward failed on"
