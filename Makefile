@@ -28,7 +28,7 @@ test: setup-dev
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 test-slow: setup-dev
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m slow
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m slow --durations=8
 
 # The suite on the oldest torch we claim and on the newest release, each in its own
 # environment under .matrix/ (about 4 GB each: PyPI's torch wheels carry CUDA libraries).

@@ -22,8 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Under pytest-xdist (make test runs one worker per core) each worker computes on one thread:
 # workers with several intra-op threads each would oversubscribe the cores, and a thread pool
 # that waits for a descheduled thread slows every operation many times over on a shared machine.
+# The processes a test starts (an example, a benchmark, gloo ranks) inherit one thread as well:
+# on two shared cores a process with two threads waits at every parallel region.
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(int(os.environ.get("FUNCMETA_TEST_THREADS", "1")))
+    _threads = os.environ.get("FUNCMETA_TEST_THREADS", "1")
+    torch.set_num_threads(int(_threads))
+    os.environ.setdefault("OMP_NUM_THREADS", _threads)
 
 
 def pytest_collection_modifyitems(config, items):
