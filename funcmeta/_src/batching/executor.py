@@ -40,7 +40,7 @@ from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import inside_transform, is_vmap_refusal
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
-from funcmeta._src.module.functional import Swap, execute
+from funcmeta._src.module.functional import Swap, run_in_place
 from funcmeta._src.module.task_protocol import ChunkRun, PlainRunner, TaskCall
 
 __all__ = ["TaskExecutor"]
@@ -135,11 +135,11 @@ class TaskExecutor:
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
         if not self._fast_path_layers:
-            return self._run(model, params, buffers, args, kwargs)
+            return self._run_tasks(model, params, buffers, args, kwargs)
         with kernels.no_fast_path():
-            return self._run(model, params, buffers, args, kwargs)
+            return self._run_tasks(model, params, buffers, args, kwargs)
 
-    def _run(
+    def _run_tasks(
         self,
         model: PlainRunner,
         params: Mapping[str, Tensor],
@@ -159,7 +159,9 @@ class TaskExecutor:
         if not self._per_task:
             try:
                 with task_mode() if self._task_mode else contextlib.nullcontext():
-                    return packed.check_output(execute(*task_run, params, buffers, args, kwargs))
+                    return packed.check_output(
+                        run_in_place(*task_run, params, buffers, args, kwargs)
+                    )
             except RuntimeError as error:
                 if not is_vmap_refusal(error):
                     raise
@@ -170,7 +172,7 @@ class TaskExecutor:
             if any_batched(p, b, a, kw):
                 # batched at an outer vmap level too (two task axes): what the inner level
                 # refused, plain vmap would refuse at the outer one; it runs per task as well
-                return self._run(model, p, b, a, kw)
+                return self._run_tasks(model, p, b, a, kw)
             return model.run_plain(p, b, a, kw)
 
         return call_outside_vmap(
@@ -203,7 +205,7 @@ class TaskExecutor:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), recomputation():
             try:
                 with task_mode(mode):
-                    packed.check_output(execute(*task_run, *inputs))
+                    packed.check_output(run_in_place(*task_run, *inputs))
             except RuntimeError as error:
                 if is_vmap_refusal(error):
                     return error

@@ -34,7 +34,7 @@ from funcmeta._src.module.guard import guard_of
 from funcmeta._src.module.shadow import synced
 from funcmeta._src.module.task_protocol import Executor
 
-__all__ = ["FunctionalModel", "Swap", "check_layers", "execute"]
+__all__ = ["FunctionalModel", "Swap", "check_layers", "run_in_place"]
 
 
 @exposed_in("funcmeta")
@@ -190,7 +190,7 @@ class FunctionalModel:
     ) -> tuple[Any, dict[str, Tensor]]:
         """Swap ``params`` and ``buffers`` (both checked) in and run the module's runner as it
         is, whatever the inputs: the executor's per-task runs, and unbatched calls."""
-        return execute(self.runner, self.copies, self.swap, params, buffers, args, kwargs)
+        return run_in_place(self.runner, self.copies, self.swap, params, buffers, args, kwargs)
 
     def run_checked(
         self,
@@ -214,7 +214,7 @@ class FunctionalModel:
         )
 
 
-def execute(
+def run_in_place(
     runner: nn.Module,
     copies: Sequence[tuple[nn.Module, nn.Module]],
     swap: Swap,
