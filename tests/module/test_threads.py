@@ -184,3 +184,64 @@ def test_a_recomputation_in_a_backward_meets_another_threads_run():
         net[0].release.set()
         holder.join(timeout=60)
     assert out["held"].shape == (3, 1)
+
+
+def _attention_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True),
+        nn.Flatten(),
+        nn.Linear(8 * 4, 3),
+    )
+
+
+def _attention_call(fmodel, params, thread: int, call: int):
+    """A second-order step of a transformer layer (math attention only, no fast path: torch's
+    process-wide flags): fm.adapt on even calls, fm.adapt_tasks on odd ones."""
+    g = torch.Generator().manual_seed(100 * thread + call)
+    batched = call % 2 == 1
+    lead = (3,) if batched else ()
+    x, y = torch.randn(*lead, 5, 4, 8, generator=g), torch.randint(0, 3, (*lead, 5), generator=g)
+    if batched:
+        result = fm.adapt_tasks(fmodel, params, F.cross_entropy, (x, y), SGD, steps=2)
+        query = fm.task_losses(fmodel, result.params, F.cross_entropy, (x, y)).losses.mean()
+    else:
+        result = fm.adapt(fmodel, params, F.cross_entropy, (x, y), SGD, steps=2)
+        query = F.cross_entropy(fmodel(result.params, x), y)
+    grads = torch.autograd.grad(query, list(params.values()))
+    return [t.detach() for t in result.params.values()] + list(grads)
+
+
+@pytest.mark.parametrize("checkpoint_layers", [None, ["0"]])
+def test_attention_models_in_different_threads_are_independent(checkpoint_layers):
+    """Second-order steps need math attention and no MHA fast path, flags torch keeps for the
+    whole process: a step ending in one thread leaves them set while another thread's step
+    runs (before, flash attention came back mid-step: torch's missing-derivative error).
+    Each thread's adapted parameters are its single-threaded ones, bit for bit. The query
+    forward runs outside the step, on the kernels in force: math attention while another
+    thread's step holds it, where alone it may run flash attention, so the meta-gradients
+    agree to float32 round-off (docs/guarantees.md, "Threads"). The flags are the user's
+    again afterwards."""
+    from torch.backends import cuda as backends
+
+    net = _attention_net()
+    shared = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
+    flash_before = backends.flash_sdp_enabled()
+    expected = {
+        (i, j): _attention_call(shared, shared.params, i, j)
+        for i in range(THREADS)
+        for j in range(CALLS)
+    }
+    local = [
+        fm.functional_model(copy.deepcopy(net), checkpoint_layers=checkpoint_layers)
+        for _ in range(THREADS)
+    ]
+    outcomes = _run_threads(lambda i, j: _attention_call(local[i], shared.params, i, j))
+    adapted = len(shared.params)
+    for key, outcome in outcomes.items():
+        assert not isinstance(outcome, BaseException), f"{key}: {outcome!r}"
+        assert _same(outcome[:adapted], expected[key][:adapted]), key
+        for ours, alone in zip(outcome[adapted:], expected[key][adapted:], strict=True):
+            torch.testing.assert_close(ours, alone, rtol=1e-5, atol=1e-6)
+    assert backends.flash_sdp_enabled() == flash_before
+    assert torch.backends.mha.get_fastpath_enabled()

@@ -4,6 +4,7 @@ the implementation of :mod:`funcmeta.checkpoint.kernels`."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,16 +82,67 @@ def entered_again(make: Callable[[], contextlib.AbstractContextManager]) -> Iter
         _LOCAL.again = before
 
 
-def _apply(state: KernelState, current: KernelState) -> None:
-    """Put ``state`` in force, setting only what differs from ``current``."""
-    if state.attention != current.attention:
-        _set_attention(state.attention)
+class _Shared:
+    """torch's attention backends and MHA fast path are process-wide flags: the requests for
+    math-only attention and for no fast path are counted across threads, the flags set when
+    the first request comes and put back when the last one ends. Saving and restoring per
+    block instead let one thread's exit turn flash attention back on under another thread's
+    second-order step (torch then raised its missing-derivative error)."""
+
+    lock = threading.Lock()
+    math = 0  # blocks asking for math-only attention, in all threads
+    no_fast = 0  # blocks asking for no MHA fast path, in all threads
+    attention: tuple[bool, ...] = ()  # the backends before the first math-only request
+    fast_path = True  # the fast path before the first no-fast-path request
+
+
+def _hold(math: bool, no_fast: bool) -> None:
+    """Count a request for math-only attention and/or no fast path; set what the first
+    request of its kind needs."""
+    with _Shared.lock:
+        if math:
+            if _Shared.math == 0:
+                _Shared.attention = tuple([get() for get in sdp_getters])
+                if _Shared.attention != _MATH_ONLY:
+                    _set_attention(_MATH_ONLY)
+            _Shared.math += 1
+        if no_fast:
+            if _Shared.no_fast == 0:
+                _Shared.fast_path = get_fast_path()
+                if _Shared.fast_path:
+                    set_fast_path(False)
+            _Shared.no_fast += 1
+
+
+def _release(math: bool, no_fast: bool) -> None:
+    """End a request counted by :func:`_hold`; the last of its kind puts the flags back."""
+    with _Shared.lock:
+        if math:
+            _Shared.math -= 1
+            if _Shared.math == 0 and _Shared.attention != tuple([get() for get in sdp_getters]):
+                _set_attention(_Shared.attention)
+        if no_fast:
+            _Shared.no_fast -= 1
+            if _Shared.no_fast == 0 and _Shared.fast_path != get_fast_path():
+                set_fast_path(_Shared.fast_path)
+
+
+def _apply(state: KernelState, current: KernelState) -> tuple[bool, bool]:
+    """Put ``state`` in force, setting only what differs from ``current`` (the attention
+    backends and fast path only where no request of :func:`_hold` holds them): whether it
+    set the attention backends, and the fast path."""
+    with _Shared.lock:
+        attention = state.attention != current.attention and _Shared.math == 0
+        if attention:
+            _set_attention(state.attention)
+        fast_path = state.fast_path != current.fast_path and _Shared.no_fast == 0
+        if fast_path:
+            set_fast_path(state.fast_path)
     if state.priority != current.priority and state.priority is not None and set_sdp_priority:
         set_sdp_priority(list(state.priority))
-    if state.fast_path != current.fast_path:
-        set_fast_path(state.fast_path)
     _LOCAL.twice = state.twice
     _LOCAL.again = state.again
+    return attention, fast_path
 
 
 @exposed_in("funcmeta.checkpoint.kernels")
@@ -100,21 +152,32 @@ class KernelRestore(contextlib.AbstractContextManager):
 
     def __init__(self, state: KernelState) -> None:
         self.state = state
-        self._before: list[tuple[KernelState, contextlib.ExitStack]] = []
+        self._before: list[
+            tuple[KernelState, contextlib.ExitStack, tuple[bool, bool], tuple[bool, bool]]
+        ] = []
 
     def __enter__(self) -> None:
         now = capture()
         entered = contextlib.ExitStack()
-        self._before.append((now, entered))
-        if now != self.state:
-            _apply(self.state, now)
+        # math-only attention and no fast path are counted requests (other threads may hold
+        # them too); any other choice is set for the block and put back after it
+        held = (self.state.attention == _MATH_ONLY, not self.state.fast_path)
+        _hold(*held)
+        set_here = _apply(self.state, capture()) if now != self.state else (False, False)
+        self._before.append((now, entered, held, set_here))
         for make in self.state.again[len(now.again) :] if self.state.again != now.again else ():
             entered.enter_context(make())
 
     def __exit__(self, *exc: object) -> None:
-        before, entered = self._before.pop()
+        before, entered, held, (attention, fast_path) = self._before.pop()
         entered.close()
+        _release(*held)
         now = capture()
+        # the flags this block set go back; those of counted requests are theirs to put back
+        if not attention:
+            before = dataclasses.replace(before, attention=now.attention)
+        if not fast_path:
+            before = dataclasses.replace(before, fast_path=now.fast_path)
         if now != before:
             _apply(before, now)
 
@@ -136,33 +199,25 @@ def _set_attention(enabled: tuple[bool, ...]) -> None:
 
 class _Override:
     """Math-only attention (if ``math``), no MHA fast path, and the twice-differentiable mark
-    (if ``twice``) for the block; only what differs is set, and put back afterwards. On the
-    path of every inner step, so kept to a few calls."""
+    (if ``twice``) for the block: counted requests (:class:`_Shared`), so that blocks in
+    several threads at once keep the flags set until the last one ends. On the path of every
+    inner step, so kept to a few calls."""
 
     __slots__ = ("_saved", "math", "twice")
 
     def __init__(self, math: bool, twice: bool) -> None:
         self.math, self.twice = math, twice
-        self._saved: list[tuple[tuple[bool, ...] | None, bool, bool]] = []
+        self._saved: list[bool] = []
 
     def __enter__(self) -> None:
-        attention = tuple([get() for get in sdp_getters]) if self.math else None
-        fast_path, twice = get_fast_path(), _LOCAL.twice
-        self._saved.append((attention, fast_path, twice))
-        if attention is not None and attention != _MATH_ONLY:
-            _set_attention(_MATH_ONLY)
-        if fast_path:
-            set_fast_path(False)
+        self._saved.append(_LOCAL.twice)
+        _hold(self.math, True)
         if self.twice:
             _LOCAL.twice = True
 
     def __exit__(self, *exc: object) -> None:
-        attention, fast_path, twice = self._saved.pop()
-        if attention is not None and attention != tuple([get() for get in sdp_getters]):
-            _set_attention(attention)
-        if fast_path != get_fast_path():
-            set_fast_path(fast_path)
-        _LOCAL.twice = twice
+        _release(self.math, True)
+        _LOCAL.twice = self._saved.pop()
 
 
 @exposed_in("funcmeta.checkpoint.kernels")
