@@ -670,3 +670,31 @@ def test_auto_on_a_cpu_is_the_rule_of_functional_models_auto():
     assert step.task_chunk == 1  # four graph calls of one task
     assert relative(ours, plain) < 1e-10
     assert torch.allclose(ours_loss, plain_loss, rtol=1e-12, atol=0)
+
+
+def test_torch_compile_still_traces_no_checkpoint_inside_torch_func_grad():
+    """Why a checkpointed model's step runs eagerly (eager_reasons.checkpointed_layers): under
+    torch.compile, torch.utils.checkpoint inside torch.func.grad raises (saved-tensor hooks
+    are refused there). When a torch traces it, this test fails: the compiled step can then
+    take checkpointed layers, and the reason must change."""
+    from funcmeta._src.core.fence import saved_tensor_hooks_state, set_saved_tensor_hooks_state
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False).sum()
+
+    graph = torch.compile(torch.func.grad(loss), fullgraph=True, backend="eager")
+    hooks = saved_tensor_hooks_state()
+    try:
+        with pytest.raises(Exception, match="saved tensor hooks"):
+            graph(torch.ones(3))
+    finally:
+        set_saved_tensor_hooks_state(hooks)  # a failed trace inside torch.func leaves them off
+    assert "torch.compile traces no checkpoint inside torch.func.grad" in (
+        fm.compile_meta_step(
+            fm.functional_model(nn.Sequential(nn.Linear(1, 1)), checkpoint_layers="sequential"),
+            F.mse_loss,
+            fm.optim.sgd(lr=0.1),
+            steps=1,
+        ).eager_reason
+        or ""
+    )

@@ -108,9 +108,11 @@ def checkpointed_layers(names: list[str]) -> str:
         f"checkpoint_layers={names} is not compiled: the traced step runs the module itself "
         "through torch.func.functional_call, without funcmeta's checkpointed layers (autograd "
         "Functions that keep each layer's inputs and recompute it), so a graph would hold "
-        "every activation; the step runs fm.adapt_tasks on the checkpointed layers instead "
-        "(their memory, the same meta-gradients); build the model without checkpoint_layers "
-        "to compile"
+        "every activation, and torch.compile traces no checkpoint inside torch.func.grad "
+        "(torch.utils.checkpoint there raises that torch.func does not support saved tensor "
+        "hooks; an autograd.Function with setup_context is a graph break); the step runs "
+        "fm.adapt_tasks on the checkpointed layers instead (their memory, the same "
+        "meta-gradients); build the model without checkpoint_layers to compile"
     )
 
 
