@@ -1,4 +1,5 @@
-"""Task-parallel meta-training over ``torch.distributed``.
+"""Meta-training over ``torch.distributed``: tasks split across ranks, and a model's
+parameters sharded across them.
 
 Each rank adapts its share of the meta-batch and calls ``.backward()`` on the mean outer loss
 of its tasks. :func:`average_gradients` then averages the ``.grad`` of the initial
@@ -15,6 +16,12 @@ instead of an abort inside the backend or a silently wrong average. Every collec
 most ``timeout`` seconds (:data:`DEFAULT_TIMEOUT`): a peer that died or stalled raises
 :class:`PeerError` on the survivors instead of hanging them.
 
+:func:`shard_model` splits a model's parameters instead: each becomes a ``DTensor`` shard
+over a ``DeviceMesh``, gathered a layer at a time while that layer runs (with per-layer
+checkpointing, again when it is recomputed), so that a rank holds its shards and one layer's
+full parameters; :func:`funcmeta.adapt` runs on it, second order, and the meta-gradients land
+in the shards' ``.grad`` (docs/distributed.md, "Sharded parameters").
+
 Example (one process; under ``torchrun`` every rank runs the same code):
     >>> import torch, torch.nn.functional as F, funcmeta as fm
     >>> net = torch.nn.Sequential(torch.nn.Linear(1, 40), torch.nn.ReLU(), torch.nn.Linear(40, 1))
@@ -25,6 +32,7 @@ Example (one process; under ``torchrun`` every rank runs the same code):
     >>> fm.distributed.average_gradients(net.parameters(), count)   # a no-op without a process group
 """
 
+from funcmeta._src.core.sharding import ShardingError
 from funcmeta._src.distributed.collectives import (
     DEFAULT_TIMEOUT,
     MismatchError,
@@ -33,5 +41,16 @@ from funcmeta._src.distributed.collectives import (
     shard,
     world,
 )
+from funcmeta._src.distributed.sharded import gathered_bytes, shard_model
 
-__all__ = ["DEFAULT_TIMEOUT", "MismatchError", "PeerError", "average_gradients", "shard", "world"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MismatchError",
+    "PeerError",
+    "ShardingError",
+    "average_gradients",
+    "gathered_bytes",
+    "shard",
+    "shard_model",
+    "world",
+]

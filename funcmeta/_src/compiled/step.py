@@ -83,6 +83,7 @@ from funcmeta._src.core.fence import (
     with_own_code_object,
 )
 from funcmeta._src.core.precision import CONVOLUTIONS, warn_tf32_second_order
+from funcmeta._src.core.sharding import refuse_sharded
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.forward import vmapped_losses
 from funcmeta._src.inner.inputs import (
@@ -620,6 +621,12 @@ def compile_meta_step(
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"hyper[{i}] is a {type(m).__name__}; hyper takes nn.Modules")
+    refuse_sharded(
+        fmodel.params,
+        "fm.compile_meta_step",
+        "its graph runs the tasks under torch.func.vmap and torch.func.grad, which a DTensor "
+        "does not run under; adapt one task at a time with fm.adapt, which takes a sharded model",
+    )
     plan = compile_plan(_device(fmodel), _convolutional(fmodel), mode, task_chunk)
     return MetaStep(
         fmodel,

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta._src.core import kernels, tree
+from funcmeta._src.core.sharding import is_sharded
 from funcmeta._src.core.tree import Filter, PyTreeSpec, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
 from funcmeta._src.inner.options import AdaptOptions
@@ -119,7 +120,11 @@ class InnerLoop:
         # activations held for a moment. Not where the activations are offloaded (the least
         # device memory asked for), nor under a step checkpoint, which runs the step's
         # forward again inside its inner gradient: that would hold the graphs of both runs.
-        keep = mode.second_order and not (mode.offload or self.options.checkpoint_steps)
+        # Nor for sharded parameters: a kept graph holds its layer's gathered parameters, so
+        # every layer's at once; recomputing gathers one layer's at a time.
+        keep = mode.second_order and not (
+            mode.offload or self.options.checkpoint_steps or any(map(is_sharded, leaves))
+        )
         loss, found, new_buffers = self.runtime.gradient(
             self._objective, leaves, buffers, second_order=mode.second_order, keep_graph=keep
         )

@@ -32,6 +32,7 @@ from funcmeta._src.checkpoint.engine import graph_input, kept_for_the_gradient
 from funcmeta._src.core import kernels
 from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.fence import traceback_modules
+from funcmeta._src.core.sharding import rewrite_mixed
 from funcmeta._src.core.vmap import any_batched, vmap_flat
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.shadow import Standin
@@ -65,6 +66,9 @@ class EagerRuntime(Runtime):
                 return executor.run(fmodel, params, buffers, args, kwargs)
             return fmodel.run_plain(params, buffers, args, kwargs)
         except (RuntimeError, IndexError) as error:
+            sharded = rewrite_mixed(error)
+            if sharded is not None:
+                raise sharded from error
             text = str(error)
             if isinstance(error, RuntimeError) and ("dtype" in text or "scalar type" in text):
                 raise error_like(error, f"{text}\n{_dtypes_hint(params, args, kwargs)}") from error

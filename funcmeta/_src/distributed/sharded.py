@@ -1,0 +1,160 @@
+"""A model's parameters sharded across processes, gathered a layer at a time: the
+implementation of :func:`funcmeta.distributed.shard_model`.
+
+Each parameter becomes a ``DTensor`` sharded along its first dimension over a 1-D
+``DeviceMesh`` (``Shard(0)``; a parameter without dimensions is replicated). A layer that
+owns parameters gathers them (``DTensor.full_tensor()``, an all-gather, differentiable twice)
+when its forward begins and puts the shards back when it ends, so the full tensors exist
+while the layer runs and while autograd keeps them for its backward. With per-layer
+checkpointing on the same layers (``fm.functional_model(..., checkpoint_layers=...)``) the
+graph keeps the shards instead, and a recomputation gathers again: one layer's full
+parameters at a time. Gradients reach the shards (``full_tensor``'s backward keeps each rank's
+slice), inner-loop updates are ``DTensor`` arithmetic on the shards, and the meta-gradients
+land in the shards' ``.grad``.
+
+Every rank computes the same tasks on the same data: the ranks split the parameters' memory,
+not the work. ``full_tensor``'s backward sums nothing across ranks, which is exact only then
+(docs/decisions/sharded-parameters.md).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from torch import Tensor, nn
+
+from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.fence import parameter_dict
+from funcmeta._src.core.sharding import ShardingError, is_sharded
+
+__all__ = ["gathered_bytes", "shard_model", "sharded_names"]
+
+
+class _Gather:
+    """The forward hooks of one layer: its ``DTensor`` parameters gathered for the forward,
+    the shards back afterwards (also when the forward raises). Per thread, and nested
+    (a layer called again inside its own forward)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _stack(self) -> list[dict[str, Any]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        shards = {n: p for n, p in parameter_dict(module).items() if is_sharded(p)}
+        self._stack().append(shards)
+        for name, shard in shards.items():
+            full = shard.full_tensor()
+            _count(full)
+            parameter_dict(module)[name] = full
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if not stack:
+            return
+        for name, shard in stack.pop().items():
+            parameter_dict(module)[name] = shard
+
+
+_LIVE: list[Any] = []  # weak references to the gathered tensors' storages (gathered_bytes)
+
+
+def _count(full: Tensor) -> None:
+    _LIVE[:] = [r for r in _LIVE if r() is not None]
+    _LIVE.append(weakref.ref(full.untyped_storage()))
+
+
+@exposed_in("funcmeta.distributed")
+def gathered_bytes() -> int:
+    """The bytes of gathered parameters alive in this process now (their storages, kept by
+    the tensor, a view of it or autograd's saved tensors): a layer's gather lives until its
+    backward, or only while it runs when the layer is checkpointed.
+
+    Example:
+        >>> import funcmeta as fm
+        >>> isinstance(fm.distributed.gathered_bytes(), int)
+        True
+    """
+    alive = [r() for r in _LIVE]
+    return sum(s.nbytes() for s in alive if s is not None)
+
+
+def sharded_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that are ``DTensor`` shards."""
+    return [n for n, p in module.named_parameters() if is_sharded(p)]
+
+
+@exposed_in("funcmeta.distributed")
+def shard_model(module: nn.Module, mesh: Any) -> nn.Module:
+    """Shard ``module``'s parameters across the processes of a 1-D ``DeviceMesh``, in place,
+    and gather each layer's parameters only while that layer runs; returns ``module``.
+
+    Build the functional model after it (``fm.functional_model(module, checkpoint_layers=...)``:
+    checkpointing the same layers keeps one layer's full parameters at a time). Every rank
+    must run the same tasks on the same data. :func:`funcmeta.adapt` and calls of the
+    functional model take a sharded model; the entry points that batch tasks with
+    ``torch.func.vmap`` (:func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses`,
+    :func:`funcmeta.compile_meta_step`) raise :class:`ShardingError`: a ``DTensor`` does not run
+    under ``torch.func`` transforms.
+
+    Raises :class:`ShardingError` for a mesh that is not 1-D, a module already sharded, and a
+    parameter held by two layers (tied weights): each layer gathers its own parameters, so a
+    shared one would be gathered by one layer and read as a shard by the other.
+
+    Example (one process; under ``torchrun`` every rank runs the same code):
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> import funcmeta as fm
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> rendezvous = tempfile.mktemp()
+        >>> dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+        >>> net = fm.distributed.shard_model(torch.nn.Linear(4, 2), init_device_mesh("cpu", (1,)))
+        >>> type(net.weight).__name__, tuple(net(torch.ones(3, 4)).shape)
+        ('DTensor', (3, 2))
+        >>> dist.destroy_process_group()
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if mesh.ndim != 1:
+        raise ShardingError(
+            f"shard_model takes a 1-D DeviceMesh (the ranks that split the parameters); got "
+            f"one of shape {tuple(mesh.shape)}"
+        )
+    owners: dict[int, list[str]] = {}
+    for prefix, layer in module.named_modules(remove_duplicate=False):
+        for name, p in parameter_dict(layer).items():
+            if p is not None:
+                owners.setdefault(id(p), []).append(f"{prefix}.{name}" if prefix else name)
+    shared = [names for names in owners.values() if len(names) > 1]
+    if shared:
+        raise ShardingError(
+            f"parameter {shared[0][0]!r} is held by {len(shared[0])} layers ({shared[0]}): "
+            "shard_model gathers a layer's parameters while that layer runs, so a tied or "
+            "shared weight would be a shard in the other layer; untie it (a copy per layer) "
+            "or leave the model unsharded"
+        )
+    already = sharded_names(module)
+    if already:
+        raise ShardingError(
+            f"the module is sharded already ({already[0]!r} is a DTensor): shard it once"
+        )
+    for layer in module.modules():
+        own = [n for n, p in parameter_dict(layer).items() if p is not None]
+        if not own:
+            continue
+        for name in own:
+            p = parameter_dict(layer)[name]
+            assert p is not None
+            placement = Shard(0) if p.dim() > 0 else Replicate()
+            parameter_dict(layer)[name] = nn.Parameter(
+                distribute_tensor(p.detach(), mesh, [placement]), requires_grad=p.requires_grad
+            )
+        gather = _Gather()
+        layer.register_forward_pre_hook(gather.before)
+        layer.register_forward_hook(gather.after, always_call=True)
+    return module

@@ -1,0 +1,244 @@
+"""fm.distributed.shard_model: a model's parameters sharded across gloo processes, gathered a
+layer at a time. Second-order meta-gradients land in the shards and equal the unsharded run's
+(float64), plain and with per-layer checkpointing, for SGD and Adam inner loops; with
+checkpointing a rank holds one layer's full parameters at a time; what cannot take a sharded
+model says so by name."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from helpers import init_gloo
+from torch import nn
+
+import funcmeta as fm
+
+WIDTH = 6  # uneven over 4 ranks on purpose
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(3, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH),
+        nn.Tanh(),
+        nn.Linear(WIDTH, 2),
+    ).double()
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(8, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
+
+
+def _meta(net: nn.Module, checkpoint_layers, opt_name: str):
+    """fm.adapt (3 steps, second order), the query loss's backward: the adapted parameters
+    (full) and the meta-gradients (full), in the order of net.named_parameters()."""
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
+    xs, ys, xq, yq = _data()
+    opt = fm.optim.sgd(lr=0.1) if opt_name == "sgd" else fm.optim.adam(lr=0.05)
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=3)
+    F.mse_loss(fmodel(result.params, xq), yq).backward()
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    adapted = [full(t).detach() for t in result.params.values()]
+    grads = [full(p.grad) for p in net.parameters()]
+    return adapted, grads
+
+
+def _mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _worker(rank, world, rendezvous, out, case, args):
+    torch.set_num_threads(1)
+    init_gloo(rank, rendezvous, world)
+    try:
+        result = CASES[case](world, *args)
+    except Exception:  # reported to the test, which judges it
+        result = ("raised", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _spawn(tmp_path, world: int, case: str, *args):
+    mp.spawn(
+        _worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path), case, args), nprocs=world
+    )
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r in results:
+        if isinstance(r, tuple) and r and r[0] == "raised":
+            pytest.fail(r[1])
+    return results
+
+
+# ------------------------------------------------------------------------------ the cases
+
+
+def _case_meta_gradients(world, checkpoint_layers, opt_name):
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    kinds = sorted({type(p).__name__ for p in net.parameters()})
+    local = [p.to_local().shape for p in net.parameters()]
+    adapted, grads = _meta(net, checkpoint_layers, opt_name)
+    return kinds, local, adapted, grads, type(net[0].weight.grad).__name__
+
+
+def _case_gathered(world, checkpoint_layers):
+    """The most gathered bytes alive when a layer gathers, over the forward, the inner steps
+    and the backward."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    most = [0]
+
+    def note(module, args):
+        most[0] = max(most[0], fm.distributed.gathered_bytes())
+
+    for layer in net:
+        if any(True for _ in layer.parameters()):
+            layer.register_forward_pre_hook(note)  # after the gather (registered first)
+    _meta(net, checkpoint_layers, "sgd")
+    return most[0]
+
+
+def _case_refusals(world):
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    xs, ys, *_ = _data()
+    said = {}
+    tasks = (xs.expand(2, -1, -1), ys.expand(2, -1, -1))
+    for name, call in {
+        "adapt_tasks": lambda: fm.adapt_tasks(
+            fmodel, fmodel.params, F.mse_loss, tasks, fm.optim.sgd(lr=0.1), steps=1
+        ),
+        "task_losses": lambda: fm.task_losses(fmodel, fmodel.params, F.mse_loss, tasks),
+        "compile_meta_step": lambda: fm.compile_meta_step(
+            fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=1
+        ),
+        "again": lambda: fm.distributed.shard_model(net, _mesh(world)),
+    }.items():
+        try:
+            call()
+            said[name] = None
+        except fm.distributed.ShardingError as error:
+            said[name] = str(error)
+    tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    try:
+        fm.distributed.shard_model(tied, _mesh(world))
+        said["tied"] = None
+    except fm.distributed.ShardingError as error:
+        said["tied"] = str(error)
+    return said
+
+
+class _Borrower(nn.Module):
+    """A head that computes with its neighbour's weight (outside that layer's forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.scale = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(x) @ self.body.weight
+
+
+def _case_borrowed_weight(world):
+    net = fm.distributed.shard_model(_Borrower().double(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    x = torch.ones(3, 2, dtype=torch.float64)
+    try:
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, x), fm.optim.sgd(lr=0.1), steps=1)
+    except fm.distributed.ShardingError as error:
+        return str(error)
+    return None
+
+
+CASES = {
+    "meta_gradients": _case_meta_gradients,
+    "gathered": _case_gathered,
+    "refusals": _case_refusals,
+    "borrowed": _case_borrowed_weight,
+}
+
+
+# ------------------------------------------------------------------------------ the tests
+
+
+@pytest.mark.parametrize(
+    ("world", "checkpoint_layers", "opt_name"),
+    [(2, None, "sgd"), (2, "sequential", "sgd"), (2, "sequential", "adam"), (1, None, "sgd")],
+)
+def test_sharded_meta_gradients_equal_the_unsharded_run(
+    tmp_path, world, checkpoint_layers, opt_name
+):
+    reference_adapted, reference = _meta(_net(), checkpoint_layers, opt_name)
+    for kinds, local, adapted, grads, grad_kind in _spawn(
+        tmp_path, world, "meta_gradients", checkpoint_layers, opt_name
+    ):
+        assert kinds == ["DTensor"] and grad_kind == "DTensor"
+        if world == 2:  # each rank holds its part: 6 rows split 3 and 3, 2 rows 1 and 1
+            assert [s[0] for s in local] == [3, 3, 3, 3, 1, 1]
+        for ours, theirs in zip(adapted + grads, reference_adapted + reference, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("checkpoint_layers", [None, "sequential"])
+def test_checkpointed_layers_hold_one_layers_full_parameters(tmp_path, checkpoint_layers):
+    layers = [sum(p.numel() * 8 for p in m.parameters()) for m in _net() if list(m.parameters())]
+    for most in _spawn(tmp_path, 2, "gathered", checkpoint_layers):
+        if checkpoint_layers is None:
+            # the graph keeps every layer's gathered parameters for the backward
+            assert most >= sum(layers)
+        else:
+            # a layer's gathered parameters die with its forward (and its recomputation),
+            # inner steps included (no graph kept for the inner gradient)
+            assert most <= max(layers)
+
+
+def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
+    (said, _) = _spawn(tmp_path, 2, "refusals")
+    for entry in ("adapt_tasks", "task_losses"):
+        assert said[entry] is not None, entry
+        assert "a task-batched call" in said[entry] and "torch.func.vmap" in said[entry]
+        assert "adapt one task at a time with fm.adapt" in said[entry]
+    assert said["compile_meta_step"] is not None
+    assert said["compile_meta_step"].startswith("fm.compile_meta_step cannot take a sharded model")
+    assert "sharded already" in (said["again"] or "")
+    assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
+
+
+def test_a_layer_reading_another_layers_weight_is_named(tmp_path):
+    (said, _) = _spawn(tmp_path, 2, "borrowed")
+    assert said is not None
+    assert "computed with a parameter it does not own" in said
+    assert "own the weight in the layer that uses it" in said
+
+
+def test_a_two_dimensional_mesh_is_refused_by_name(tmp_path):
+    (said,) = _spawn(tmp_path, 1, "mesh2d")
+    assert said is not None and "takes a 1-D DeviceMesh" in said and "(1, 1)" in said
+
+
+def _case_mesh2d(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        fm.distributed.shard_model(_net(), init_device_mesh("cpu", (1, 1)))
+    except fm.distributed.ShardingError as error:
+        return str(error)
+    return None
+
+
+CASES["mesh2d"] = _case_mesh2d
