@@ -16,6 +16,7 @@
 #
 # GPU_CHECK_ONLY="tests compiled" runs only the sections with one of the named keys (keys:
 # tests scenario tf32 compiled sinusoid conv4 memory tasks peers sequence).
+# ("compiled memory" is the compiled step on checkpointed layers, keys compiled and memory.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -112,6 +113,9 @@ section memory "memory" 120 none "" \
     "Per-layer checkpointing: funcmeta's layers and the model's own checkpoints (residual MLP, 5 steps)" \
     $PYTHON benchmarks/memory/memory.py --device cuda --workloads residual --steps 5 --repeats 3 \
     --plot benchmarks/out/memory_cuda.png
+section "compiled memory" "compiled checkpointed" 150 none "" \
+    "The compiled step on checkpointed layers (16 residual blocks of width 256, 512 rows, 5 steps): eager, checkpointed, compiled, both" \
+    $PYTHON benchmarks/memory/compiled_checkpoint.py --device cuda --repeats 5
 section tasks "tasks" 120 none "" "Task batching against the loop" \
     $PYTHON benchmarks/speed/tasks.py --device cuda --repeats 5 --meta-batch 32 --skip-memory
 section peers "peers" 120 none "" "Task batching against the peers" \
