@@ -165,7 +165,56 @@ def _case_borrowed_weight(world):
     return None
 
 
+def _train(net: nn.Module, opt: torch.optim.Optimizer, iterations: range) -> None:
+    """Meta-iterations of second-order MAML on the checkpointed sharded model, Adam outside;
+    iteration i's data comes from seed i (the same on every rank), so a resumed run draws
+    what the uninterrupted one drew."""
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    for i in iterations:
+        g = torch.Generator().manual_seed(100 + i)
+        xs, xq = (torch.randn(8, 3, generator=g, dtype=torch.float64) for _ in range(2))
+        ys, yq = xs[:, :2].sin(), xq[:, :2].sin()
+        opt.zero_grad()
+        result = fm.adapt(
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=2
+        )
+        F.mse_loss(fmodel(result.params, xq), yq).backward()
+        opt.step()
+
+
+def _case_dcp(world, phase, folder):
+    """Save a sharded run with torch.distributed.checkpoint after 2 meta-iterations and go
+    on for 2 ("save"), or resume it from the files on this many ranks and run the same 2
+    ("resume"): the full parameters and the optimizer's state after them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0 if phase == "save" else 7)  # the resumed model starts elsewhere
+    net = fm.distributed.shard_model(_net(), _mesh(world)) if phase == "save" else None
+    if net is None:
+        fresh = _net()
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.add_(1.0)  # nothing of the saved run's weights before the load
+        net = fm.distributed.shard_model(fresh, _mesh(world))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    if phase == "save":
+        _train(net, opt, range(2))
+        model_state, optim_state = get_state_dict(net, opt)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)
+    else:
+        model_state, optim_state = get_state_dict(net, opt)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(net, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _train(net, opt, range(2, 4))
+    params = [p.full_tensor().detach() for p in net.parameters()]
+    moments = [opt.state[p]["exp_avg_sq"].full_tensor() for p in net.parameters()]
+    return params, moments
+
+
 CASES = {
+    "dcp": _case_dcp,
     "meta_gradients": _case_meta_gradients,
     "gathered": _case_gathered,
     "refusals": _case_refusals,
@@ -242,3 +291,21 @@ def _case_mesh2d(world):
 
 
 CASES["mesh2d"] = _case_mesh2d
+
+
+def test_a_run_saved_on_four_ranks_resumes_on_two_bit_for_bit(tmp_path):
+    """torch.distributed.checkpoint saves a sharded run (model and Adam state, each rank its
+    shards) and loads it into a model sharded over another number of ranks: the resumed
+    run's parameters and optimizer state equal the uninterrupted run's, bit for bit."""
+    folder = str(tmp_path / "run")
+    (tmp_path / "save").mkdir()
+    (tmp_path / "resume").mkdir()
+    uninterrupted = _spawn(tmp_path / "save", 4, "dcp", "save", folder)
+    resumed = _spawn(tmp_path / "resume", 2, "dcp", "resume", folder)
+    for ours in resumed:
+        for mine, theirs in zip(
+            ours[0] + ours[1], uninterrupted[0][0] + uninterrupted[0][1], strict=True
+        ):
+            assert torch.equal(mine, theirs)
+    # the resumed model began elsewhere: the load, not the start, made them equal
+    assert not torch.equal(_net().state_dict()["0.weight"] + 1.0, resumed[0][0][0])

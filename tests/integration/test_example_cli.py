@@ -11,7 +11,14 @@ import pytest
 from test_example import EXAMPLES, load
 
 ROOT = EXAMPLES.parent
-CLI_EXAMPLES = ["sinusoid", "hyperparameters", "learned_optimizer", "distributed_maml", "lora_maml"]
+CLI_EXAMPLES = [
+    "sinusoid",
+    "hyperparameters",
+    "learned_optimizer",
+    "distributed_maml",
+    "lora_maml",
+    "sharded_maml",
+]
 
 
 def shown(action: argparse.Action) -> bool:

@@ -51,7 +51,8 @@ class _Gather:
         self._stack().append(shards)
         for name, shard in shards.items():
             full = shard.full_tensor()
-            _count(full)
+            if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
+                _count(full)
             parameter_dict(module)[name] = full
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -81,8 +82,8 @@ def gathered_bytes() -> int:
         >>> isinstance(fm.distributed.gathered_bytes(), int)
         True
     """
-    alive = [r() for r in _LIVE]
-    return sum(s.nbytes() for s in alive if s is not None)
+    alive = {s.data_ptr(): s.nbytes() for s in (r() for r in _LIVE) if s is not None}
+    return sum(alive.values())
 
 
 def sharded_names(module: nn.Module) -> list[str]:
