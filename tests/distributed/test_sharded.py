@@ -213,7 +213,35 @@ def _case_dcp(world, phase, folder):
     return params, moments
 
 
+def _case_mismatch(world):
+    """Rank 1 shards a model of another width."""
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    net = _net() if rank == 0 else nn.Sequential(nn.Linear(3, WIDTH + 1)).double()
+    try:
+        fm.distributed.shard_model(net, _mesh(world), timeout=30)
+    except fm.distributed.MismatchError as error:
+        return str(error)
+    return None
+
+
+def _case_peer_gone(world):
+    """Rank 1 exits after sharding; rank 0 adapts, and its first gather meets no peer."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    if dist.get_rank() == 1:
+        os._exit(0)
+    fmodel = fm.functional_model(net)
+    xs, ys, *_ = _data()
+    try:
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    except fm.distributed.PeerError as error:
+        return str(error)
+    return None
+
+
 CASES = {
+    "mismatch": _case_mismatch,
+    "peer_gone": _case_peer_gone,
     "dcp": _case_dcp,
     "meta_gradients": _case_meta_gradients,
     "gathered": _case_gathered,
@@ -309,3 +337,28 @@ def test_a_run_saved_on_four_ranks_resumes_on_two_bit_for_bit(tmp_path):
             assert torch.equal(mine, theirs)
     # the resumed model began elsewhere: the load, not the start, made them equal
     assert not torch.equal(_net().state_dict()["0.weight"] + 1.0, resumed[0][0][0])
+
+
+def test_ranks_that_shard_different_models_are_told_on_every_rank(tmp_path):
+    said = _spawn(tmp_path, 2, "mismatch")
+    for text in said:
+        assert text is not None and "the ranks disagree on the model they shard" in text
+        assert "0.weight" in text
+    assert said[0] == said[1]
+
+
+def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
+    import time
+
+    started = time.monotonic()
+    mp.spawn(
+        _worker,
+        args=(2, str(tmp_path / "rendezvous"), str(tmp_path), "peer_gone", ()),
+        nprocs=2,
+        join=True,
+    )
+    said = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert isinstance(said, str), said
+    assert "gathering Linear parameter 'weight' across the mesh failed" in said
+    assert "a peer rank is gone or stalled" in said
+    assert time.monotonic() - started < 120  # no hang

@@ -23,6 +23,7 @@ __all__ = [
     "MismatchError",
     "PeerError",
     "average_gradients",
+    "check_same_everywhere",
     "shard",
     "world",
 ]
@@ -180,9 +181,17 @@ def average_gradients(
 
 
 def _check_signature(
-    signature: list[Any], device: torch.device, group: Any, timeout: float
+    signature: list[Any],
+    device: torch.device,
+    group: Any,
+    timeout: float,
+    needs: str = (
+        "the ranks disagree on the tensors they average (fm.distributed.average_gradients "
+        "needs the same names, shapes and dtypes in the same order on every rank)"
+    ),
 ) -> None:
-    """Raise :class:`MismatchError` on every rank unless all ranks have ``signature``."""
+    """Raise :class:`MismatchError` on every rank unless all ranks have ``signature``
+    (``needs``: the message's start, saying what must agree)."""
     size = world(group)[1]
     mine = torch.tensor([_digest(signature)], dtype=torch.int64, device=device)
     digests = [torch.empty_like(mine) for _ in range(size)]
@@ -195,11 +204,7 @@ def _check_signature(
         return
     # every rank saw the same digests and gets here: gather the signatures to name the difference
     signatures = _gather_signatures(signature, device, group, timeout)
-    raise MismatchError(
-        "the ranks disagree on the tensors they average (fm.distributed.average_gradients "
-        f"needs the same names, shapes and dtypes in the same order on every rank): "
-        f"{_first_difference(signatures)}"
-    )
+    raise MismatchError(f"{needs}: {_first_difference(signatures)}")
 
 
 def _gather_signatures(
@@ -223,3 +228,15 @@ def _gather_signatures(
         [(e[0], tuple(e[1]), e[2]) for e in json.loads(bytes(g[: int(n)].tolist()).decode())]
         for g, n in zip(gathered, lengths, strict=True)
     ]
+
+
+def check_same_everywhere(
+    named: list[tuple[str, Tensor]], group: Any, timeout: float, needs: str
+) -> None:
+    """Raise :class:`MismatchError` on every rank of ``group`` unless all ranks hold tensors
+    of the same names, shapes and dtypes (``needs`` opens the message); :class:`PeerError`
+    when a rank does not answer within ``timeout`` seconds."""
+    device = named[0][1].device if named else torch.device("cpu")
+    if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
+        device = torch.device("cuda", torch.cuda.current_device())
+    _check_signature(_signature(named), device, group, timeout, needs)

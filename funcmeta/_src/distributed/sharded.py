@@ -28,6 +28,11 @@ from torch import Tensor, nn
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import parameter_dict
 from funcmeta._src.core.sharding import ShardingError, is_sharded
+from funcmeta._src.distributed.collectives import (
+    DEFAULT_TIMEOUT,
+    PeerError,
+    check_same_everywhere,
+)
 
 __all__ = ["gathered_bytes", "shard_model", "sharded_names"]
 
@@ -50,7 +55,15 @@ class _Gather:
         shards = {n: p for n, p in parameter_dict(module).items() if is_sharded(p)}
         self._stack().append(shards)
         for name, shard in shards.items():
-            full = shard.full_tensor()
+            try:
+                full = shard.full_tensor()
+            except RuntimeError as error:  # a collective failed: say which gather, and why
+                raise PeerError(
+                    f"gathering {type(module).__name__} parameter {name!r} across the mesh "
+                    f"failed: a peer rank is gone or stalled, or ranks run different layers "
+                    f"({str(error).splitlines()[0]}). Exit and resume every rank from its "
+                    "last torch.distributed.checkpoint save"
+                ) from error
             if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
                 _count(full)
             parameter_dict(module)[name] = full
@@ -92,7 +105,7 @@ def sharded_names(module: nn.Module) -> list[str]:
 
 
 @exposed_in("funcmeta.distributed")
-def shard_model(module: nn.Module, mesh: Any) -> nn.Module:
+def shard_model(module: nn.Module, mesh: Any, *, timeout: float = DEFAULT_TIMEOUT) -> nn.Module:
     """Shard ``module``'s parameters across the processes of a 1-D ``DeviceMesh``, in place,
     and gather each layer's parameters only while that layer runs; returns ``module``.
 
@@ -106,7 +119,11 @@ def shard_model(module: nn.Module, mesh: Any) -> nn.Module:
 
     Raises :class:`ShardingError` for a mesh that is not 1-D, a module already sharded, and a
     parameter held by two layers (tied weights): each layer gathers its own parameters, so a
-    shared one would be gathered by one layer and read as a shard by the other.
+    shared one would be gathered by one layer and read as a shard by the other. The ranks
+    first compare their modules' parameters (names, shapes, dtypes): a difference raises
+    :class:`MismatchError` on every rank, and a rank that does not answer within ``timeout``
+    seconds :class:`PeerError`. A gather that fails later (a peer gone) raises
+    :class:`PeerError` naming the layer.
 
     Example (one process; under ``torchrun`` every rank runs the same code):
         >>> import tempfile, torch, torch.distributed as dist
@@ -144,6 +161,13 @@ def shard_model(module: nn.Module, mesh: Any) -> nn.Module:
         raise ShardingError(
             f"the module is sharded already ({already[0]!r} is a DTensor): shard it once"
         )
+    check_same_everywhere(
+        [(n, p.detach()) for n, p in module.named_parameters()],
+        mesh.get_group(),
+        timeout,
+        "the ranks disagree on the model they shard (fm.distributed.shard_model needs the same "
+        "parameter names, shapes and dtypes in the same order on every rank of the mesh)",
+    )
     for layer in module.modules():
         own = [n for n, p in parameter_dict(layer).items() if p is not None]
         if not own:
