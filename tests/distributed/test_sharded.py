@@ -239,7 +239,40 @@ def _case_peer_gone(world):
     return None
 
 
+def _tasks_batch():
+    g = torch.Generator().manual_seed(3)
+    return tuple(torch.randn(4, 6, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
+
+
+def _meta_over_tasks(net: nn.Module, batch) -> None:
+    """Second-order MAML, one task at a time with fm.adapt (checkpointed layers), backward on
+    the mean query loss of the tasks given."""
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    xs, ys, xq, yq = batch
+    losses = []
+    for t in range(xs.shape[0]):
+        opt = fm.optim.sgd(lr=0.1)
+        result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs[t], ys[t]), opt, steps=2)
+        losses.append(F.mse_loss(fmodel(result.params, xq[t]), yq[t]))
+    torch.stack(losses).mean().backward()
+
+
+def _case_two_axes(world):
+    """A 2 x 2 mesh: tasks split along "tasks", parameters along "shards"."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
+    net = fm.distributed.shard_model(_net(), mesh, mesh_dim="shards")
+    tasks = mesh.get_group("tasks")
+    share, count = fm.distributed.shard(_tasks_batch(), group=tasks)
+    _meta_over_tasks(net, share)
+    fm.distributed.average_gradients(dict(net.named_parameters()), count, group=tasks)
+    local = [tuple(p.grad.to_local().shape) for p in net.parameters()]
+    return [p.grad.full_tensor() for p in net.parameters()], local, count
+
+
 CASES = {
+    "two_axes": _case_two_axes,
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
     "dcp": _case_dcp,
@@ -303,11 +336,6 @@ def test_a_layer_reading_another_layers_weight_is_named(tmp_path):
     assert "own the weight in the layer that uses it" in said
 
 
-def test_a_two_dimensional_mesh_is_refused_by_name(tmp_path):
-    (said,) = _spawn(tmp_path, 1, "mesh2d")
-    assert said is not None and "takes a 1-D DeviceMesh" in said and "(1, 1)" in said
-
-
 def _case_mesh2d(world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -362,3 +390,22 @@ def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
     assert "gathering Linear parameter 'weight' across the mesh failed" in said
     assert "a peer rank is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
+
+
+def test_tasks_on_one_mesh_axis_and_shards_on_the_other_equal_one_process(tmp_path):
+    """A 2 x 2 mesh (4 gloo ranks): each task group adapts 2 of the 4 tasks on parameters
+    sharded over its 2 ranks; average_gradients over the task axis gives every rank's shards
+    the meta-gradient of the mean over all 4 tasks, as one process computes it."""
+    net = _net()
+    _meta_over_tasks(net, _tasks_batch())
+    reference = [p.grad for p in net.parameters()]
+    for grads, local, count in _spawn(tmp_path, 4, "two_axes"):
+        assert count == 2
+        assert [s[0] for s in local] == [3, 3, 3, 3, 1, 1]  # half of each parameter
+        for ours, theirs in zip(grads, reference, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+
+
+def test_a_two_dimensional_mesh_needs_the_shard_axis(tmp_path):
+    (said,) = _spawn(tmp_path, 1, "mesh2d")
+    assert said is not None and "needs mesh_dim=" in said and "(1, 1)" in said

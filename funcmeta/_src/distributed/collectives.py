@@ -8,7 +8,7 @@ import itertools
 import json
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.sharding import is_sharded
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -53,7 +54,7 @@ def _named(tensors: Iterable[Tensor] | Mapping[str, Tensor]) -> list[tuple[str, 
 
 
 def _signature(named: list[tuple[str, Tensor]]) -> list[tuple[str, tuple[int, ...], str]]:
-    return [(name, tuple(t.shape), str(t.dtype).replace("torch.", "")) for name, t in named]
+    return [(name, tuple(_local(t).shape), str(t.dtype).replace("torch.", "")) for name, t in named]
 
 
 def _digest(signature: list[tuple[str, tuple[int, ...], str]]) -> int:
@@ -162,7 +163,9 @@ def average_gradients(
     _check_signature(_signature(named), device, group, timeout)
     if not named:
         return
-    grads = [torch.zeros_like(t) if t.grad is None else t.grad for _, t in named]
+    # a sharded parameter (fm.distributed.shard_model) averages its own shard: the group is
+    # then the mesh axis along which the parameters are replicated
+    grads = [_local(torch.zeros_like(t) if t.grad is None else t.grad) for _, t in named]
     flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_ones(1)]) * float(count)
     _wait(
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
@@ -176,8 +179,27 @@ def average_gradients(
     offset = 0
     for (_, t), g in zip(named, grads, strict=True):
         n = g.numel()
-        t.grad = flat[offset : offset + n].reshape(g.shape).to(g.dtype).clone()
+        mean = flat[offset : offset + n].reshape(g.shape).to(g.dtype).clone()
+        t.grad = _like(t, mean)
         offset += n
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A ``DTensor``'s shard on this rank, or the tensor itself."""
+    return cast(Any, tensor).to_local() if is_sharded(tensor) else tensor
+
+
+def _like(param: Tensor, local: Tensor) -> Tensor:
+    """``local`` as ``param``'s gradient: a ``DTensor`` placed as ``param`` for a sharded
+    parameter."""
+    if not is_sharded(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    sharded = cast(DTensor, param)
+    return DTensor.from_local(
+        local, sharded.device_mesh, sharded.placements, shape=param.shape, stride=param.stride()
+    )
 
 
 def _check_signature(

@@ -99,15 +99,51 @@ def gathered_bytes() -> int:
     return sum(alive.values())
 
 
+def _shard_axis(mesh: Any, mesh_dim: str | int | None) -> int:
+    """The index of the mesh axis that splits the parameters."""
+    names = list(mesh.mesh_dim_names or ())
+    if mesh.ndim > 2:
+        raise ShardingError(
+            f"shard_model takes a 1-D or 2-D DeviceMesh (tasks and shards); got one of shape "
+            f"{tuple(mesh.shape)}"
+        )
+    if mesh_dim is None:
+        if mesh.ndim == 1:
+            return 0
+        raise ShardingError(
+            f"a 2-D DeviceMesh (shape {tuple(mesh.shape)}, axes {names or 'unnamed'}) needs "
+            "mesh_dim=: the axis whose ranks split the parameters (the other splits the tasks)"
+        )
+    if isinstance(mesh_dim, str):
+        if mesh_dim not in names:
+            raise ShardingError(f"mesh_dim={mesh_dim!r} is not an axis of the mesh: {names}")
+        return names.index(mesh_dim)
+    if not 0 <= mesh_dim < mesh.ndim:
+        raise ShardingError(f"mesh_dim={mesh_dim} is not an axis of a {mesh.ndim}-D mesh")
+    return mesh_dim
+
+
 def sharded_names(module: nn.Module) -> list[str]:
     """The names of ``module``'s parameters that are ``DTensor`` shards."""
     return [n for n, p in module.named_parameters() if is_sharded(p)]
 
 
 @exposed_in("funcmeta.distributed")
-def shard_model(module: nn.Module, mesh: Any, *, timeout: float = DEFAULT_TIMEOUT) -> nn.Module:
-    """Shard ``module``'s parameters across the processes of a 1-D ``DeviceMesh``, in place,
-    and gather each layer's parameters only while that layer runs; returns ``module``.
+def shard_model(
+    module: nn.Module,
+    mesh: Any,
+    *,
+    mesh_dim: str | int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> nn.Module:
+    """Shard ``module``'s parameters across the processes of a ``DeviceMesh``, in place, and
+    gather each layer's parameters only while that layer runs; returns ``module``.
+
+    On a 1-D mesh every rank holds a shard. On a 2-D mesh ``mesh_dim`` (a name or an index)
+    is the axis that splits the parameters; along the other the parameters are replicated,
+    and the ranks there may run different tasks (split them with
+    :func:`shard` over ``mesh.get_group(other)`` and average the meta-gradients with
+    :func:`average_gradients` over that group, which takes the shards' ``.grad``).
 
     Build the functional model after it (``fm.functional_model(module, checkpoint_layers=...)``:
     checkpointing the same layers keeps one layer's full parameters at a time). Every rank
@@ -117,7 +153,8 @@ def shard_model(module: nn.Module, mesh: Any, *, timeout: float = DEFAULT_TIMEOU
     :func:`funcmeta.compile_meta_step`) raise :class:`ShardingError`: a ``DTensor`` does not run
     under ``torch.func`` transforms.
 
-    Raises :class:`ShardingError` for a mesh that is not 1-D, a module already sharded, and a
+    Raises :class:`ShardingError` for a mesh of more than two axes, a 2-D mesh without
+    ``mesh_dim``, a module already sharded, and a
     parameter held by two layers (tied weights): each layer gathers its own parameters, so a
     shared one would be gathered by one layer and read as a shard by the other. The ranks
     first compare their modules' parameters (names, shapes, dtypes): a difference raises
@@ -138,11 +175,7 @@ def shard_model(module: nn.Module, mesh: Any, *, timeout: float = DEFAULT_TIMEOU
     """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    if mesh.ndim != 1:
-        raise ShardingError(
-            f"shard_model takes a 1-D DeviceMesh (the ranks that split the parameters); got "
-            f"one of shape {tuple(mesh.shape)}"
-        )
+    axis = _shard_axis(mesh, mesh_dim)
     owners: dict[int, list[str]] = {}
     for prefix, layer in module.named_modules(remove_duplicate=False):
         for name, p in parameter_dict(layer).items():
@@ -163,7 +196,7 @@ def shard_model(module: nn.Module, mesh: Any, *, timeout: float = DEFAULT_TIMEOU
         )
     check_same_everywhere(
         [(n, p.detach()) for n, p in module.named_parameters()],
-        mesh.get_group(),
+        mesh.get_group(axis),
         timeout,
         "the ranks disagree on the model they shard (fm.distributed.shard_model needs the same "
         "parameter names, shapes and dtypes in the same order on every rank of the mesh)",
@@ -175,9 +208,11 @@ def shard_model(module: nn.Module, mesh: Any, *, timeout: float = DEFAULT_TIMEOU
         for name in own:
             p = parameter_dict(layer)[name]
             assert p is not None
-            placement = Shard(0) if p.dim() > 0 else Replicate()
+            placements: list[Any] = [Replicate()] * mesh.ndim
+            if p.dim() > 0:
+                placements[axis] = Shard(0)
             parameter_dict(layer)[name] = nn.Parameter(
-                distribute_tensor(p.detach(), mesh, [placement]), requires_grad=p.requires_grad
+                distribute_tensor(p.detach(), mesh, placements), requires_grad=p.requires_grad
             )
         gather = _Gather()
         layer.register_forward_pre_hook(gather.before)
