@@ -132,6 +132,19 @@ def _case_refusals(world):
             said[name] = None
         except fm.distributed.ShardingError as error:
             said[name] = str(error)
+    for name, rate in {
+        "learnable rate": torch.tensor(0.1, dtype=torch.float64, requires_grad=True),
+        "learnable rates": torch.full((WIDTH, 3), 0.1, dtype=torch.float64, requires_grad=True),
+    }.items():
+        rates = {
+            k: rate if v.shape == rate.shape or rate.dim() == 0 else 0.1
+            for k, v in _net().named_parameters()
+        }
+        try:
+            fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=rates), steps=1)
+            said[name] = None
+        except fm.distributed.ShardingError as error:
+            said[name] = str(error)
     tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     tied[1].weight = tied[0].weight
     try:
@@ -327,6 +340,11 @@ def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     assert said["compile_meta_step"].startswith("fm.compile_meta_step cannot take a sharded model")
     assert "sharded already" in (said["again"] or "")
     assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
+    # a learnable rate's gradient would be this rank's partial sum, silently: refused
+    for name in ("learnable rate", "learnable rates"):
+        assert said[name] is not None, name
+        assert "its gradient would sum this rank's shard alone" in said[name]
+        assert "not supported yet" in said[name]
 
 
 def test_a_layer_reading_another_layers_weight_is_named(tmp_path):

@@ -4,12 +4,23 @@ for a call that cannot take them, and torch's own error rewritten where a layer 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
+from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
 
-__all__ = ["ShardingError", "is_sharded", "refuse_sharded", "rewrite_mixed"]
+__all__ = [
+    "ShardingError",
+    "is_sharded",
+    "learnable_tensors_refused",
+    "refuse_sharded",
+    "rewrite_mixed",
+]
 
 _DISPATCH_MIX = "got mixed torch.Tensor and DTensor"
 
@@ -59,3 +70,53 @@ def rewrite_mixed(error: BaseException) -> ShardingError | None:
         "weight, self.other.weight) meets a shard; own the weight in the layer that uses it, "
         "or leave the model unsharded"
     )
+
+
+_DIFFERENTIATION = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+
+class _LearnableMeetsShard(TorchFunctionMode):
+    """Refuses a call that mixes a ``DTensor`` with a plain tensor that requires grad: a
+    learnable hyperparameter (a rate) applied to a sharded gradient. torch lets a tensor
+    without dimensions through as a scalar and differentiates it on this rank's shard alone:
+    its gradient would be a partial sum, different on every rank, without an error."""
+
+    def __init__(self, in_model: Callable[[], bool]) -> None:
+        super().__init__()
+        self.in_model = in_model  # inside the model's forward: torch's own error, said again
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func in _DIFFERENTIATION or self.in_model():
+            # a plain loss differentiated for sharded leaves is right; in the model's forward
+            # a layer meeting a shard is torch's error, said again (rewrite_mixed)
+            return func(*args, **(kwargs or {}))
+        tensors = [a for a in tree.leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        if len(tensors) > 1 and any(is_sharded(t) for t in tensors):
+            plain = [t for t in tensors if not is_sharded(t) and t.requires_grad]
+            if plain:
+                raise ShardingError(
+                    "a learnable tensor (shape "
+                    f"{tuple(plain[0].shape)}, requires_grad) meets a sharded parameter's "
+                    f"tensor in {getattr(func, '__name__', func)}: its gradient would sum "
+                    "this rank's shard alone, a different wrong number on every rank. "
+                    "Learnable hyperparameters of a sharded model (inner learning rates) "
+                    "are not supported yet; give the optimizer numbers, or tensors that do "
+                    "not require grad"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def learnable_tensors_refused(
+    params: Mapping[str, Any], in_model: Callable[[], bool]
+) -> Iterator[None]:
+    """Within the block, outside the model's forward (``in_model()`` False), refuse what
+    :class:`_LearnableMeetsShard` refuses when ``params`` holds a ``DTensor``; nothing
+    otherwise (no mode, no cost)."""
+    if not any(is_sharded(v) for v in params.values()):
+        yield
+        return
+    with _LearnableMeetsShard(in_model):
+        yield

@@ -25,11 +25,13 @@ from typing_extensions import Unpack
 from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
+from funcmeta._src.core.sharding import learnable_tensors_refused
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
+from funcmeta._src.module import scope
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 
@@ -93,17 +95,18 @@ def adapt(
     forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     try:
-        return inner_loop(
-            adapted,
-            fixed,
-            opt,
-            steps,
-            checked.buffers,
-            opts,
-            frozen=fmodel.frozen,
-            forward=forward,
-            state=state,
-        )
+        with learnable_tensors_refused(params, lambda: scope.current() is not None):
+            return inner_loop(
+                adapted,
+                fixed,
+                opt,
+                steps,
+                checked.buffers,
+                opts,
+                frozen=fmodel.frozen,
+                forward=forward,
+                state=state,
+            )
     except (RuntimeError, ValueError) as error:
         if axis is None or not _about_shapes(error) or axis.hint() in str(error):
             raise
