@@ -250,6 +250,7 @@ def test_the_check_judges_every_section_and_ends_with_the_table(tmp_path):
         "compiled sinusoid",
         "compiled conv4",
         "memory",
+        "compiled checkpointed",
         "tasks",
         "peers",
         "sequence",
@@ -262,6 +263,7 @@ def test_the_check_judges_every_section_and_ends_with_the_table(tmp_path):
     assert "over its limit" in rows["compiled conv4"]
     assert rows["compiled conv4"].endswith("| **FAIL** |")
     assert rows["memory"].endswith("| ERROR |")
+    assert rows["compiled checkpointed"].endswith("| ran (no target) |")
     assert rows["sequence"].endswith("| ran (no target) |")
     # each section prints its verdict where it ends, and the report holds what stdout shows
     assert "\nFAIL: query loss 0.19 -> 100.5 (rises)" in report

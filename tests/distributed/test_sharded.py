@@ -239,10 +239,11 @@ def _case_mismatch(world):
 
 
 def _case_peer_gone(world):
-    """Rank 1 exits after sharding; rank 0 adapts, and its first gather meets no peer."""
+    """Rank 1 exits when its forward reaches the second linear layer, mid-run; rank 0's
+    gather of that layer meets no peer."""
     net = fm.distributed.shard_model(_net(), _mesh(world))
     if dist.get_rank() == 1:
-        os._exit(0)
+        net[2].register_forward_pre_hook(lambda *_: os._exit(0))
     fmodel = fm.functional_model(net)
     xs, ys, *_ = _data()
     try:
@@ -284,7 +285,22 @@ def _case_two_axes(world):
     return [p.grad.full_tensor() for p in net.parameters()], local, count
 
 
+def _case_different_data(world):
+    """Rank 1 adapts on other data than rank 0, on a model sharded over both."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    xs, ys, *_ = _data()
+    if dist.get_rank() == 1:
+        xs = xs.flip(0)  # the same values in another order
+    try:
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    except fm.distributed.ShardingError as error:
+        return str(error)
+    return None
+
+
 CASES = {
+    "different_data": _case_different_data,
     "two_axes": _case_two_axes,
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
@@ -427,3 +443,11 @@ def test_tasks_on_one_mesh_axis_and_shards_on_the_other_equal_one_process(tmp_pa
 def test_a_two_dimensional_mesh_needs_the_shard_axis(tmp_path):
     (said,) = _spawn(tmp_path, 1, "mesh2d")
     assert said is not None and "needs mesh_dim=" in said and "(1, 1)" in said
+
+
+def test_ranks_adapting_on_different_data_are_told_on_every_rank(tmp_path):
+    """full_tensor()'s backward sums nothing across ranks: ranks that split the parameters
+    but hold different batches would get wrong gradients silently; fm.adapt compares an
+    exact checksum of the batch first."""
+    for said in _spawn(tmp_path, 2, "different_data"):
+        assert said is not None and "hold different batches" in said

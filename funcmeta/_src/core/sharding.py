@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -15,14 +16,29 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
+    "PeerError",
     "ShardingError",
     "is_sharded",
+    "check_same_batch",
     "learnable_tensors_refused",
     "refuse_sharded",
     "rewrite_mixed",
 ]
 
 _DISPATCH_MIX = "got mixed torch.Tensor and DTensor"
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a collective of :func:`funcmeta.distributed.average_gradients` (and of a sharded
+model's checks) waits for the other ranks by default."""
+
+
+@exposed_in("funcmeta.distributed")
+class PeerError(RuntimeError):
+    """A collective with the other ranks failed or timed out: a peer process is gone or stalled.
+
+    The process group cannot be trusted after it: exit, and resume every rank from its last
+    snapshot (``fm.snapshot.load``; docs/distributed.md)."""
 
 
 @exposed_in("funcmeta.distributed")
@@ -120,3 +136,63 @@ def learnable_tensors_refused(
         return
     with _LearnableMeetsShard(in_model):
         yield
+
+
+def _digest(tensor: torch.Tensor) -> torch.Tensor:
+    """An exact checksum of ``tensor``'s values and their order, the same on any device and
+    thread count: its bit patterns as integers, weighted by position, summed in int64."""
+    x = tensor.detach().contiguous().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    if x.is_floating_point() or x.is_complex():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        x = x.view(bits[x.element_size()]) if x.element_size() in bits else x.view(torch.uint8)
+    weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 1021 + 1
+    return (x.to(torch.int64) * weights).sum()
+
+
+def check_same_batch(batch: Any, params: Mapping[str, Any]) -> None:
+    """Raise :class:`ShardingError` on every rank of the mesh axis that splits ``params``
+    unless all its ranks hold the same ``batch`` (values, shapes, order): ``full_tensor()``'s
+    backward sums nothing across ranks, so ranks that share parameters but not data would
+    get wrong gradients silently. One 8-byte all-gather per call; nothing for unsharded
+    ``params``."""
+    sharded = next((v for v in params.values() if is_sharded(v)), None)
+    if sharded is None:
+        return
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    axes = [i for i, p in enumerate(sharded.placements) if isinstance(p, Shard)]
+    if not axes:
+        return
+    group = sharded.device_mesh.get_group(axes[0])
+    if dist.get_world_size(group) == 1:
+        return
+    leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor)]
+    device = sharded.to_local().device
+    total = torch.zeros((), dtype=torch.int64, device=device)
+    for i, x in enumerate(leaves):
+        shape = torch.tensor(list(x.shape) or [0], dtype=torch.int64, device=device)
+        total = total * 31 + _digest(x).to(device) + (i + 1) * _digest(shape)
+    mine = total.reshape(1)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        work = dist.all_gather(every, mine, group=group, async_op=True)
+        assert work is not None
+        work.wait(timeout=timedelta(seconds=DEFAULT_TIMEOUT))
+    except RuntimeError as error:
+        raise PeerError(
+            f"comparing the batches of the ranks that split the parameters failed or did not "
+            f"finish within {DEFAULT_TIMEOUT:g} s: a peer process is gone or stalled "
+            f"({str(error).splitlines()[0]}). Exit and resume every rank from its last "
+            "torch.distributed.checkpoint save"
+        ) from error
+    if any(not torch.equal(e, every[0]) for e in every):
+        raise ShardingError(
+            "the ranks that split the parameters hold different batches: a sharded model "
+            "needs the same tasks on every rank of its shard axis (a gathered parameter's "
+            "backward sums nothing across ranks, so the gradients would be wrong); split "
+            "tasks along another mesh axis (shard_model(..., mesh_dim=) on a 2-D mesh) and "
+            "average with fm.distributed.average_gradients over it"
+        )

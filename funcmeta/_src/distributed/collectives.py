@@ -17,7 +17,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.sharding import is_sharded
+from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, is_sharded
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -28,17 +28,6 @@ __all__ = [
     "shard",
     "world",
 ]
-
-DEFAULT_TIMEOUT = 600.0
-"""Seconds a collective of :func:`average_gradients` waits for the other ranks by default."""
-
-
-@exposed_in("funcmeta.distributed")
-class PeerError(RuntimeError):
-    """A collective with the other ranks failed or timed out: a peer process is gone or stalled.
-
-    The process group cannot be trusted after it: exit, and resume every rank from its last
-    snapshot (``fm.snapshot.load``; docs/distributed.md)."""
 
 
 @exposed_in("funcmeta.distributed")

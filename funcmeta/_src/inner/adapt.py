@@ -25,7 +25,7 @@ from typing_extensions import Unpack
 from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
-from funcmeta._src.core.sharding import learnable_tensors_refused
+from funcmeta._src.core.sharding import check_same_batch, learnable_tensors_refused
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
@@ -92,6 +92,7 @@ def adapt(
     axis = leftover_task_axis(args, kwargs, targets)
     if axis is not None:
         loss_fn = _first_call_checked(loss_fn, axis)
+    check_same_batch(checked.batch, params)
     forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     try:
