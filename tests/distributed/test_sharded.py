@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
@@ -68,6 +69,12 @@ def _worker(rank, world, rendezvous, out, case, args):
         result = CASES[case](world, *args)
     except Exception:  # reported to the test, which judges it
         result = ("raised", traceback.format_exc())
+    try:
+        # no rank tears its process group down while a peer's last collective is in flight
+        # (gloo aborted the process with "terminate called without an active exception")
+        dist.monitored_barrier(timeout=timedelta(seconds=30))
+    except RuntimeError:  # a peer that exited on purpose (the peer-gone case)
+        pass
     finally:
         dist.destroy_process_group()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
