@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from helpers import init_gloo
 from torch import nn
 
@@ -306,7 +307,68 @@ def _case_different_data(world):
     return None
 
 
+class _SelfCheckpointed(nn.Module):
+    """Checkpoints its own layers (funcmeta's takeover runs them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+        x = torch.tanh(torch.utils.checkpoint.checkpoint(self.b, x, use_reentrant=False))
+        return self.c(x)
+
+
+class _LoRA(nn.Module):
+    """A frozen base layer with a trainable low-rank adapter beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(3, WIDTH).requires_grad_(False)
+        self.down = nn.Linear(3, 2, bias=False)
+        self.up = nn.Linear(2, WIDTH, bias=False)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.base(x) + self.up(self.down(x))))
+
+
+#: name -> (model, checkpoint_layers, inner optimizer, fm.adapt options)
+COMBINATIONS = {
+    "checkpoint_steps": (_net, None, "sgd", {"checkpoint_steps": True}),
+    "the takeover": (_SelfCheckpointed, None, "sgd", {}),
+    "first order, checkpointed": (_net, "sequential", "sgd", {"first_order": True}),
+    "LoRA on a frozen base": (_LoRA, None, "sgd", {}),
+    "clip_grad_norm": (_net, None, "sgd", {"clip_grad_norm": 0.5}),
+    "momentum": (_net, "sequential", "momentum", {}),
+}
+
+
+def _combination(name: str, mesh) -> list:
+    make, checkpoint_layers, opt_name, options = COMBINATIONS[name]
+    torch.manual_seed(0)
+    net = make().double()
+    if mesh is not None:
+        fm.distributed.shard_model(net, mesh)
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
+    xs, ys, xq, yq = _data()
+    opt = fm.optim.sgd(lr=0.1, momentum=0.9) if opt_name == "momentum" else fm.optim.sgd(lr=0.1)
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=2, **options)
+    F.mse_loss(fmodel(result.params, xq), yq).backward()
+    return [
+        None if p.grad is None else (p.grad.full_tensor() if mesh is not None else p.grad)
+        for p in net.parameters()
+    ]
+
+
+def _case_combinations(world):
+    mesh = _mesh(world)
+    return {name: _combination(name, mesh) for name in COMBINATIONS}
+
+
 CASES = {
+    "combinations": _case_combinations,
     "different_data": _case_different_data,
     "two_axes": _case_two_axes,
     "mismatch": _case_mismatch,
@@ -458,3 +520,17 @@ def test_ranks_adapting_on_different_data_are_told_on_every_rank(tmp_path):
     exact checksum of the batch first."""
     for said in _spawn(tmp_path, 2, "different_data"):
         assert said is not None and "hold different batches" in said
+
+
+def test_sharding_combines_with_the_inner_loops_options(tmp_path):
+    """Step checkpointing, a model's own checkpoints (the takeover), first order, LoRA on a
+    frozen sharded base, clipped inner gradients and momentum: on 2 ranks, the unsharded
+    run's meta-gradients (float64); a frozen parameter gets none, sharded or not."""
+    for ours in _spawn(tmp_path, 2, "combinations"):
+        for name in COMBINATIONS:
+            theirs = _combination(name, None)
+            assert len(ours[name]) == len(theirs), name
+            for a, b in zip(ours[name], theirs, strict=True):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
