@@ -1,0 +1,154 @@
+"""Each rank's memory with the model sharded (``fm.distributed.shard_model``) against one
+process holding the whole model: second-order MAML, per-layer checkpointing.
+
+A residual MLP (``--blocks`` blocks ``x + W2 tanh(W1 x)`` of ``--width``, a linear head),
+one task of ``--rows`` support and query rows, 3 SGD steps, float32, run with ``torchrun``
+on 1 rank (the reference) and on ``--ranks`` gloo ranks, each in fresh processes. Per rank:
+
+- ``parameters``: the bytes of the parameters the rank holds (its shards) plus the most
+  gathered bytes alive at once (``fm.distributed.gathered_bytes``, sampled at every layer);
+- ``peak``: the high-water mark of the resident set during one meta-iteration, above its
+  start (after a first meta-iteration, freed memory returned to the system).
+
+Targets (issue "sharded second-order meta-learning"): on ``--ranks`` ranks, ``parameters``
+at most 1/ranks of the whole model's plus one block's, and ``peak`` at most 0.35x the single
+process's. The last line is ``RESULT PASS`` or ``RESULT FAIL`` (exit status 1).
+
+    python benchmarks/memory/sharded.py [--ranks 4] [--width 512] [--blocks 8] [--rows 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
+
+
+class Block(nn.Module):
+    """``x + W2 tanh(W1 x)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inner = nn.Linear(width, width)
+        self.outer = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.outer(torch.tanh(self.inner(x)))
+
+
+def model(width: int, blocks: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(Block(width) for _ in range(blocks)), nn.Linear(width, 1))
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank's run (under torchrun): its row as JSON on stdout."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    net = fm.distributed.shard_model(
+        model(args.width, args.blocks), init_device_mesh("cpu", (world,))
+    )
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    most = [0]
+
+    def note(module: nn.Module, inputs: object) -> None:
+        most[0] = max(most[0], fm.distributed.gathered_bytes())
+
+    for layer in net.modules():
+        if any(True for _ in layer.parameters(recurse=False)):
+            layer.register_forward_pre_hook(note)
+    g = torch.Generator().manual_seed(1)
+    xs, xq = (torch.randn(args.rows, args.width, generator=g) for _ in range(2))
+    ys, yq = xs[:, :1].sin(), xq[:, :1].sin()
+
+    def meta_iteration() -> None:
+        net.zero_grad(set_to_none=True)
+        result = fm.adapt(
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.01), steps=3
+        )
+        F.mse_loss(fmodel(result.params, xq), yq).backward()
+
+    meta_iteration()
+    dist.barrier()
+    meter = _common.Meter(torch.device("cpu"))
+    meter.start()
+    meta_iteration()
+    peak = meter.peak()
+    held = sum(p.to_local().numel() * p.element_size() for p in net.parameters())
+    rows = [None] * world
+    dist.all_gather_object(rows, {"peak": peak, "held": held, "gathered": most[0]})
+    if dist.get_rank() == 0:
+        print(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def run(ranks: int, args: argparse.Namespace) -> list[dict[str, int]]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(ranks), __file__, "--rank-run"]
+    command += ["--width", str(args.width), "--blocks", str(args.blocks), "--rows", str(args.rows)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{ranks} rank(s) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank_run:
+        rank_main(args)
+        return 0
+    whole = sum(p.numel() * p.element_size() for p in model(args.width, args.blocks).parameters())
+    block = sum(p.numel() * p.element_size() for p in Block(args.width).parameters())
+    print(
+        f"workload: second-order MAML, residual MLP {args.blocks} blocks of width {args.width} "
+        f"(parameters {whole / 2**20:.1f} MiB, one block {block / 2**20:.2f} MiB), "
+        f"{args.rows} rows, 3 SGD steps, float32, checkpoint_layers; torch {torch.__version__}"
+    )
+    single = run(1, args)[0]
+    sharded = run(args.ranks, args)
+    print(f"{'run':<10} {'rank':>4} {'parameters MiB':>15} {'peak MiB':>9}")
+    for name, rows in (("1 rank", [single]), (f"{args.ranks} ranks", sharded)):
+        for r, row in enumerate(rows):
+            params = (row["held"] + row["gathered"]) / 2**20
+            print(f"{name:<10} {r:>4} {params:15.2f} {row['peak'] / 2**20:9.1f}")
+    missed = []
+    limit = whole / args.ranks + block
+    worst = max(sharded, key=lambda row: row["held"] + row["gathered"])
+    if worst["held"] + worst["gathered"] > limit:
+        missed.append(
+            f"parameters {(worst['held'] + worst['gathered']) / 2**20:.2f} MiB on a rank > "
+            f"{limit / 2**20:.2f} MiB (1/{args.ranks} of the model plus one block)"
+        )
+    ratio = max(row["peak"] for row in sharded) / single["peak"]
+    print(f"largest peak of a rank / the single process's: {ratio:.2f}")
+    if ratio > 0.35:
+        missed.append(f"peak {ratio:.2f}x the single process's (target 0.35x)")
+    print(f"RESULT FAIL: {'; '.join(missed)}" if missed else "RESULT PASS")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
