@@ -37,11 +37,12 @@ def _batch(thread: int, call: int, tasks: int | None):
     return x, y
 
 
-def _one_call(fmodel, params, thread: int, call: int):
+def _one_call(fmodel, params, thread: int, call: int, batch=None):
     """fm.adapt on even calls, fm.adapt_tasks on odd ones; the adapted parameters and the
-    meta-gradient of the query loss."""
+    meta-gradient of the query loss. ``batch(thread, call, tasks)`` makes the inputs and
+    targets (default: the conv net's images)."""
     batched = call % 2 == 1
-    x, y = _batch(thread, call, 3 if batched else None)
+    x, y = (batch or _batch)(thread, call, 3 if batched else None)
     if batched:
         result = fm.adapt_tasks(fmodel, params, F.cross_entropy, (x, y), SGD, steps=2)
         query = fm.task_losses(fmodel, result.params, F.cross_entropy, (x, y)).losses.mean()
@@ -195,21 +196,16 @@ def _attention_net() -> nn.Module:
     )
 
 
+def _sequences(thread: int, call: int, tasks: int | None):
+    g = torch.Generator().manual_seed(100 * thread + call)
+    lead = (tasks,) if tasks else ()
+    return torch.randn(*lead, 5, 4, 8, generator=g), torch.randint(0, 3, (*lead, 5), generator=g)
+
+
 def _attention_call(fmodel, params, thread: int, call: int):
     """A second-order step of a transformer layer (math attention only, no fast path: torch's
-    process-wide flags): fm.adapt on even calls, fm.adapt_tasks on odd ones."""
-    g = torch.Generator().manual_seed(100 * thread + call)
-    batched = call % 2 == 1
-    lead = (3,) if batched else ()
-    x, y = torch.randn(*lead, 5, 4, 8, generator=g), torch.randint(0, 3, (*lead, 5), generator=g)
-    if batched:
-        result = fm.adapt_tasks(fmodel, params, F.cross_entropy, (x, y), SGD, steps=2)
-        query = fm.task_losses(fmodel, result.params, F.cross_entropy, (x, y)).losses.mean()
-    else:
-        result = fm.adapt(fmodel, params, F.cross_entropy, (x, y), SGD, steps=2)
-        query = F.cross_entropy(fmodel(result.params, x), y)
-    grads = torch.autograd.grad(query, list(params.values()))
-    return [t.detach() for t in result.params.values()] + list(grads)
+    process-wide flags)."""
+    return _one_call(fmodel, params, thread, call, batch=_sequences)
 
 
 @pytest.mark.parametrize("checkpoint_layers", [None, ["0"]])
