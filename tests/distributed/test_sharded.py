@@ -153,6 +153,20 @@ def _case_refusals(world):
             said[name] = None
         except fm.distributed.ShardingError as error:
             said[name] = str(error)
+    for option, value in {"on_nonfinite": "raise", "loss_scale": 128.0}.items():
+        try:
+            fm.adapt(
+                fmodel,
+                fmodel.params,
+                F.mse_loss,
+                (xs, ys),
+                fm.optim.sgd(lr=0.1),
+                steps=1,
+                **{option: value},
+            )
+            said[option] = None
+        except fm.distributed.ShardingError as error:
+            said[option] = str(error)
     tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     tied[1].weight = tied[0].weight
     try:
@@ -425,6 +439,8 @@ def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     assert said["compile_meta_step"].startswith("fm.compile_meta_step cannot take a sharded model")
     assert "sharded already" in (said["again"] or "")
     assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
+    for option in ("on_nonfinite", "loss_scale"):
+        assert (said[option] or "").startswith(f"fm.adapt with {option}= cannot take a sharded")
     # a learnable rate's gradient would be this rank's partial sum, silently: refused
     for name in ("learnable rate", "learnable rates"):
         assert said[name] is not None, name
