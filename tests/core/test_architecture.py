@@ -65,6 +65,21 @@ def test_the_inner_loop_takes_a_runtime_and_no_traced_flag():
     assert found == []
 
 
+def test_the_chunk_of_a_call_is_chosen_at_its_entry_point_not_read_off_the_model():
+    """The chunk state is per call: the inner loop, the forward and the runtimes get the
+    chunk handed down with the call; none of them asks the model for one (``chunk_now``),
+    only the entry points of ``inner/tasks.py`` ask the model's executor, once per call."""
+    import ast
+
+    found = []
+    for folder in ("inner", "runtime", "compiled"):
+        for path in sorted((ROOT / "funcmeta/_src" / folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr == "chunk_now":
+                    found.append(f"{folder}/{path.name}:{node.lineno} reads .{node.attr}")
+    assert found == []
+
+
 def test_no_import_circle_among_the_private_modules():
     assert check_layers.import_cycles() == []
 

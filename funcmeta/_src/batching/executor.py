@@ -106,12 +106,15 @@ class TaskExecutor:
             return self.tuner.hint
         return self._task_chunk  # type: ignore[return-value]
 
-    def count_with_inner_loop(
-        self, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+    def run_following(
+        self, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
     ) -> tuple[Any, dict[str, Tensor]]:
-        if self._task_chunk != "tune" or inside_transform() is not False:
-            return run()
-        return self.tuner.count_with_inner_loop(run)
+        if inside_transform() is not False:
+            return run(None)  # inside a torch.func transform: all at once, not timed
+        chunk = self.chunk_now()
+        if self._task_chunk != "tune":
+            return run(chunk)
+        return self.tuner.count_with_inner_loop(lambda: run(chunk))
 
     @property
     def choices(self) -> dict[Any, dict[str, Any]]:

@@ -4,8 +4,8 @@ under ``vmap``, and the outputs of T tasks (:func:`funcmeta.apply_tasks`).
 :func:`forward_loss` is one task's ``loss_fn(fmodel(params, *args, **kwargs), targets)``;
 a failing ``loss_fn`` is re-raised with what it was given. :func:`vmapped_losses` and
 :func:`task_outputs_of` run the model once for T tasks, the task axis taken by ``vmap``
-(``funcmeta._src.core.vmap.vmap_flat``, in chunks of ``fmodel.chunk_now()``). The inputs
-were checked before (``funcmeta._src.inner.inputs.check_batch_call``).
+(``funcmeta._src.core.vmap.vmap_flat``, in the chunks the entry point chose for the call). The
+inputs were checked before (``funcmeta._src.inner.inputs.check_batch_call``).
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -187,15 +187,16 @@ def vmapped_losses(
     buffers: dict[str, Tensor],
     *,
     outputs: bool = False,
-    chunk: int | Literal["model"] | None = "model",
+    chunk: int | None = None,
     runtime: Runtime = EAGER,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
     ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
 
     ``dims`` says which parameters carry the task axis (0) and which are shared (None); the
-    buffers carry it. ``chunk``: the tasks run at once (``"model"``: the model's choice now),
-    where ``runtime`` maps the tasks in chunks (the eager one; the traced one maps them all).
+    buffers carry it. ``chunk``: the tasks run at once (``None``: all), chosen for this call
+    by its entry point, where ``runtime`` maps the tasks in chunks (the eager one; the traced
+    one maps them all).
     """
     forward = forward_loss_outputs if outputs else forward_loss
 
@@ -204,9 +205,7 @@ def vmapped_losses(
 
     trees = (batch, dict(params), buffers)
     in_dims = (batch_dims(batch), dims, {k: 0 for k in buffers})
-    return runtime.over_tasks(
-        one_task, trees, in_dims, lambda: fmodel.chunk_now() if chunk == "model" else chunk
-    )
+    return runtime.over_tasks(one_task, trees, in_dims, chunk)
 
 
 def task_outputs_of(
@@ -215,13 +214,15 @@ def task_outputs_of(
     dims: dict[str, int | None],
     params: Mapping[str, Tensor],
     buffers: dict[str, Tensor],
+    *,
+    chunk: int | None = None,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task outputs and new per-task buffers of the call ``(args, kwargs)``, under vmap;
-    ``dims`` as in :func:`vmapped_losses`."""
+    ``dims`` and ``chunk`` as in :func:`vmapped_losses`."""
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
         return EAGER.run(fmodel, p, bufs, c[0], c[1])
 
     trees = (dict(params), buffers, call)
     in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))
-    return EAGER.over_tasks(one_task, trees, in_dims, fmodel.chunk_now)
+    return EAGER.over_tasks(one_task, trees, in_dims, chunk)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -84,7 +84,7 @@ def apply_tasks(
     call = checked.batch[0]
     assert checked.param_dims is not None  # task-batched: one entry per parameter
     with unless_set("the inputs given to fm.apply_tasks"):
-        return _counted_with_inner_loop(
+        return _following(
             fmodel,
             functools.partial(
                 task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
@@ -141,8 +141,8 @@ def task_losses(
     )
     with unless_set("the batch given to fm.task_losses"):
         if not return_outputs:
-            return TaskLosses(*_counted_with_inner_loop(fmodel, run))
-        (losses, outputs), new_buffers = _counted_with_inner_loop(fmodel, run)
+            return TaskLosses(*_following(fmodel, run))
+        (losses, outputs), new_buffers = _following(fmodel, run)
     return TaskLosses(losses, new_buffers, outputs)
 
 
@@ -216,7 +216,7 @@ def task_inner_loop(
     *,
     tasks: int,
     state: Any = None,
-    chunk: int | Literal["model"] | None = "model",
+    chunk: int | None = None,
     watch: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     runtime: Runtime = EAGER,
 ) -> tuple[AdaptResult, dict[str, int | None]]:
@@ -271,7 +271,7 @@ def _chunk_run(
     """The chunk of this inner loop, as the model's executor chooses it (see
     ``funcmeta._src.batching.chunks``): the call described for it."""
     if fmodel.executor is None:
-        return ChunkRun(fmodel.chunk_now())
+        return ChunkRun(None)
     # checked by check_adapt_call(task_batched=True): both are set
     assert checked.tasks is not None and checked.param_dims is not None
     inputs, targets = (
@@ -292,12 +292,13 @@ def _chunk_run(
     return fmodel.executor.chunk_for(call)
 
 
-def _counted_with_inner_loop(
-    fmodel: FunctionalModel, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+def _following(
+    fmodel: FunctionalModel, run: Callable[..., tuple[Any, dict[str, Tensor]]]
 ) -> tuple[Any, dict[str, Tensor]]:
-    """``run()``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`), through the
-    model's executor: under ``task_chunk="tune"`` its time counts with the measured inner
-    loop it follows (the query pass after :func:`adapt_tasks`, on the same chunk)."""
+    """``run(chunk=c)``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`), on
+    the chunk the model's executor chooses for it, once for this call (that of the inner
+    loop it follows); under ``task_chunk="tune"`` its time counts with that measured inner
+    loop (the query pass after :func:`adapt_tasks`, on the same chunk)."""
     if fmodel.executor is None:
-        return run()
-    return fmodel.executor.count_with_inner_loop(run)
+        return run(chunk=None)
+    return fmodel.executor.run_following(lambda chunk: run(chunk=chunk))

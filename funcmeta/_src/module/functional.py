@@ -109,9 +109,10 @@ class FunctionalModel:
         return {} if self.executor is None else self.executor.choices
 
     def chunk_now(self) -> int | None:
-        """The chunk a task-batched call runs with now: ``task_chunk``, or under ``"auto"``
-        and ``"tune"`` the chunk of the latest task-batched inner loop (all tasks until there
-        is one)."""
+        """The chunk a task-batched pass that follows an inner loop (:func:`funcmeta.task_losses`,
+        :func:`funcmeta.apply_tasks`) runs with: ``task_chunk``, or under ``"auto"`` and
+        ``"tune"`` the chunk of the latest task-batched inner loop (all tasks until there is
+        one). Each call takes its chunk once, at its start."""
         return None if self.executor is None else self.executor.chunk_now()
 
     @property

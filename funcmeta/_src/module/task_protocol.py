@@ -7,13 +7,16 @@ inputs are batched over tasks and it was given an executor, it hands the call ov
 executor of ``funcmeta._src.batching.executor`` is the one :func:`funcmeta.functional_model`
 gives it; without one, a model under ``vmap`` runs on vmap's own rules.
 
-The chunk of a task-batched inner loop is the executor's to choose: :func:`funcmeta.adapt_tasks`
-describes its call (:class:`TaskCall`) and runs on the :class:`ChunkRun` it gets back.
+The chunk of a task-batched call is the executor's to choose, once per call at the entry
+point, and is handed down with the call: :func:`funcmeta.adapt_tasks` describes its inner
+loop (:class:`TaskCall`) and runs on the :class:`ChunkRun` it gets back; a pass that follows
+(:func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`) runs on the chunk
+``run_following`` gives it. Nothing below the entry point reads a chunk off the model.
 
 Example:
     >>> from funcmeta._src.module.task_protocol import ChunkRun, Executor
     >>> sorted(name for name in vars(Executor) if not name.startswith("_"))
-    ['choices', 'chunk_for', 'chunk_now', 'count_with_inner_loop', 'per_task', 'per_task_layers', 'run', 'task_chunk']
+    ['choices', 'chunk_for', 'chunk_now', 'per_task', 'per_task_layers', 'run', 'run_following', 'task_chunk']
     >>> ChunkRun(4).chunk
     4
 """
@@ -97,15 +100,17 @@ class Executor(Protocol):
         ...
 
     def chunk_now(self) -> int | None:
-        """The chunk a task-batched call runs with now."""
+        """The chunk a pass that follows an inner loop runs with: ``task_chunk``, or the
+        latest inner loop's chunk under ``"auto"`` and ``"tune"``."""
         ...
 
-    def count_with_inner_loop(
-        self, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+    def run_following(
+        self, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
     ) -> tuple[Any, dict[str, Tensor]]:
-        """``run()``, a task-batched pass after an inner loop (:func:`funcmeta.apply_tasks`,
-        :func:`funcmeta.task_losses`); under ``"tune"``, its time counts with the measured
-        inner loop it follows."""
+        """``run(chunk)``, a task-batched pass after an inner loop (:func:`funcmeta.apply_tasks`,
+        :func:`funcmeta.task_losses`), on the chunk chosen for it once, here (that of the
+        latest inner loop under ``"auto"`` and ``"tune"``); under ``"tune"``, its time counts
+        with the measured inner loop it follows."""
         ...
 
     @property

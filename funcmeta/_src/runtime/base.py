@@ -46,11 +46,11 @@ class Runtime(abc.ABC):
         one_task: Callable[..., Any],
         trees: tuple[Any, ...],
         in_dims: tuple[Any, ...],
-        chunk: Callable[[], int | None],
+        chunk: int | None,
     ) -> Any:
         """``one_task`` mapped over the task axis of ``trees`` (``in_dims`` as vmap's),
-        ``chunk()`` tasks at a time where this runtime chunks (``None``: all; asked only by
-        a runtime that chunks)."""
+        ``chunk`` tasks at a time where this runtime chunks (``None``: all), as the call's
+        entry point chose."""
 
     @abc.abstractmethod
     def gradient(

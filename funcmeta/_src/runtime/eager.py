@@ -82,9 +82,9 @@ class EagerRuntime(Runtime):
         one_task: Callable[..., Any],
         trees: tuple[Any, ...],
         in_dims: tuple[Any, ...],
-        chunk: Callable[[], int | None],
+        chunk: int | None,
     ) -> Any:
-        return vmap_flat(one_task, trees, in_dims, chunk())
+        return vmap_flat(one_task, trees, in_dims, chunk)
 
     def gradient(
         self,

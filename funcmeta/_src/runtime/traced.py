@@ -52,7 +52,7 @@ class TracedRuntime(Runtime):
         one_task: Callable[..., Any],
         trees: tuple[Any, ...],
         in_dims: tuple[Any, ...],
-        chunk: Callable[[], int | None],
+        chunk: int | None,
     ) -> Any:
         # the compiled step chunks its graph calls itself; one vmap over the tasks given
         return torch.func.vmap(one_task, in_dims=in_dims, randomness="different")(*trees)
