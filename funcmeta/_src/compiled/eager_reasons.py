@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from torch import nn
+
 from funcmeta._src.inner.options import AdaptOptions
 
 __all__ = [
@@ -48,11 +50,13 @@ _PLAIN = "fm.adapt_tasks (the same meta-gradients; the step runs it now)"
 
 class Rule(NamedTuple):
     """A known cause: any of ``words`` in the errors' text (lower case) names it; ``says``
-    is the cause and the change, in the model's terms."""
+    is the cause and the change, in the model's terms; the model's layers of the classes
+    ``layers`` are the ones that stop the graph, named in the reason."""
 
     name: str
     words: tuple[str, ...]
     says: str
+    layers: tuple[type[nn.Module], ...] = ()
 
 
 RULES: list[Rule] = [
@@ -61,6 +65,7 @@ RULES: list[Rule] = [
         ("wrap rnn, gru, or lstm",),
         "the model has an nn.RNN, nn.LSTM or nn.GRU: torch.compile does not trace those "
         f"layers inside torch.func transforms; use {_PLAIN}, which batches them itself",
+        (nn.RNNBase,),
     ),
     Rule(
         "own checkpoints",
@@ -83,6 +88,7 @@ RULES: list[Rule] = [
         "an operator of the model (a fused attention or RNN kernel, most often) has no second "
         "derivative inside the compiled graph; pass first_order=True, or use "
         f"{_PLAIN}, which runs second order on kernels that have one",
+        (nn.MultiheadAttention, nn.RNNBase),
     ),
     Rule(
         "no vmap rule",
@@ -147,15 +153,33 @@ def first_line(error: BaseException) -> str:
     return lines[0][:200] if lines else ""
 
 
-def explain(error: BaseException) -> str:
-    """One line: the cause of a failed compile in the model's terms and what to change; an
+def explain(error: BaseException, module: nn.Module | None = None) -> str:
+    """One line: the cause of a failed compile in the model's terms and what to change, with
+    the layers of ``module`` that stop the graph where the cause is a kind of layer; an
     unknown cause keeps torch's first line and says how to see where tracing stopped."""
     text = _text(error)
     for rule in RULES:
         if any(word in text for word in rule.words):
-            return f"{rule.says} ({type(error).__name__})"
+            return f"{rule.says}{_layers(module, rule.layers)} ({type(error).__name__})"
     return (
         f"{type(error).__name__}: {first_line(error)}. torch.compile could not compile this "
         f"meta-iteration; use {_PLAIN}, or compile=False to say so without trying "
         "(TORCH_LOGS=graph_breaks shows where tracing stopped)"
     )
+
+
+def _layers(module: nn.Module | None, kinds: tuple[type[nn.Module], ...]) -> str:
+    """``"; the layers that stop it: 'rnn' (LSTM), ..."`` for the layers of ``module`` of
+    the classes ``kinds`` (the outermost of nested ones), or nothing."""
+    if module is None or not kinds:
+        return ""
+    found: list[tuple[str, nn.Module]] = []
+    for name, layer in module.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in found)
+        if isinstance(layer, kinds) and not inside:
+            found.append((name, layer))
+    if not found:
+        return ""
+    named = ", ".join(f"{name or 'the model'!r} ({type(m).__name__})" for name, m in found[:8])
+    more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+    return f"; the layers that stop it: {named}{more}"

@@ -423,7 +423,7 @@ class MetaStep:
             # a compile that failed inside torch.func.grad can leave saved-tensor hooks
             # off, which breaks every later checkpoint (the eager path's included)
             set_saved_tensor_hooks_state(hooks)
-            self.eager_reason = explain(error)
+            self.eager_reason = explain(error, self.fmodel.module)
             warnings.warn(
                 "compile_meta_step runs eagerly (fm.adapt_tasks, the same meta-gradients): "
                 f"torch.compile could not compile the meta-iteration: {self.eager_reason}",
