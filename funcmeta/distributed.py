@@ -20,7 +20,8 @@ most ``timeout`` seconds (:data:`DEFAULT_TIMEOUT`): a peer that died or stalled 
 over a ``DeviceMesh``, gathered a layer at a time while that layer runs (with per-layer
 checkpointing, again when it is recomputed), so that a rank holds its shards and one layer's
 full parameters; :func:`funcmeta.adapt` runs on it, second order, and the meta-gradients land
-in the shards' ``.grad`` (docs/distributed.md, "Sharded parameters").
+in the shards' ``.grad`` (docs/distributed.md, "Sharded parameters"). :func:`shard_hyper`
+places learnable inner rates beside them (per-element rates sharded, the others replicated).
 
 Example (one process; under ``torchrun`` every rank runs the same code):
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -41,7 +42,7 @@ from funcmeta._src.distributed.collectives import (
     shard,
     world,
 )
-from funcmeta._src.distributed.sharded import gathered_bytes, shard_model
+from funcmeta._src.distributed.sharded import gathered_bytes, shard_hyper, shard_model
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -51,6 +52,7 @@ __all__ = [
     "average_gradients",
     "gathered_bytes",
     "shard",
+    "shard_hyper",
     "shard_model",
     "world",
 ]

@@ -167,6 +167,28 @@ def _case_refusals(world):
             said[option] = None
         except fm.distributed.ShardingError as error:
             said[option] = str(error)
+    plain = _net()
+    placed = fm.distributed.shard_hyper(fm.hyper.per_layer(fmodel.params, 0.1), net)
+    for name, call in {
+        "rates of an unsharded model": lambda: fm.distributed.shard_hyper(
+            fm.hyper.per_layer(dict(plain.named_parameters()), 0.1), plain
+        ),
+        "rates placed twice": lambda: fm.distributed.shard_hyper(placed, net),
+        "rates of another model": lambda: fm.distributed.shard_hyper(
+            fm.hyper.per_element({"0.weight": torch.zeros(WIDTH, 4)}, 0.1), net
+        ),
+        "rates of another shape": lambda: fm.distributed.shard_hyper(
+            fm.hyper.per_element({"2.weight": torch.zeros(WIDTH, 4)}, 0.1), net
+        ),
+        "rates of no parameter": lambda: fm.distributed.shard_hyper(
+            fm.hyper.per_element({"head.weight": torch.zeros(2)}, 0.1), net
+        ),
+    }.items():
+        try:
+            call()
+            said[name] = None
+        except fm.distributed.ShardingError as error:
+            said[name] = str(error)
     tied = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     tied[1].weight = tied[0].weight
     try:
@@ -348,7 +370,8 @@ class _LoRA(nn.Module):
         return self.head(torch.tanh(self.base(x) + self.up(self.down(x))))
 
 
-#: name -> (model, checkpoint_layers, inner optimizer, fm.adapt options)
+#: name -> (model, checkpoint_layers, inner optimizer, fm.adapt options); an inner
+#: optimizer "rates: <kind>" learns its rates (fm.hyper.<kind>, placed by shard_hyper)
 COMBINATIONS = {
     "checkpoint_steps": (_net, None, "sgd", {"checkpoint_steps": True}),
     "the takeover": (_SelfCheckpointed, None, "sgd", {}),
@@ -356,10 +379,28 @@ COMBINATIONS = {
     "LoRA on a frozen base": (_LoRA, None, "sgd", {}),
     "clip_grad_norm": (_net, None, "sgd", {"clip_grad_norm": 0.5}),
     "momentum": (_net, "sequential", "momentum", {}),
+    "per-layer rates": (_net, None, "rates: per_layer", {}),
+    "per-element rates per step, checkpointed": (_net, "sequential", "rates: per_element", {}),
+    "per-tensor rates, step checkpoints": (
+        _net,
+        None,
+        "rates: per_tensor",
+        {"checkpoint_steps": True},
+    ),
 }
+
+RATE_COMBINATIONS = [name for name in COMBINATIONS if "rates" in name]
+
+
+def _rates(kind: str, fmodel) -> torch.nn.Module:
+    """Learnable rates of ``kind``, softplus, per step for per_element (Meta-SGD, MAML++)."""
+    build = getattr(fm.hyper, kind)
+    steps = 2 if kind == "per_element" else None
+    return build(fmodel.params, 0.1, steps=steps, parameterization="softplus")
 
 
 def _combination(name: str, mesh) -> list:
+    """The meta-gradients of the parameters (full), then of the rates (full), if any."""
     make, checkpoint_layers, opt_name, options = COMBINATIONS[name]
     torch.manual_seed(0)
     net = make().double()
@@ -367,18 +408,28 @@ def _combination(name: str, mesh) -> list:
         fm.distributed.shard_model(net, mesh)
     fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
     xs, ys, xq, yq = _data()
-    opt = fm.optim.sgd(lr=0.1, momentum=0.9) if opt_name == "momentum" else fm.optim.sgd(lr=0.1)
+    rates = None
+    if opt_name.startswith("rates: "):
+        rates = _rates(opt_name.removeprefix("rates: "), fmodel).double()
+        if mesh is not None:
+            fm.distributed.shard_hyper(rates, net)
+        opt = fm.optim.sgd(lr=rates)
+    elif opt_name == "momentum":
+        opt = fm.optim.sgd(lr=0.1, momentum=0.9)
+    else:
+        opt = fm.optim.sgd(lr=0.1)
     result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=2, **options)
     F.mse_loss(fmodel(result.params, xq), yq).backward()
+    learnable = [*net.parameters(), *(rates.parameters() if rates is not None else [])]
     return [
         None if p.grad is None else (p.grad.full_tensor() if mesh is not None else p.grad)
-        for p in net.parameters()
+        for p in learnable
     ]
 
 
-def _case_combinations(world):
+def _case_combinations(world, names=None):
     mesh = _mesh(world)
-    return {name: _combination(name, mesh) for name in COMBINATIONS}
+    return {name: _combination(name, mesh) for name in names or COMBINATIONS}
 
 
 CASES = {
@@ -445,7 +496,12 @@ def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     for name in ("learnable rate", "learnable rates"):
         assert said[name] is not None, name
         assert "its gradient would sum this rank's shard alone" in said[name]
-        assert "not supported yet" in said[name]
+        assert "fm.distributed.shard_hyper(rates, model)" in said[name]
+    assert "has no sharded parameter" in (said["rates of an unsharded model"] or "")
+    assert "placed already" in (said["rates placed twice"] or "")
+    assert "has shape (6, 4), its parameter (6, 3)" in (said["rates of another model"] or "")
+    assert "has shape (6, 4), its parameter (6, 6)" in (said["rates of another shape"] or "")
+    assert "'head.weight' names no parameter" in (said["rates of no parameter"] or "")
 
 
 def test_a_layer_reading_another_layers_weight_is_named(tmp_path):
@@ -538,12 +594,17 @@ def test_ranks_adapting_on_different_data_are_told_on_every_rank(tmp_path):
         assert said is not None and "hold different batches" in said
 
 
-def test_sharding_combines_with_the_inner_loops_options(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharding_combines_with_the_inner_loops_options(tmp_path, world):
     """Step checkpointing, a model's own checkpoints (the takeover), first order, LoRA on a
-    frozen sharded base, clipped inner gradients and momentum: on 2 ranks, the unsharded
-    run's meta-gradients (float64); a frozen parameter gets none, sharded or not."""
-    for ours in _spawn(tmp_path, 2, "combinations"):
-        for name in COMBINATIONS:
+    frozen sharded base, clipped inner gradients, momentum, and learnable rates placed by
+    shard_hyper (per layer and per tensor replicated, per element and per step sharded):
+    on 2 ranks every one, on 4 (uneven shards: 6 rows split 2, 2, 2, 0) the rates, give the
+    unsharded run's meta-gradients of the parameters and of the rates (float64); a frozen
+    parameter gets none, sharded or not."""
+    names = list(COMBINATIONS) if world == 2 else RATE_COMBINATIONS
+    for ours in _spawn(tmp_path, world, "combinations", names):
+        for name in names:
             theirs = _combination(name, None)
             assert len(ours[name]) == len(theirs), name
             for a, b in zip(ours[name], theirs, strict=True):

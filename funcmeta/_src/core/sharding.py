@@ -117,9 +117,9 @@ class _LearnableMeetsShard(TorchFunctionMode):
                     f"{tuple(plain[0].shape)}, requires_grad) meets a sharded parameter's "
                     f"tensor in {getattr(func, '__name__', func)}: its gradient would sum "
                     "this rank's shard alone, a different wrong number on every rank. "
-                    "Learnable hyperparameters of a sharded model (inner learning rates) "
-                    "are not supported yet; give the optimizer numbers, or tensors that do "
-                    "not require grad"
+                    "Place learnable hyperparameters (fm.hyper rates) beside the shards "
+                    "first: fm.distributed.shard_hyper(rates, model), before building the "
+                    "outer optimizer"
                 )
         return func(*args, **(kwargs or {}))
 

@@ -33,8 +33,9 @@ from funcmeta._src.distributed.collectives import (
     PeerError,
     check_same_everywhere,
 )
+from funcmeta._src.optim.hyper import HyperTree
 
-__all__ = ["gathered_bytes", "shard_model", "sharded_names"]
+__all__ = ["gathered_bytes", "shard_hyper", "shard_model", "sharded_names"]
 
 
 class _Gather:
@@ -218,3 +219,91 @@ def shard_model(
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
     return module
+
+
+@exposed_in("funcmeta.distributed")
+def shard_hyper(hyper: HyperTree, module: nn.Module) -> HyperTree:
+    """Place learnable hyperparameters (an ``fm.hyper`` tree: inner learning rates) beside
+    the parameters of ``module``, sharded by :func:`shard_model`, in place; returns ``hyper``.
+
+    Per-element values (``fm.hyper.per_element``, Meta-SGD's rates) are sharded as their
+    parameter is, the per-step axis (``steps=``) kept whole on every rank; scalar, per-layer
+    and per-tensor values are replicated. Their meta-gradients land where they live: a
+    sharded rate's ``.grad`` holds this rank's slice, a replicated rate's the whole sum over
+    the ranks' shards. Call it before building the outer optimizer (it replaces the
+    tree's parameters), on every rank, as :func:`shard_model` is called. The values
+    are rank 0's (``distribute_tensor``). A rate tree used with a sharded model without this
+    raises :class:`ShardingError` in :func:`funcmeta.adapt`: applied to a shard's gradient, a
+    plain rate's gradient would be this rank's partial sum.
+
+    Raises :class:`ShardingError` when ``module`` has no sharded parameter, when the tree is
+    placed already, or when a per-element group names no sharded parameter of ``module`` or
+    has another shape.
+
+    Example (one process; under ``torchrun`` every rank runs the same code):
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> import funcmeta as fm
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> rendezvous = tempfile.mktemp()
+        >>> dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+        >>> net = fm.distributed.shard_model(torch.nn.Linear(4, 2), init_device_mesh("cpu", (1,)))
+        >>> fmodel = fm.functional_model(net)
+        >>> rates = fm.distributed.shard_hyper(fm.hyper.per_element(fmodel.params, 0.1), net)
+        >>> [type(r).__name__ for r in rates.parameters()]
+        ['DTensor', 'DTensor']
+        >>> dist.destroy_process_group()
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if not isinstance(hyper, HyperTree):
+        raise TypeError(
+            "shard_hyper takes a learnable hyperparameter tree (fm.hyper.scalar, per_layer, "
+            f"per_tensor or per_element), got {type(hyper).__name__}"
+        )
+    shards: dict[str, Any] = {n: p for n, p in module.named_parameters() if is_sharded(p)}
+    if not shards:
+        raise ShardingError(
+            "the module has no sharded parameter: shard it first "
+            "(fm.distributed.shard_model(module, mesh)), then place its rates beside it"
+        )
+    if any(is_sharded(r) for r in hyper.parameters()):
+        raise ShardingError("these hyperparameters are placed already: place them once")
+    some = next(iter(shards.values()))
+    mesh = some.device_mesh
+    lead = 0 if hyper.steps is None else 1
+
+    def placed(raw: Tensor, placements: list[Any]) -> nn.Parameter:
+        return nn.Parameter(
+            distribute_tensor(raw.detach(), mesh, placements), requires_grad=raw.requires_grad
+        )
+
+    if hyper.kind != "per_element":
+        assert isinstance(hyper.raw, nn.Parameter)  # one Parameter for every other kind
+        hyper.raw = placed(hyper.raw, [Replicate()] * mesh.ndim)
+        return hyper
+    assert isinstance(hyper.raw, nn.ParameterList)  # one Parameter per group
+    for i, name in enumerate(hyper.groups):
+        raw = hyper.raw[i]
+        param = shards.get(name)
+        if param is None:
+            where = (
+                "is a parameter held whole"
+                if name in dict(module.named_parameters())
+                else ("names no parameter of the module")
+            )
+            raise ShardingError(
+                f"per-element rate {name!r} {where}: shard_hyper places the rates of the "
+                f"sharded parameters of the module they were built for "
+                f"(fm.hyper.per_element(fm.functional_model(module).params, ...)); sharded: "
+                f"{sorted(shards)[:6]}"
+            )
+        if tuple(raw.shape[lead:]) != tuple(param.shape):
+            raise ShardingError(
+                f"per-element rate {name!r} has shape {tuple(raw.shape)}, its parameter "
+                f"{tuple(param.shape)}: build the rates from this module's parameters"
+            )
+        placements = [
+            Shard(pl.dim + lead) if isinstance(pl, Shard) else pl for pl in param.placements
+        ]
+        hyper.raw[i] = placed(raw, placements)
+    return hyper
