@@ -1,13 +1,15 @@
 """fm.distributed.shard_model: a model's parameters sharded across gloo processes, gathered a
 layer at a time. Second-order meta-gradients land in the shards and equal the unsharded run's
 (float64), plain and with per-layer checkpointing, for SGD and Adam inner loops; with
-checkpointing a rank holds one layer's full parameters at a time; what cannot take a sharded
-model says so by name."""
+checkpointing a rank holds one layer's full parameters at a time; task-batched calls and the
+recipes run a sharded model's tasks one at a time with the same meta-gradients; learnable
+rates placed by shard_hyper get theirs; what cannot take a sharded model says so by name."""
 
 from __future__ import annotations
 
 import os
 import traceback
+import types
 from datetime import timedelta
 
 import pytest
@@ -126,10 +128,26 @@ def _case_refusals(world):
     said = {}
     tasks = (xs.expand(2, -1, -1), ys.expand(2, -1, -1))
     for name, call in {
-        "adapt_tasks": lambda: fm.adapt_tasks(
+        "tune_task_chunk": lambda: fm.tune_task_chunk(
             fmodel, fmodel.params, F.mse_loss, tasks, fm.optim.sgd(lr=0.1), steps=1
         ),
-        "task_losses": lambda: fm.task_losses(fmodel, fmodel.params, F.mse_loss, tasks),
+        "adapt_tasks with on_nonfinite": lambda: fm.adapt_tasks(
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            tasks,
+            fm.optim.sgd(lr=0.1),
+            steps=1,
+            on_nonfinite="raise",
+        ),
+        "adapt_tasks with a learnable rate": lambda: fm.adapt_tasks(
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            tasks,
+            fm.optim.sgd(lr=torch.tensor(0.1, dtype=torch.float64, requires_grad=True)),
+            steps=1,
+        ),
         "compile_meta_step": lambda: fm.compile_meta_step(
             fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=1
         ),
@@ -322,8 +340,11 @@ def _case_two_axes(world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
     net = fm.distributed.shard_model(_net(), mesh, mesh_dim="shards")
     tasks = mesh.get_group("tasks")
-    share, count = fm.distributed.shard(_tasks_batch(), group=tasks)
-    _meta_over_tasks(net, share)
+    (xs, ys, xq, yq), count = fm.distributed.shard(_tasks_batch(), group=tasks)
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    # this group's tasks at once: fm.recipes.maml (fm.adapt_tasks, one task at a time on shards)
+    out = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=2, lr=0.1)
+    out.loss.backward()
     fm.distributed.average_gradients(dict(net.named_parameters()), count, group=tasks)
     local = [tuple(p.grad.to_local().shape) for p in net.parameters()]
     return [p.grad.full_tensor() for p in net.parameters()], local, count
@@ -427,12 +448,87 @@ def _combination(name: str, mesh) -> list:
     ]
 
 
+def _task_batches():
+    """3 tasks of 8 support and 8 query rows (float64)."""
+    g = torch.Generator().manual_seed(2)
+    xs, ys, xq, yq = (torch.randn(3, 8, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
+    return (xs, ys), (xq, yq)
+
+
+def _recipe(name: str, mesh, checkpoint_layers=None) -> list:
+    """One meta-iteration of recipe ``name`` on 3 tasks: the meta-gradients of the
+    parameters, then of the learnable rates (full tensors)."""
+    net = _net()
+    if mesh is not None:
+        fm.distributed.shard_model(net, mesh)
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
+    support, query = _task_batches()
+    rates = None
+    if name == "maml":
+        out = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lr=0.1)
+    elif name == "fomaml":
+        out = fm.recipes.fomaml(fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lr=0.1)
+    elif name == "anil":
+        out = fm.recipes.anil(
+            fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lr=0.1, trainable="4"
+        )
+    elif name == "metasgd":
+        rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(3))
+        if mesh is not None:
+            fm.distributed.shard_hyper(rates, net)
+        out = fm.recipes.metasgd(
+            fmodel, fmodel.params, F.mse_loss, support, query, steps=2, lr=rates
+        )
+    elif name == "mamlpp":
+        rates = fm.hyper.per_layer(fmodel.params, 0.1, steps=2).double()
+        if mesh is not None:
+            fm.distributed.shard_hyper(rates, net)
+        weights = fm.recipes.mamlpp_step_weights(2, epoch=1, msl_epochs=4)
+        out = fm.recipes.mamlpp(
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            support,
+            query,
+            steps=2,
+            lr=rates,
+            step_weights=weights,
+        )
+    else:  # fm.adapt_tasks (Adam), fm.task_losses and fm.apply_tasks themselves
+        result = fm.adapt_tasks(
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            support,
+            fm.optim.adam(lr=0.05),
+            steps=2,
+        )
+        losses = fm.task_losses(fmodel, result.params, F.mse_loss, query).losses
+        outputs, _ = fm.apply_tasks(fmodel, result.params, query[0])
+        out = types.SimpleNamespace(loss=losses.mean() + outputs.square().mean())
+    out.loss.backward()
+    learnable = [*net.parameters(), *(rates.parameters() if rates is not None else [])]
+    return [
+        None if p.grad is None else (p.grad.full_tensor() if mesh is not None else p.grad)
+        for p in learnable
+    ]
+
+
+RECIPES = ["adapt_tasks", "maml", "fomaml", "anil", "metasgd", "mamlpp"]
+
+
+def _case_recipes(world, checkpoint_layers):
+    mesh = _mesh(world)
+    return {name: _recipe(name, mesh, checkpoint_layers) for name in RECIPES}
+
+
 def _case_combinations(world, names=None):
     mesh = _mesh(world)
     return {name: _combination(name, mesh) for name in names or COMBINATIONS}
 
 
 CASES = {
+    "recipes": _case_recipes,
     "combinations": _case_combinations,
     "different_data": _case_different_data,
     "two_axes": _case_two_axes,
@@ -482,12 +578,14 @@ def test_checkpointed_layers_hold_one_layers_full_parameters(tmp_path, checkpoin
 
 def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     (said, _) = _spawn(tmp_path, 2, "refusals")
-    for entry in ("adapt_tasks", "task_losses"):
-        assert said[entry] is not None, entry
-        assert "a task-batched call" in said[entry] and "torch.func.vmap" in said[entry]
-        assert "adapt one task at a time with fm.adapt" in said[entry]
+    assert "there is no chunk to choose" in (said["tune_task_chunk"] or "")
+    assert (said["adapt_tasks with on_nonfinite"] or "").startswith(
+        "fm.adapt_tasks with on_nonfinite= cannot take a sharded"
+    )
+    assert "shard_hyper" in (said["adapt_tasks with a learnable rate"] or "")
     assert said["compile_meta_step"] is not None
     assert said["compile_meta_step"].startswith("fm.compile_meta_step cannot take a sharded model")
+    assert "use fm.adapt_tasks or the recipes" in said["compile_meta_step"]
     assert "sharded already" in (said["again"] or "")
     assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
     for option in ("on_nonfinite", "loss_scale"):
@@ -568,9 +666,10 @@ def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
 
 
 def test_tasks_on_one_mesh_axis_and_shards_on_the_other_equal_one_process(tmp_path):
-    """A 2 x 2 mesh (4 gloo ranks): each task group adapts 2 of the 4 tasks on parameters
-    sharded over its 2 ranks; average_gradients over the task axis gives every rank's shards
-    the meta-gradient of the mean over all 4 tasks, as one process computes it."""
+    """A 2 x 2 mesh (4 gloo ranks): each task group adapts 2 of the 4 tasks at once
+    (fm.recipes.maml, checkpointed layers) on parameters sharded over its 2 ranks;
+    average_gradients over the task axis gives every rank's shards the meta-gradient of the
+    mean over all 4 tasks, as one process computes it with a loop of fm.adapt."""
     net = _net()
     _meta_over_tasks(net, _tasks_batch())
     reference = [p.grad for p in net.parameters()]
@@ -606,6 +705,23 @@ def test_sharding_combines_with_the_inner_loops_options(tmp_path, world):
     for ours in _spawn(tmp_path, world, "combinations", names):
         for name in names:
             theirs = _combination(name, None)
+            assert len(ours[name]) == len(theirs), name
+            for a, b in zip(ours[name], theirs, strict=True):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize(("world", "checkpoint_layers"), [(2, None), (4, "sequential")])
+def test_task_batched_calls_and_recipes_take_a_sharded_model(tmp_path, world, checkpoint_layers):
+    """fm.adapt_tasks (Adam), fm.task_losses, fm.apply_tasks and the recipes (MAML,
+    FOMAML, ANIL, Meta-SGD and MAML++ with their rates placed by shard_hyper) on a sharded
+    model run the tasks one at a time (the per-task runtime) and give the unsharded run's
+    meta-gradients of the parameters and of the rates, on 2 ranks and on 4 (uneven shards,
+    checkpointed layers), float64."""
+    for ours in _spawn(tmp_path, world, "recipes", checkpoint_layers):
+        for name in RECIPES:
+            theirs = _recipe(name, None, checkpoint_layers)
             assert len(ours[name]) == len(theirs), name
             for a, b in zip(ours[name], theirs, strict=True):
                 assert (a is None) == (b is None), name

@@ -625,7 +625,8 @@ def compile_meta_step(
         fmodel.params,
         "fm.compile_meta_step",
         "its graph runs the tasks under torch.func.vmap and torch.func.grad, which a DTensor "
-        "does not run under; adapt one task at a time with fm.adapt, which takes a sharded model",
+        "does not run under; use fm.adapt_tasks or the recipes, which run a sharded model's "
+        "tasks one at a time",
     )
     plan = compile_plan(_device(fmodel), _convolutional(fmodel), mode, task_chunk)
     return MetaStep(

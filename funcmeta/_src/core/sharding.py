@@ -22,6 +22,7 @@ __all__ = [
     "is_sharded",
     "check_same_batch",
     "learnable_tensors_refused",
+    "refuse_sharded_options",
     "refuse_sharded",
     "rewrite_mixed",
 ]
@@ -196,3 +197,21 @@ def check_same_batch(batch: Any, params: Mapping[str, Any]) -> None:
             "tasks along another mesh axis (shard_model(..., mesh_dim=) on a 2-D mesh) and "
             "average with fm.distributed.average_gradients over it"
         )
+
+
+#: The inner-loop options a sharded model refuses, and why.
+_SHARDED_OPTIONS = (
+    "its check of the inner gradients for non-finite values does not run on DTensor shards "
+    "yet; leave it out (a non-finite loss then reaches the parameters, as it does without "
+    "the option)"
+)
+
+
+def refuse_sharded_options(params: Mapping[str, Any], entry: str, options: Any) -> None:
+    """Raise :class:`ShardingError` when ``options`` (an ``AdaptOptions``) sets
+    ``on_nonfinite`` or ``loss_scale`` and ``params`` are sharded: their non-finite check
+    reduces the gradients with a product, which DTensor refuses ("Replicate to
+    Partial(product) conversion is not supported")."""
+    for option in ("on_nonfinite", "loss_scale"):
+        if getattr(options, option) is not None:
+            refuse_sharded(params, f"{entry} with {option}=", _SHARDED_OPTIONS)

@@ -196,6 +196,28 @@ def per_task_call(
     )
 
 
+def loop_flat(fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, ...]) -> Any:
+    """What :func:`vmap_flat` computes, without ``vmap``: ``fn`` once per task on each task's
+    slice of the trees batched along ``dims`` (0 or None), the outputs stacked with a leading
+    task axis, for tensors that run under no ``torch.func`` transform (``DTensor`` shards).
+
+    Example:
+        >>> import torch
+        >>> loop_flat(lambda x, w: x @ w, (torch.ones(3, 2), torch.ones(2)), (0, None)).shape
+        torch.Size([3])
+    """
+    flat, spec = tree.flatten(trees, none_is_leaf=True)
+    flat_dims = tuple(tree.flatten(dims, none_is_leaf=True)[0])
+    if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
+        raise AssertionError("in_dims do not line up with the arguments")
+    size = next(x.shape[d] for x, d in zip(flat, flat_dims, strict=True) if d is not None)
+
+    def unflat(*xs: Any) -> Any:
+        return fn(*tree.unflatten(spec, xs))
+
+    return per_task_call(unflat, tuple(flat), flat_dims, size)
+
+
 def vmap_flat(
     fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, ...], chunk: int | None = None
 ) -> Any:

@@ -148,11 +148,13 @@ def shard_model(
 
     Build the functional model after it (``fm.functional_model(module, checkpoint_layers=...)``:
     checkpointing the same layers keeps one layer's full parameters at a time). Every rank
-    must run the same tasks on the same data. :func:`funcmeta.adapt` and calls of the
-    functional model take a sharded model; the entry points that batch tasks with
-    ``torch.func.vmap`` (:func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses`,
-    :func:`funcmeta.compile_meta_step`) raise :class:`ShardingError`: a ``DTensor`` does not run
-    under ``torch.func`` transforms.
+    must run the same tasks on the same data. :func:`funcmeta.adapt`, calls of the functional
+    model, and the task-batched calls (:func:`funcmeta.adapt_tasks`,
+    :func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`, the recipes) take a sharded
+    model; the task-batched ones run its tasks one at a time, since a ``DTensor`` does not run
+    under ``torch.func.vmap``. :func:`funcmeta.compile_meta_step` raises
+    :class:`ShardingError`. Learnable hyperparameters (``fm.hyper`` rates) are placed beside
+    the shards with :func:`shard_hyper`.
 
     Raises :class:`ShardingError` for a mesh of more than two axes, a 2-D mesh without
     ``mesh_dim``, a module already sharded, and a

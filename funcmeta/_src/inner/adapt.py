@@ -28,7 +28,7 @@ from funcmeta._src.core.precision import warn_tf32_second_order
 from funcmeta._src.core.sharding import (
     check_same_batch,
     learnable_tensors_refused,
-    refuse_sharded,
+    refuse_sharded_options,
 )
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
@@ -97,17 +97,7 @@ def adapt(
     if axis is not None:
         loss_fn = _first_call_checked(loss_fn, axis)
     check_same_batch(checked.batch, params)
-    for option in ("on_nonfinite", "loss_scale"):
-        if getattr(opts, option) is not None:
-            # their non-finite check reduces the gradients with a product, which DTensor
-            # refuses ("Replicate to Partial(product) conversion is not supported")
-            refuse_sharded(
-                params,
-                f"fm.adapt with {option}=",
-                "its check of the inner gradients for non-finite values does not run on "
-                "DTensor shards yet; leave it out (a non-finite loss then reaches the "
-                "parameters, as it does without the option)",
-            )
+    refuse_sharded_options(params, "fm.adapt", opts)
     forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     try:

@@ -216,13 +216,14 @@ def task_outputs_of(
     buffers: dict[str, Tensor],
     *,
     chunk: int | None = None,
+    runtime: Runtime = EAGER,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task outputs and new per-task buffers of the call ``(args, kwargs)``, under vmap;
-    ``dims`` and ``chunk`` as in :func:`vmapped_losses`."""
+    ``dims``, ``chunk`` and ``runtime`` as in :func:`vmapped_losses`."""
 
     def one_task(p: dict[str, Tensor], bufs: dict[str, Tensor], c: CallInputs) -> Any:
-        return EAGER.run(fmodel, p, bufs, c[0], c[1])
+        return runtime.run(fmodel, p, bufs, c[0], c[1])
 
     trees = (dict(params), buffers, call)
     in_dims = (dims, {k: 0 for k in buffers}, batch_dims(call))
-    return EAGER.over_tasks(one_task, trees, in_dims, chunk)
+    return runtime.over_tasks(one_task, trees, in_dims, chunk)

@@ -44,7 +44,6 @@ from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_tree
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import autocast_enabled, user_stacklevel
-from funcmeta._src.core.sharding import refuse_sharded
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
@@ -216,13 +215,6 @@ def check_call(fmodel: Any, params: Any, opt: Any = _NO_OPT) -> None:
         )
 
 
-_SHARDED_TASKS = (
-    "task batching runs the model under torch.func.vmap, and a DTensor does not run under "
-    "torch.func transforms; adapt one task at a time with fm.adapt (a loop over the tasks), "
-    "which takes a sharded model"
-)
-
-
 def check_batch_call(
     fmodel: Any,
     params: Any,
@@ -242,13 +234,7 @@ def check_batch_call(
     ``task_batched``, empty tensors, input dtypes) and the dtypes of parameters and buffers.
     """
     check_call(fmodel, params, opt)
-    if task_batched:
-        refuse_sharded(
-            params,
-            "a task-batched call (fm.adapt_tasks, fm.task_losses, fm.apply_tasks, the recipes)",
-            _SHARDED_TASKS,
-        )
-    else:
+    if not task_batched:
         fmodel.check_params(params)
     split = split_batch(batch) if targets else (split_inputs(batch), None)
     count = task_count(split) if task_batched else None

@@ -42,6 +42,11 @@ from typing_extensions import Unpack
 from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
+from funcmeta._src.core.sharding import (
+    check_same_batch,
+    learnable_tensors_refused,
+    refuse_sharded_options,
+)
 from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
 from funcmeta._src.inner.forward import raised_at_the_call, task_outputs_of, vmapped_losses
 from funcmeta._src.inner.inputs import (
@@ -54,10 +59,11 @@ from funcmeta._src.inner.inputs import (
 )
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
+from funcmeta._src.module import scope
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta._src.runtime import EAGER, Runtime
+from funcmeta._src.runtime import EAGER, PER_TASK, Runtime, runtime_for
 from funcmeta._src.runtime.place import unless_set
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_inner_loop", "task_losses"]
@@ -83,12 +89,14 @@ def apply_tasks(
     )
     call = checked.batch[0]
     assert checked.param_dims is not None  # task-batched: one entry per parameter
+    check_same_batch(call, params)
     with unless_set("the inputs given to fm.apply_tasks"):
         return _following(
             fmodel,
             functools.partial(
                 task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
             ),
+            runtime_for(params),
         )
 
 
@@ -129,6 +137,7 @@ def task_losses(
         raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
     checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
     assert checked.param_dims is not None  # task-batched: one entry per parameter
+    check_same_batch(checked.batch, params)
     run = functools.partial(
         vmapped_losses,
         fmodel,
@@ -139,10 +148,11 @@ def task_losses(
         checked.buffers,
         outputs=return_outputs,
     )
+    runtime = runtime_for(params)
     with unless_set("the batch given to fm.task_losses"):
         if not return_outputs:
-            return TaskLosses(*_following(fmodel, run))
-        (losses, outputs), new_buffers = _following(fmodel, run)
+            return TaskLosses(*_following(fmodel, run, runtime))
+        (losses, outputs), new_buffers = _following(fmodel, run, runtime)
     return TaskLosses(losses, new_buffers, outputs)
 
 
@@ -182,23 +192,33 @@ def adapt_tasks(
     warn_tf32_second_order(fmodel.module, params.values(), opts.first_order)
     tasks, dims = checked.tasks, checked.param_dims
     assert tasks is not None and dims is not None  # task-batched: both are set
-    chunking = _chunk_run(fmodel, checked, params, steps, opts)
+    runtime = runtime_for(params)
+    if (
+        runtime is PER_TASK
+    ):  # a sharded model: the same batch on every shard rank, one task at a time
+        check_same_batch(checked.batch, params)
+        refuse_sharded_options(params, "fm.adapt_tasks", opts)
+        chunking = ChunkRun(1)
+    else:
+        chunking = _chunk_run(fmodel, checked, params, steps, opts)
 
-    result, _ = task_inner_loop(
-        fmodel,
-        loss_fn,
-        checked.batch,
-        params,
-        dims,
-        checked.buffers,
-        opt,
-        steps,
-        opts,
-        tasks=tasks,
-        state=state,
-        chunk=chunking.chunk,
-        watch=chunking.watch_initial,
-    )
+    with learnable_tensors_refused(params, lambda: scope.current() is not None):
+        result, _ = task_inner_loop(
+            fmodel,
+            loss_fn,
+            checked.batch,
+            params,
+            dims,
+            checked.buffers,
+            opt,
+            steps,
+            opts,
+            tasks=tasks,
+            state=state,
+            chunk=chunking.chunk,
+            watch=chunking.watch_initial,
+            runtime=runtime,
+        )
     chunking.watch_adapted(result.params)
     return result
 
@@ -293,12 +313,13 @@ def _chunk_run(
 
 
 def _following(
-    fmodel: FunctionalModel, run: Callable[..., tuple[Any, dict[str, Tensor]]]
+    fmodel: FunctionalModel, run: Callable[..., tuple[Any, dict[str, Tensor]]], runtime: Runtime
 ) -> tuple[Any, dict[str, Tensor]]:
-    """``run(chunk=c)``, a task-batched pass (:func:`apply_tasks`, :func:`task_losses`), on
-    the chunk the model's executor chooses for it, once for this call (that of the inner
-    loop it follows); under ``task_chunk="tune"`` its time counts with that measured inner
-    loop (the query pass after :func:`adapt_tasks`, on the same chunk)."""
-    if fmodel.executor is None:
-        return run(chunk=None)
-    return fmodel.executor.run_following(lambda chunk: run(chunk=chunk))
+    """``run(chunk=c, runtime=runtime)``, a task-batched pass (:func:`apply_tasks`,
+    :func:`task_losses`), on the chunk the model's executor chooses for it, once for this
+    call (that of the inner loop it follows); under ``task_chunk="tune"`` its time counts
+    with that measured inner loop (the query pass after :func:`adapt_tasks`, on the same
+    chunk). The per-task runtime (a sharded model) takes no chunk and nothing is timed."""
+    if fmodel.executor is None or runtime is PER_TASK:
+        return run(chunk=None, runtime=runtime)
+    return fmodel.executor.run_following(lambda chunk: run(chunk=chunk, runtime=runtime))
