@@ -105,3 +105,37 @@ def test_a_long_inner_loop_under_autocast_keeps_no_cast_per_step(checkpoint):
     if checkpoint == "none":
         leaked = _autocast_growth(checkpoint, "leaves")
         assert leaked > 150, f"the control grew by only {leaked:.1f} MiB: the test cannot fail"
+
+
+@pytest.mark.parametrize("how", ["layers", "takeover"])
+def test_a_checkpointed_layers_adapted_parameters_die_once_its_backward_has_run(how):
+    """The outer backward frees each step's adapted parameters as soon as the checkpointed
+    layers that used them have run their backward: a layer's recomputation reads them from
+    autograd's saved tensors, and the layer's slots (its places in the module) hold none, so
+    by the time the backward reaches the initial parameters the last step's are gone."""
+
+    class SelfCheckpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = mlp((4, 16, 16, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.body:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    net = SelfCheckpointed() if how == "takeover" else mlp((4, 16, 16, 1))
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential" if how == "layers" else None)
+    g = torch.Generator().manual_seed(0)
+    xs, ys, xq, yq = (torch.randn(8, n, generator=g, dtype=DTYPE) for n in (4, 1, 4, 1))
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=2)
+    loss = F.mse_loss(fmodel(result.params, xq), yq)
+    last = [weakref.ref(t) for t in result.params.values()]
+    del result
+    gc.collect()
+    assert all(r() is not None for r in last)  # the graph keeps them for the backward
+    seen: list[int] = []
+    first = next(iter(net.parameters()))
+    first.register_hook(lambda grad: seen.append(sum(r() is not None for r in last)))
+    loss.backward()
+    assert seen == [0]  # none alive when the backward reached the initial parameters

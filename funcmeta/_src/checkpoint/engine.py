@@ -439,10 +439,15 @@ class _CheckpointVJP(torch.autograd.Function):
             ]
             if not pairs:
                 return tuple(result)
+            # the VJPs' own values are not needed to differentiate them: only their graph
+            # (its edges) is kept, their memory freed before this backward
+            edges = [torch.autograd.graph.get_gradient_edge(v) for v, _ in pairs]
+            given = [c for _, c in pairs]
+            del vjps, pairs
             grads = torch.autograd.grad(
-                [v for v, _ in pairs],
+                edges,
                 [xs[i] for i in need],
-                [c for _, c in pairs],
+                given,
                 create_graph=record,
                 allow_unused=True,
             )

@@ -163,8 +163,12 @@ class TensorSlots:
     def __init__(self, modules: list[nn.Module]) -> None:
         # a recomputation in a backward must not meet another thread's run of the model
         self.guard = guard_of(modules[0]) if modules else None
-        self.params: list[tuple[Tensor, list[tuple[dict, str]]]] = []
-        self.buffers: list[tuple[Tensor, list[tuple[dict, str]]]] = []
+        # Places only, no tensors: a checkpointed layer's recomputation closes over its
+        # slots for as long as the graph lives, and a tensor held here (the adapted
+        # parameters of an inner step or of the query pass) would outlive its last use in
+        # the backward.
+        self.params: list[list[tuple[dict, str]]] = []
+        self.buffers: list[list[tuple[dict, str]]] = []
         seen: set[tuple[int, str]] = set()
         for dict_of, out in ((parameter_dict, self.params), (buffer_dict, self.buffers)):
             index: dict[int, int] = {}
@@ -177,12 +181,17 @@ class TensorSlots:
                         seen.add((id(d), key))
                         if id(t) not in index:
                             index[id(t)] = len(out)
-                            out.append((t, []))
-                        out[index[id(t)]][1].append((d, key))
+                            out.append([])
+                        out[index[id(t)]].append((d, key))
 
     def tensors(self) -> tuple[list[Tensor], list[Tensor]]:
-        """The parameters and buffers in the places now."""
-        return [t for t, _ in self.params], [t for t, _ in self.buffers]
+        """The parameters and buffers in the places now (each entry's first place)."""
+
+        def now(places: list[tuple[dict, str]]) -> Tensor:
+            where, key = places[0]
+            return where[key]
+
+        return [now(p) for p in self.params], [now(b) for b in self.buffers]
 
     @contextlib.contextmanager
     def holding(
@@ -196,7 +205,7 @@ class TensorSlots:
             groups = ((self.params, params, False), (self.buffers, buffers, True))
             try:
                 for entries, values, is_buffer in groups:
-                    for (_, places), value in zip(entries, values, strict=True):
+                    for places, value in zip(entries, values, strict=True):
                         for d, key in places:
                             saved.append((d, key, d[key], value, is_buffer))
                             d[key] = value
