@@ -25,10 +25,10 @@ demo: setup
 # The suite without the tests marked slow (long end-to-end runs, soak and peer-failure tests,
 # real compiles); `make test-slow` runs those. CI runs both.
 test: setup-dev
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 test-slow: setup-dev
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) -m slow --durations=8
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m slow --durations=8
 
 # The suite on the oldest torch we claim and on the newest release, each in its own
 # environment under .matrix/ (about 4 GB each: PyPI's torch wheels carry CUDA libraries).

@@ -8,9 +8,11 @@ rates placed by shard_hyper get theirs; what cannot take a sharded model says so
 from __future__ import annotations
 
 import os
+import tempfile
 import traceback
 import types
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,10 @@ from helpers import init_gloo
 from torch import nn
 
 import funcmeta as fm
+
+# one pytest-xdist worker runs this module (make test: --dist loadgroup), so that each rank
+# count's bundle of cases (BUNDLES) is spawned once
+pytestmark = pytest.mark.xdist_group("sharded")
 
 WIDTH = 6  # uneven over 4 ranks on purpose
 
@@ -83,11 +89,28 @@ def _worker(rank, world, rendezvous, out, case, args):
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
 
 
-def _spawn(tmp_path, world: int, case: str, *args):
+def _run(folder: Path, world: int, case: str, args: tuple) -> list:
     mp.spawn(
-        _worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path), case, args), nprocs=world
+        _worker, args=(world, str(folder / "rendezvous"), str(folder), case, args), nprocs=world
     )
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+#: Bundled results, per rank count: the cases of BUNDLES run in one spawn (one start of the
+#: processes and their process group per rank count, not one per test).
+_BUNDLED: dict[int, list[dict]] = {}
+
+
+def _spawn(tmp_path, world: int, case: str, *args):
+    """Every rank's result of ``case`` on ``world`` gloo ranks: from its rank count's bundle
+    when it is one of BUNDLES, else from a spawn of its own."""
+    key = (case, repr(args))
+    if key in {(c, repr(a)) for c, a in BUNDLES.get(world, [])}:
+        if world not in _BUNDLED:
+            _BUNDLED[world] = _run(Path(tempfile.mkdtemp()), world, "bundle", ())
+        results = [r if r and isinstance(r, tuple) else r[key] for r in _BUNDLED[world]]
+    else:
+        results = _run(tmp_path, world, case, args)
     for r in results:
         if isinstance(r, tuple) and r and r[0] == "raised":
             pytest.fail(r[1])
@@ -527,7 +550,20 @@ def _case_combinations(world, names=None):
     return {name: _combination(name, mesh) for name in names or COMBINATIONS}
 
 
+def _case_bundle(world):
+    """The cases of BUNDLES[world], one after another in this process group: ``{(case,
+    repr(args)): result}``, a case that raised giving ``("raised", traceback)``."""
+    out = {}
+    for case, args in BUNDLES[world]:
+        try:
+            out[(case, repr(args))] = CASES[case](world, *args)
+        except Exception:  # reported to the test of that case
+            out[(case, repr(args))] = ("raised", traceback.format_exc())
+    return out
+
+
 CASES = {
+    "bundle": _case_bundle,
     "recipes": _case_recipes,
     "combinations": _case_combinations,
     "different_data": _case_different_data,
@@ -541,6 +577,28 @@ CASES = {
     "borrowed": _case_borrowed_weight,
 }
 
+
+#: The cases that share one spawn per rank count (the gathered-bytes cases first: they count
+#: the gathered storages alive in the process); their tests read their part.
+BUNDLES: dict[int, list[tuple[str, tuple]]] = {
+    2: [
+        ("gathered", (None,)),
+        ("gathered", ("sequential",)),
+        ("meta_gradients", (None, "sgd")),
+        ("meta_gradients", ("sequential", "sgd")),
+        ("meta_gradients", ("sequential", "adam")),
+        ("refusals", ()),
+        ("borrowed", ()),
+        ("different_data", ()),
+        ("combinations", (list(COMBINATIONS),)),
+        ("recipes", (None,)),
+    ],
+    4: [
+        ("two_axes", ()),
+        ("combinations", (RATE_COMBINATIONS,)),
+        ("recipes", ("sequential",)),
+    ],
+}
 
 # ------------------------------------------------------------------------------ the tests
 
