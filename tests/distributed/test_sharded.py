@@ -550,6 +550,38 @@ def _case_combinations(world, names=None):
     return {name: _combination(name, mesh) for name in names or COMBINATIONS}
 
 
+def _case_layer_norm_alone(world):
+    """A LayerNorm checkpointed as a layer of its own: torch's DTensor fails to differentiate
+    its VJP again with respect to the shards; said by name. The same LayerNorm inside a
+    checkpointed block runs and gives the unsharded meta-gradients."""
+
+    def make(mesh, checkpoint_layers):
+        torch.manual_seed(0)
+        body = nn.Sequential(nn.Linear(3, WIDTH), nn.LayerNorm(WIDTH), nn.Tanh())
+        net = nn.Sequential(body, nn.Linear(WIDTH, 2)).double()
+        if mesh is not None:
+            fm.distributed.shard_model(net, mesh)
+        return net, fm.functional_model(net, checkpoint_layers=checkpoint_layers)
+
+    xs, ys, xq, yq = _data()
+    said = None
+    net, fmodel = make(_mesh(world), ["0.1"])
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    try:
+        F.mse_loss(fmodel(result.params, xq), yq).backward()
+    except fm.distributed.ShardingError as error:
+        said = str(error)
+    grads = []
+    for mesh in (_mesh(world), None):
+        net, fmodel = make(mesh, ["0"])  # the block holding it
+        result = fm.adapt(
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=2
+        )
+        F.mse_loss(fmodel(result.params, xq), yq).backward()
+        grads.append([p.grad.full_tensor() if mesh else p.grad for p in net.parameters()])
+    return said, grads
+
+
 def _case_bundle(world):
     """The cases of BUNDLES[world], one after another in this process group: ``{(case,
     repr(args)): result}``, a case that raised giving ``("raised", traceback)``."""
@@ -563,6 +595,7 @@ def _case_bundle(world):
 
 
 CASES = {
+    "layer_norm_alone": _case_layer_norm_alone,
     "bundle": _case_bundle,
     "recipes": _case_recipes,
     "combinations": _case_combinations,
@@ -590,6 +623,7 @@ BUNDLES: dict[int, list[tuple[str, tuple]]] = {
         ("refusals", ()),
         ("borrowed", ()),
         ("different_data", ()),
+        ("layer_norm_alone", ()),
         ("combinations", (list(COMBINATIONS),)),
         ("recipes", (None,)),
     ],
@@ -785,3 +819,14 @@ def test_task_batched_calls_and_recipes_take_a_sharded_model(tmp_path, world, ch
                 assert (a is None) == (b is None), name
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def test_a_layer_norm_checkpointed_alone_is_named_and_inside_a_block_is_exact(tmp_path):
+    """torch's DTensor cannot differentiate a checkpointed LayerNorm's VJP again with respect
+    to its shards (AttributeError '_local_tensor' inside torch, torch 2.13): the backward
+    raises ShardingError with the fix; checkpointing the block that holds it is exact."""
+    for said, (ours, theirs) in _spawn(tmp_path, 2, "layer_norm_alone"):
+        assert said is not None and "F.layer_norm (nn.LayerNorm)" in said
+        assert "checkpoint the block that contains it" in said
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
