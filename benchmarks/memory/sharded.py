@@ -8,7 +8,9 @@ on 1 rank (the reference) and on ``--ranks`` gloo ranks, each in fresh processes
 - ``parameters``: the bytes of the parameters the rank holds (its shards) plus the most
   gathered bytes alive at once (``fm.distributed.gathered_bytes``, sampled at every layer);
 - ``peak``: the high-water mark of the resident set during one meta-iteration, above its
-  start (after a first meta-iteration, freed memory returned to the system).
+  start (after a first meta-iteration, freed memory returned to the system);
+- ``median s``: the median time of ``--repeats`` meta-iterations after it (no target: every
+  rank does the whole work, the ranks split the memory).
 
 Targets (issue "sharded second-order meta-learning"): on ``--ranks`` ranks, ``parameters``
 at most 1/ranks of the whole model's plus one block's, and ``peak`` at most 0.35x the single
@@ -24,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -90,9 +93,18 @@ def rank_main(args: argparse.Namespace) -> None:
     meter.start()
     meta_iteration()
     peak = meter.peak()
+    seconds = []
+    for _ in range(args.repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        meta_iteration()
+        seconds.append(time.perf_counter() - started)
     held = sum(p.to_local().numel() * p.element_size() for p in net.parameters())
     rows = [None] * world
-    dist.all_gather_object(rows, {"peak": peak, "held": held, "gathered": most[0]})
+    median = sorted(seconds)[len(seconds) // 2]
+    dist.all_gather_object(
+        rows, {"peak": peak, "held": held, "gathered": most[0], "seconds": median}
+    )
     if dist.get_rank() == 0:
         print(json.dumps(rows))
     dist.destroy_process_group()
@@ -102,6 +114,7 @@ def run(ranks: int, args: argparse.Namespace) -> list[dict[str, int]]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(ranks), __file__, "--rank-run"]
     command += ["--width", str(args.width), "--blocks", str(args.blocks), "--rows", str(args.rows)]
+    command += ["--repeats", str(args.repeats)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -115,6 +128,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="timed meta-iterations")
     parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_run:
@@ -129,11 +143,13 @@ def main() -> int:
     )
     single = run(1, args)[0]
     sharded = run(args.ranks, args)
-    print(f"{'run':<10} {'rank':>4} {'parameters MiB':>15} {'peak MiB':>9}")
+    print(f"{'run':<10} {'rank':>4} {'parameters MiB':>15} {'peak MiB':>9} {'median s':>9}")
     for name, rows in (("1 rank", [single]), (f"{args.ranks} ranks", sharded)):
         for r, row in enumerate(rows):
             params = (row["held"] + row["gathered"]) / 2**20
-            print(f"{name:<10} {r:>4} {params:15.2f} {row['peak'] / 2**20:9.1f}")
+            print(
+                f"{name:<10} {r:>4} {params:15.2f} {row['peak'] / 2**20:9.1f} {row['seconds']:9.3f}"
+            )
     missed = []
     limit = whole / args.ranks + block
     worst = max(sharded, key=lambda row: row["held"] + row["gathered"])

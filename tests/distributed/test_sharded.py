@@ -434,6 +434,12 @@ COMBINATIONS = {
 }
 
 RATE_COMBINATIONS = [name for name in COMBINATIONS if "rates" in name]
+SPLIT_COMBINATIONS = [
+    "the takeover",
+    "first order, checkpointed",
+    "momentum",
+    "per-element rates per step, checkpointed",
+]
 
 
 def _rates(kind: str, fmodel) -> torch.nn.Module:
@@ -582,6 +588,29 @@ def _case_layer_norm_alone(world):
     return said, grads
 
 
+def _case_split_activations(world):
+    """With every saved tensor of a checkpointed layer split across the ranks (the size
+    threshold lowered to 1 element), the meta-gradients of each combination and recipe: the
+    unsharded run's are compared by the test. Counts the slices kept, to show they were."""
+    from funcmeta._src.checkpoint import engine
+
+    kept = [0]
+    original = engine._Piece.__init__
+
+    def counting(self, t, group):
+        kept[0] += 1
+        original(self, t, group)
+
+    engine._SPLIT_MIN, engine._Piece.__init__ = 1, counting
+    try:
+        mesh = _mesh(world)
+        out = {name: _combination(name, mesh) for name in SPLIT_COMBINATIONS}
+        out.update({name: _recipe(name, mesh, "sequential") for name in ("maml", "metasgd")})
+    finally:
+        engine._SPLIT_MIN, engine._Piece.__init__ = 4096, original
+    return out, kept[0]
+
+
 def _case_bundle(world):
     """The cases of BUNDLES[world], one after another in this process group: ``{(case,
     repr(args)): result}``, a case that raised giving ``("raised", traceback)``."""
@@ -595,6 +624,7 @@ def _case_bundle(world):
 
 
 CASES = {
+    "split_activations": _case_split_activations,
     "layer_norm_alone": _case_layer_norm_alone,
     "bundle": _case_bundle,
     "recipes": _case_recipes,
@@ -624,11 +654,13 @@ BUNDLES: dict[int, list[tuple[str, tuple]]] = {
         ("borrowed", ()),
         ("different_data", ()),
         ("layer_norm_alone", ()),
+        ("split_activations", ()),
         ("combinations", (list(COMBINATIONS),)),
         ("recipes", (None,)),
     ],
     4: [
         ("two_axes", ()),
+        ("split_activations", ()),
         ("combinations", (RATE_COMBINATIONS,)),
         ("recipes", ("sequential",)),
     ],
@@ -830,3 +862,21 @@ def test_a_layer_norm_checkpointed_alone_is_named_and_inside_a_block_is_exact(tm
         assert "checkpoint the block that contains it" in said
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_checkpointed_layers_split_their_saved_activations_across_the_ranks(tmp_path, world):
+    """A sharded model's ranks hold the same activations: a checkpointed layer keeps only
+    this rank's slice of each tensor it saves (inputs, incoming gradients) and gathers them
+    in the backward. With every saved tensor split (uneven over 4 ranks: padded slices), the
+    meta-gradients equal the unsharded run's (float64)."""
+    for ours, kept in _spawn(tmp_path, world, "split_activations"):
+        assert kept > 0  # slices were kept
+        for name in SPLIT_COMBINATIONS:
+            for a, b in zip(ours[name], _combination(name, None), strict=True):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+        for name in ("maml", "metasgd"):
+            for a, b in zip(ours[name], _recipe(name, None, "sequential"), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
