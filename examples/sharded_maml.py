@@ -254,8 +254,8 @@ def _check(losses: list[float], held: int, whole: int, world: int, most: int, bl
         missed.append(f"a rank holds {held:,} parameters of {whole:,} on {world} ranks")
     if most > block:
         missed.append(f"{most:,} gathered bytes alive at once, above the bound {block:,}")
-    verdict = "PASS" if not missed else "FAIL: " + "; ".join(missed)
-    print(f"RESULT {verdict} (adapted query loss {first:.3f} -> {last:.3f})")
+    measured = f"adapted query loss {first:.3f} -> {last:.3f}"
+    print(f"RESULT PASS: {measured}" if not missed else f"RESULT FAIL: {'; '.join(missed)}")
     return 1 if missed else 0
 
 

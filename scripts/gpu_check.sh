@@ -6,8 +6,8 @@
 # device it says so and exits 0.
 #
 # The sections with a target run first, each under its own time limit (their limits add up to
-# 440 s), then the sections without one; the whole check stays within GPU_CHECK_BUDGET seconds
-# (default 480). A section that would start with under 30 s of the budget left is NOT RUN, and
+# 500 s), then the sections without one; the whole check stays within GPU_CHECK_BUDGET seconds
+# (default 540). A section that would start with under 30 s of the budget left is NOT RUN, and
 # one that runs past its limit is stopped: FAIL, "over its limit". The verdicts come from
 # scripts/gpu_judge.py (tested on a CPU in benchmarks/tests/test_gpu_judge.py): the CUDA tests
 # by pytest's exit status (0 with a test passed; 5, no tests, is FAIL), every other target by
@@ -15,12 +15,12 @@
 # when a section with a target did not pass (FAIL, SKIP or NOT RUN), else 0.
 #
 # GPU_CHECK_ONLY="tests compiled" runs only the sections with one of the named keys (keys:
-# tests scenario tf32 compiled sinusoid conv4 memory tasks peers sequence).
+# tests scenario tf32 compiled sinusoid conv4 sharded memory tasks peers sequence).
 # ("compiled memory" is the compiled step on checkpointed layers, keys compiled and memory.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-480}
+BUDGET=${GPU_CHECK_BUDGET:-540}
 ONLY=${GPU_CHECK_ONLY:-}
 out=${GPU_CHECK_REPORT:-benchmarks/out/gpu_check.md}
 RESERVE=15 # seconds kept back from every section: timeout's grace period and the table
@@ -90,7 +90,7 @@ section() {
 
 say "# GPU check: $($PYTHON -c 'import torch; print(torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)'), Python $($PYTHON -c 'import platform; print(platform.python_version())'), $(date -u +%Y-%m-%d)"
 
-# the sections with a target: their limits add up to 440 s of the 480
+# the sections with a target: their limits add up to 500 s of the 540
 section tests "CUDA tests" 90 tests "pytest -m cuda exits 0, a test passed" "CUDA tests" \
     $PYTHON -m pytest -q -p no:cacheprovider -m cuda tests
 section scenario "scenario" 80 result "query loss falls; memory <= 0.4x, time <= 2.5x unchecked" \
@@ -107,6 +107,10 @@ section "compiled conv4" "compiled conv4" 150 result "first call (compile) <= 12
     "The compiled meta-step, conv4" \
     $PYTHON benchmarks/speed/compiled.py --device cuda --workloads conv4 --tasks 32 --steps 5 \
     --repeats 20 --no-loop --task-chunk 0 --max-jax-ratio 1.0 --max-compile-seconds 120
+section sharded "sharded" 60 result "adapted query loss falls; a rank's shards and gathered bytes bounded" \
+    "The sharded decoder on one NCCL rank (the mesh on CUDA; more than one GPU is untested here)" \
+    $PYTHON -m torch.distributed.run --standalone --nproc-per-node 1 examples/sharded_maml.py \
+    --backend nccl --iterations 20 --check
 
 # the sections without one, as far as the budget goes
 section memory "memory" 120 none "" \

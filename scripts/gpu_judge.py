@@ -21,7 +21,7 @@ target passed: a FAIL, a SKIP or a NOT RUN among them makes :func:`exit_status` 
     python scripts/gpu_judge.py judge --records R --name N --kind result --target T \\
         --log LOG --rc 0 --seconds 12 --limit 30 [--by-budget]
     python scripts/gpu_judge.py judge --records R --name N --kind result --target T \\
-        --not-run "the check's budget of 480 s is spent"
+        --not-run "the check's budget of 540 s is spent"
     python scripts/gpu_judge.py table --records R
 """
 

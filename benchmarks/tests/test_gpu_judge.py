@@ -187,6 +187,7 @@ case "$*" in
     *tf32.py*) echo "$FAKE_TF32_OUT"; exit "$FAKE_TF32_RC" ;;
     *"--workloads sinusoid"*) echo "$FAKE_SINUSOID_OUT"; exit "$FAKE_SINUSOID_RC" ;;
     *"--workloads conv4"*) exit "$FAKE_CONV4_RC" ;;
+    *sharded_maml.py*) echo "$FAKE_SHARDED_OUT"; exit "$FAKE_SHARDED_RC" ;;
     *memory.py*) exit 1 ;;
     *) echo "ran: $*" ;;
 esac
@@ -213,6 +214,8 @@ def _check(tmp_path: Path, **env: str) -> tuple[int, str, str]:
         "FAKE_SINUSOID_OUT": "RESULT SKIP (no JAX): sinusoid T=32 K=5: compile 27.4 s",
         "FAKE_SINUSOID_RC": str(gj.NOT_JUDGED),
         "FAKE_CONV4_RC": "124",
+        "FAKE_SHARDED_OUT": "RESULT PASS: adapted query loss 1.576 -> 0.736",
+        "FAKE_SHARDED_RC": "0",
         **env,
     }
     done = subprocess.run(
@@ -249,6 +252,7 @@ def test_the_check_judges_every_section_and_ends_with_the_table(tmp_path):
         "TF32",
         "compiled sinusoid",
         "compiled conv4",
+        "sharded",
         "memory",
         "compiled checkpointed",
         "tasks",
@@ -262,13 +266,14 @@ def test_the_check_judges_every_section_and_ends_with_the_table(tmp_path):
     assert rows["compiled sinusoid"].endswith("| **SKIP (no JAX)** |")
     assert "over its limit" in rows["compiled conv4"]
     assert rows["compiled conv4"].endswith("| **FAIL** |")
+    assert rows["sharded"].endswith("| PASS |") and "1.576 -> 0.736" in rows["sharded"]
     assert rows["memory"].endswith("| ERROR |")
     assert rows["compiled checkpointed"].endswith("| ran (no target) |")
     assert rows["sequence"].endswith("| ran (no target) |")
     # each section prints its verdict where it ends, and the report holds what stdout shows
     assert "\nFAIL: query loss 0.19 -> 100.5 (rises)" in report
     assert "\nPASS: 82 passed, 1722 deselected in 31.78s" in report
-    assert "2 of 5 targets met; not met: scenario (FAIL)" in stdout
+    assert "3 of 6 targets met; not met: scenario (FAIL)" in stdout
     assert "--max-memory-ratio 0.4 --max-time-ratio 2.5" in report
     assert "# GPU check: Fake GPU" in report
 
