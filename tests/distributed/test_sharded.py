@@ -338,6 +338,30 @@ def _case_peer_gone(world):
     return None
 
 
+def _case_peer_stalls(world):
+    """Rank 1 stalls (20 s) when its forward reaches the second linear layer; the mesh's
+    process group waits 5 s per collective: rank 0's gather of that layer gives up and says
+    which layer, with no hang. Returns rank 0's message and seconds, rank 1's outcome."""
+    import time
+    from datetime import timedelta
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group(list(range(world)), timeout=timedelta(seconds=5))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    net = fm.distributed.shard_model(_net(), mesh)
+    if dist.get_rank() == 1:
+        net[2].register_forward_pre_hook(lambda *_: time.sleep(20))
+    fmodel = fm.functional_model(net)
+    xs, ys, *_ = _data()
+    started = time.monotonic()
+    try:
+        fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    except fm.distributed.PeerError as error:
+        return str(error), time.monotonic() - started
+    return None, time.monotonic() - started
+
+
 def _tasks_batch():
     g = torch.Generator().manual_seed(3)
     return tuple(torch.randn(4, 6, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
@@ -633,6 +657,7 @@ CASES = {
     "two_axes": _case_two_axes,
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
+    "peer_stalls": _case_peer_stalls,
     "dcp": _case_dcp,
     "meta_gradients": _case_meta_gradients,
     "gathered": _case_gathered,
@@ -787,6 +812,18 @@ def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
     assert "gathering Linear parameter 'weight' across the mesh failed" in said
     assert "a peer rank is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
+
+
+@pytest.mark.slow  # waits out a 5 s collective timeout and a 20 s stall
+def test_a_peer_stalled_mid_run_raises_peer_error_after_the_groups_timeout(tmp_path):
+    """A rank that stalls inside a run (not gone) leaves its peer waiting in a gather for the
+    process group's timeout (here 5 s, the mesh's group), then PeerError names the layer:
+    no hang."""
+    said, seconds = _spawn(tmp_path, 2, "peer_stalls")[0]
+    assert said is not None, "rank 0 finished although its peer stalled"
+    assert "gathering Linear parameter 'weight' across the mesh failed" in said
+    assert "a peer rank is gone or stalled" in said
+    assert seconds < 18  # the group's 5 s timeout, not the peer's 20 s stall
 
 
 def test_tasks_on_one_mesh_axis_and_shards_on_the_other_equal_one_process(tmp_path):
