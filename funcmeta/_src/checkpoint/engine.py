@@ -517,6 +517,14 @@ def _split_group(tensors: Any) -> Any:
     return None
 
 
+#: torch's all-gather into one tensor: ``all_gather_single`` where torch has it (the older
+#: name, ``all_gather_into_tensor``, warns that it is deprecated there).
+_all_gather: Callable[..., Any] = (
+    getattr(torch.distributed, "all_gather_single", None)
+    or torch.distributed.all_gather_into_tensor
+)
+
+
 class _Piece:
     """This rank's slice of a saved tensor (padded to an equal share), and its shape."""
 
@@ -537,7 +545,7 @@ class _Piece:
         """The tensor again: every rank's slice, all-gathered (a copy of the same values)."""
         world = torch.distributed.get_world_size(self.group)
         out = self.piece.new_empty(self.piece.numel() * world)
-        torch.distributed.all_gather_into_tensor(out, self.piece, group=self.group)
+        _all_gather(out, self.piece, group=self.group)
         return out[: self.numel].view(self.shape)
 
 
