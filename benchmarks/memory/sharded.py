@@ -2,7 +2,7 @@
 process holding the whole model: second-order MAML, per-layer checkpointing.
 
 A residual MLP (``--blocks`` blocks ``x + W2 tanh(W1 x)`` of ``--width``, a linear head),
-one task of ``--rows`` support and query rows, 3 SGD steps, float32, run with ``torchrun``
+one task of ``--rows`` support and query rows, ``--steps`` SGD steps, float32, run with ``torchrun``
 on 1 rank (the reference) and on ``--ranks`` gloo ranks, each in fresh processes. Per rank:
 
 - ``parameters``: the bytes of the parameters the rank holds (its shards) plus the most
@@ -56,6 +56,31 @@ def model(width: int, blocks: int) -> nn.Module:
     return nn.Sequential(*(Block(width) for _ in range(blocks)), nn.Linear(width, 1))
 
 
+class Sent:
+    """Counts the bytes this rank sends in all-gathers, as torch dispatches them: DTensor's
+    gathers of the parameters (``_c10d_functional.all_gather_into_tensor``: this rank's
+    shard to each of the other ranks) and the checkpointed layers' gathers of their saved
+    activations (``c10d._allgather_base_``)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts = self.counts = {"parameters": 0, "activations": 0}
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if name.startswith("_c10d_functional.all_gather_into_tensor"):
+                    counts["parameters"] += tensors[0].nbytes * (int(args[1]) - 1)
+                elif name.startswith("c10d._allgather_base_"):
+                    out, piece = tensors[0], tensors[1]
+                    counts["activations"] += piece.nbytes * (out.numel() // piece.numel() - 1)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank's run (under torchrun): its row as JSON on stdout."""
     import torch.distributed as dist
@@ -69,9 +94,12 @@ def rank_main(args: argparse.Namespace) -> None:
     )
     fmodel = fm.functional_model(net, checkpoint_layers="sequential")
     most = [0]
+    runs = [0]  # layer runs (each gathers its parameters once)
+    full = 0  # bytes of the parameters gathered by one run of every layer
 
     def note(module: nn.Module, inputs: object) -> None:
         most[0] = max(most[0], fm.distributed.gathered_bytes())
+        runs[0] += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
     for layer in net.modules():
         if any(True for _ in layer.parameters(recurse=False)):
@@ -83,7 +111,7 @@ def rank_main(args: argparse.Namespace) -> None:
     def meta_iteration() -> None:
         net.zero_grad(set_to_none=True)
         result = fm.adapt(
-            fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.01), steps=3
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.01), steps=args.steps
         )
         F.mse_loss(fmodel(result.params, xq), yq).backward()
 
@@ -99,11 +127,25 @@ def rank_main(args: argparse.Namespace) -> None:
         started = time.perf_counter()
         meta_iteration()
         seconds.append(time.perf_counter() - started)
+    sent = Sent()
+    runs[0] = 0
+    with sent.mode:
+        meta_iteration()
+    full = sum(p.numel() * p.element_size() for p in net.parameters())
     held = sum(p.to_local().numel() * p.element_size() for p in net.parameters())
     rows = [None] * world
     median = sorted(seconds)[len(seconds) // 2]
     dist.all_gather_object(
-        rows, {"peak": peak, "held": held, "gathered": most[0], "seconds": median}
+        rows,
+        {
+            "peak": peak,
+            "held": held,
+            "gathered": most[0],
+            "seconds": median,
+            "sent": sent.counts,
+            "gathered_per_step": runs[0],
+            "parameter_bytes": full,
+        },
     )
     if dist.get_rank() == 0:
         print(json.dumps(rows))
@@ -114,7 +156,7 @@ def run(ranks: int, args: argparse.Namespace) -> list[dict[str, int]]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(ranks), __file__, "--rank-run"]
     command += ["--width", str(args.width), "--blocks", str(args.blocks), "--rows", str(args.rows)]
-    command += ["--repeats", str(args.repeats)]
+    command += ["--repeats", str(args.repeats), "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
@@ -129,6 +171,7 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed meta-iterations")
+    parser.add_argument("--steps", type=int, default=3, help="inner SGD steps")
     parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_run:
@@ -139,7 +182,8 @@ def main() -> int:
     print(
         f"workload: second-order MAML, residual MLP {args.blocks} blocks of width {args.width} "
         f"(parameters {whole / 2**20:.1f} MiB, one block {block / 2**20:.2f} MiB), "
-        f"{args.rows} rows, 3 SGD steps, float32, checkpoint_layers; torch {torch.__version__}"
+        f"{args.rows} rows, {args.steps} SGD steps, float32, checkpoint_layers; "
+        f"torch {torch.__version__}"
     )
     single = run(1, args)[0]
     sharded = run(args.ranks, args)
@@ -158,6 +202,23 @@ def main() -> int:
             f"parameters {(worst['held'] + worst['gathered']) / 2**20:.2f} MiB on a rank > "
             f"{limit / 2**20:.2f} MiB (1/{args.ranks} of the model plus one block)"
         )
+    # traffic: every run of a layer gathers its parameters, and every inner step's recorded
+    # VJP gathers its parameters' cotangents once in the outer backward (the double backward
+    # of full_tensor's backward); each gather sends this rank's shard to the other ranks:
+    # (ranks - 1) / ranks of the bytes gathered
+    row = sharded[0]
+    n, whole_bytes = args.ranks, row["parameter_bytes"]
+    runs = row["gathered_per_step"] / whole_bytes
+    formula = (n - 1) / n * (row["gathered_per_step"] + args.steps * whole_bytes)
+    sent = row["sent"]
+    print(
+        f"bytes rank 0 sends per meta-step: parameters {sent['parameters']:,}; formula "
+        f"(ranks - 1) / ranks x (runs + steps) x model bytes = {n - 1}/{n} x ({runs:.1f} + "
+        f"{args.steps}) x {whole_bytes:,} = {formula:,.0f}; activations "
+        f"{sent['activations']:,}"
+    )
+    if abs(sent["parameters"] - formula) > 0.01 * formula:
+        missed.append("the parameters' traffic differs from the formula by more than 1%")
     ratio = max(row["peak"] for row in sharded) / single["peak"]
     print(f"largest peak of a rank / the single process's: {ratio:.2f}")
     if ratio > 0.35:
