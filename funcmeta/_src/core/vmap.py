@@ -206,25 +206,15 @@ def loop_flat(fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, .
         >>> loop_flat(lambda x, w: x @ w, (torch.ones(3, 2), torch.ones(2)), (0, None)).shape
         torch.Size([3])
     """
-    flat, spec = tree.flatten(trees, none_is_leaf=True)
-    flat_dims = tuple(tree.flatten(dims, none_is_leaf=True)[0])
-    if len(flat_dims) != len(flat):  # pragma: no cover - a bug, not a user error
-        raise AssertionError("in_dims do not line up with the arguments")
-    size = next(x.shape[d] for x, d in zip(flat, flat_dims, strict=True) if d is not None)
-
-    def unflat(*xs: Any) -> Any:
-        return fn(*tree.unflatten(spec, xs))
-
-    return per_task_call(unflat, tuple(flat), flat_dims, size)
+    unflat, flat, flat_dims, size = _flattened(fn, trees, dims)
+    return per_task_call(unflat, flat, flat_dims, size)
 
 
-def vmap_flat(
-    fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, ...], chunk: int | None = None
-) -> Any:
-    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims`` (0 or None), the trees passed flat:
-    vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
-    of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
-    time without vmap for 1: :func:`per_task_call`) and the outputs are concatenated."""
+def _flattened(
+    fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, ...]
+) -> tuple[Callable[..., Any], tuple[Any, ...], tuple[Any, ...], int]:
+    """``(f, leaves, leaf_dims, tasks)``: ``fn`` taking the flat leaves of ``trees``, those
+    leaves, their dims from ``dims`` (a prefix tree), and the size of the task axis."""
     # None is a leaf of both (an absent input, ``targets=None``): it passes through unbatched
     flat, spec = tree.flatten(trees, none_is_leaf=True)
     flat_dims = tuple(tree.flatten(dims, none_is_leaf=True)[0])
@@ -235,10 +225,21 @@ def vmap_flat(
     def unflat(*xs: Any) -> Any:
         return fn(*tree.unflatten(spec, xs))
 
+    return unflat, tuple(flat), flat_dims, size
+
+
+def vmap_flat(
+    fn: Callable[..., Any], trees: tuple[Any, ...], dims: tuple[Any, ...], chunk: int | None = None
+) -> Any:
+    """``vmap(fn)(*trees)`` with ``in_dims`` trees ``dims`` (0 or None), the trees passed flat:
+    vmap then walks a flat argument list instead of dicts (its pytree walk is a visible share
+    of a small model's step). With ``chunk``, the tasks run ``chunk`` at a time (one at a
+    time without vmap for 1: :func:`per_task_call`) and the outputs are concatenated."""
+    unflat, flat, flat_dims, size = _flattened(fn, trees, dims)
     if chunk is None or chunk >= size:
-        return fast_vmap(unflat, tuple(flat), flat_dims, size)
+        return fast_vmap(unflat, flat, flat_dims, size)
     if chunk == 1:
-        return per_task_call(unflat, tuple(flat), flat_dims, size)
+        return per_task_call(unflat, flat, flat_dims, size)
     # split, not narrow per chunk: one backward for all the chunks (as unbind above)
     parts = [None if d is None else x.split(chunk, d) for x, d in zip(flat, flat_dims, strict=True)]
     outs = []
