@@ -158,7 +158,11 @@ def run(ranks: int, args: argparse.Namespace) -> list[dict[str, int]]:
     command += ["--width", str(args.width), "--blocks", str(args.blocks), "--rows", str(args.rows)]
     command += ["--repeats", str(args.repeats), "--steps", str(args.steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    for _attempt in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        # torchrun --standalone picks a free port and binds it later: another job may take it
+        if done.returncode == 0 or "address already in use" not in done.stderr.lower():
+            break
     if done.returncode != 0:
         raise SystemExit(f"{ranks} rank(s) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

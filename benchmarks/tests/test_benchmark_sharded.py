@@ -23,7 +23,7 @@ def test_the_benchmark_runs_on_two_ranks_and_judges_its_targets():
     )
     assert run.returncode in (0, 1), run.stderr
     lines = run.stdout.splitlines()
-    assert len([s for s in lines if s.startswith("2 ranks")]) == 2, run.stdout
+    assert len([s for s in lines if s.startswith("2 ranks")]) == 2, run.stdout + run.stderr[-3000:]
     assert any(s.startswith("largest peak of a rank / the single process's:") for s in lines)
     assert re.match(r"RESULT (PASS|FAIL)", lines[-1]), run.stdout
     assert ("PASS" in lines[-1]) == (run.returncode == 0)
