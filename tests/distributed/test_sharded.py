@@ -619,7 +619,7 @@ def _case_split_activations(world):
     from funcmeta._src.checkpoint import engine
 
     kept = [0]
-    original = engine._Piece.__init__
+    original, threshold = engine._Piece.__init__, engine._SPLIT_MIN
 
     def counting(self, t, group):
         kept[0] += 1
@@ -631,7 +631,7 @@ def _case_split_activations(world):
         out = {name: _combination(name, mesh) for name in SPLIT_COMBINATIONS}
         out.update({name: _recipe(name, mesh, "sequential") for name in ("maml", "metasgd")})
     finally:
-        engine._SPLIT_MIN, engine._Piece.__init__ = 4096, original
+        engine._SPLIT_MIN, engine._Piece.__init__ = threshold, original
     return out, kept[0]
 
 
