@@ -238,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.check:
             status = _check(adapted_losses, held, whole, world, most, block)
+    # no rank tears the group down while a peer's last collective is in flight (gloo aborts
+    # the process: "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return status
 

@@ -149,6 +149,9 @@ def rank_main(args: argparse.Namespace) -> None:
     )
     if dist.get_rank() == 0:
         print(json.dumps(rows))
+    # no rank tears the group down while a peer's last collective is in flight (gloo aborts
+    # the process: "terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
