@@ -22,6 +22,9 @@ checkpointing, again when it is recomputed), so that a rank holds its shards and
 full parameters; :func:`funcmeta.adapt` runs on it, second order, and the meta-gradients land
 in the shards' ``.grad`` (docs/distributed.md, "Sharded parameters"). :func:`shard_hyper`
 places learnable inner rates beside them (per-element rates sharded, the others replicated).
+:func:`gather_params` splits the tasks across the same ranks instead: the whole parameters
+gathered once per meta-step for this rank's own tasks, the meta-gradient reduce-scattered
+into the shards in the backward.
 
 Example (one process; under ``torchrun`` every rank runs the same code):
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -43,6 +46,7 @@ from funcmeta._src.distributed.collectives import (
     world,
 )
 from funcmeta._src.distributed.sharded import gathered_bytes, shard_hyper, shard_model
+from funcmeta._src.distributed.split import gather_params
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -50,6 +54,7 @@ __all__ = [
     "PeerError",
     "ShardingError",
     "average_gradients",
+    "gather_params",
     "gathered_bytes",
     "shard",
     "shard_hyper",

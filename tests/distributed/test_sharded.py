@@ -635,6 +635,70 @@ def _case_split_activations(world):
     return out, kept[0]
 
 
+def _split_batch():
+    """5 tasks: uneven over 2 ranks (3 and 2) and over 4 (2, 1, 1, 1)."""
+    g = torch.Generator().manual_seed(5)
+    return tuple(torch.randn(5, 6, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
+
+
+def _split_meta(fmodel, params, batch, rates) -> None:
+    """Second-order fm.adapt_tasks (all tasks at once) with learnable per-layer rates, then
+    the backward of the mean query loss of the tasks given."""
+    xs, ys, xq, yq = batch
+    opt = fm.optim.sgd(lr=rates)
+    result = fm.adapt_tasks(fmodel, params, F.mse_loss, (xs, ys), opt, steps=2)
+    fm.task_losses(fmodel, result.params, F.mse_loss, (xq, yq)).losses.mean().backward()
+
+
+def _split_rates(fmodel):
+    return fm.hyper.per_layer(fmodel.params, 0.1, parameterization="softplus")
+
+
+def _case_split_tasks(world, shape):
+    """Each rank adapts its own share of the tasks on whole parameters gathered once
+    (fm.distributed.gather_params over a 1-D or 2-D mesh); the rates' gradients averaged with
+    average_gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", shape)
+    net = fm.distributed.shard_model(_net(), mesh, mesh_dim=len(shape) - 1)
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    rates = _split_rates(fmodel)
+    share, count = fm.distributed.shard(_split_batch())
+    whole = fm.distributed.gather_params(fmodel.params, count)
+    kinds = sorted({type(t).__name__ for t in whole.values()})
+    _split_meta(fmodel, whole, share, rates)
+    fm.distributed.average_gradients(list(rates.parameters()), count)
+    grads = [p.grad.full_tensor() for p in net.parameters()]
+    return kinds, count, grads, [r.grad for r in rates.parameters()]
+
+
+def _case_split_refusals(world):
+    """What gather_params and average_gradients refuse on a sharded model."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    said = {}
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    try:  # a 1-D mesh's default group holds ranks with different shards
+        fm.distributed.average_gradients(dict(net.named_parameters()))
+        said["average shards"] = None
+    except fm.distributed.ShardingError as error:
+        said["average shards"] = str(error)
+    try:
+        fm.distributed.gather_params(fmodel.params, count=dist.get_rank())  # rank 0: none
+        said["no task"] = None
+    except ValueError as error:
+        said["no task"] = str(error)
+    extra = {**fmodel.params, "extra": torch.zeros(2, requires_grad=True)}
+    try:
+        fm.distributed.gather_params(extra)
+        said["plain beside shards"] = None
+    except fm.distributed.ShardingError as error:
+        said["plain beside shards"] = str(error)
+    return said
+
+
 def _case_bundle(world):
     """The cases of BUNDLES[world], one after another in this process group: ``{(case,
     repr(args)): result}``, a case that raised giving ``("raised", traceback)``."""
@@ -648,6 +712,8 @@ def _case_bundle(world):
 
 
 CASES = {
+    "split_tasks": _case_split_tasks,
+    "split_refusals": _case_split_refusals,
     "split_activations": _case_split_activations,
     "layer_norm_alone": _case_layer_norm_alone,
     "bundle": _case_bundle,
@@ -682,12 +748,16 @@ BUNDLES: dict[int, list[tuple[str, tuple]]] = {
         ("split_activations", ()),
         ("combinations", (list(COMBINATIONS),)),
         ("recipes", (None,)),
+        ("split_tasks", ((2,),)),
+        ("split_refusals", ()),
     ],
     4: [
         ("two_axes", ()),
         ("split_activations", ()),
         ("combinations", (RATE_COMBINATIONS,)),
         ("recipes", ("sequential",)),
+        ("split_tasks", ((4,),)),
+        ("split_tasks", ((2, 2),)),
     ],
 }
 
@@ -917,3 +987,39 @@ def test_checkpointed_layers_split_their_saved_activations_across_the_ranks(tmp_
         for name in ("maml", "metasgd"):
             for a, b in zip(ours[name], _recipe(name, None, "sequential"), strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize(("world", "shape"), [(2, (2,)), (4, (4,)), (4, (2, 2))])
+def test_ranks_with_their_own_tasks_get_the_mean_meta_gradient_in_their_shards(
+    tmp_path, world, shape
+):
+    """fm.distributed.gather_params: each rank adapts its own, uneven share of 5 tasks
+    (fm.adapt_tasks, checkpointed layers, learnable per-layer rates) on whole parameters; the
+    backward's reduce-scatter leaves in the shards the meta-gradient of the mean over all 5
+    tasks, as one process computes it (float64), on a 1-D mesh and on both axes of a 2-D one;
+    the rates' gradients averaged by average_gradients equal the process's too."""
+    net = _net()
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    rates = _split_rates(fmodel)
+    _split_meta(fmodel, fmodel.params, _split_batch(), rates)
+    reference = [p.grad for p in net.parameters()]
+    rate_reference = [r.grad for r in rates.parameters()]
+    counts = []
+    for kinds, count, grads, rate_grads in _spawn(tmp_path, world, "split_tasks", shape):
+        assert kinds == ["Tensor"]  # whole, plain tensors: the unsharded inner loop
+        counts.append(count)
+        for ours, theirs in zip(grads + rate_grads, reference + rate_reference, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+    assert counts == ([3, 2] if world == 2 else [2, 1, 1, 1])
+
+
+def test_gather_params_and_average_gradients_refuse_what_would_be_wrong(tmp_path):
+    """average_gradients over ranks that hold different shards would average different rows,
+    silently where the shards have one shape; a rank without tasks would skip the backward
+    whose reduce-scatter the others wait in; a plain learnable tensor beside the shards would
+    keep this rank's own gradient."""
+    for said in _spawn(tmp_path, 2, "split_refusals"):
+        assert "would average different shards of '0.weight'" in (said["average shards"] or "")
+        assert "nothing to average" in said["average shards"]
+        assert "1 of 2 ranks have no task" in (said["no task"] or "")
+        assert "plain tensors that require grad (['extra'])" in (said["plain beside shards"] or "")

@@ -17,7 +17,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, is_sharded
+from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingError, is_sharded
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -146,6 +146,7 @@ def average_gradients(
     check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
     if world(group)[1] == 1:
         return
+    _refuse_different_shards(named, group)
     device = named[0][1].device if named else torch.device("cpu")
     if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
         device = torch.device("cuda", torch.cuda.current_device())
@@ -171,6 +172,33 @@ def average_gradients(
         mean = flat[offset : offset + n].reshape(g.shape).to(g.dtype).clone()
         t.grad = _like(t, mean)
         offset += n
+
+
+def _refuse_different_shards(named: list[tuple[str, Tensor]], group: Any) -> None:
+    """Raise :class:`ShardingError` when ``group`` holds two ranks with different shards of a
+    sharded parameter in ``named``: averaging them would mix different rows of it, silently
+    when the shards have the same shape."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    for name, t in named:
+        if not is_sharded(t):
+            continue
+        sharded = cast(Any, t)
+        mesh = sharded.device_mesh
+        axes = [i for i, p in enumerate(sharded.placements) if p.is_shard()]
+        grid = mesh.mesh
+        where = {r: (grid == r).nonzero()[0].tolist() for r in ranks if bool((grid == r).any())}
+        for axis in axes:
+            seen = {w[axis] for w in where.values()}
+            if len(seen) > 1 or len(where) < len(ranks):
+                raise ShardingError(
+                    f"average_gradients would average different shards of {name!r}: its group "
+                    f"holds ranks {ranks[:8]}, which split that parameter along mesh axis "
+                    f"{axis}. Pass the group of the axis that splits the tasks "
+                    "(group=mesh.get_group('tasks') on a 2-D mesh). On a 1-D mesh there is "
+                    "nothing to average: with the same tasks on every rank the shards' .grad is "
+                    "complete after the backward, and with fm.distributed.gather_params its "
+                    "backward averaged them"
+                )
 
 
 def _local(tensor: Tensor) -> Tensor:

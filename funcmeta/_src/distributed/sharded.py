@@ -148,7 +148,8 @@ def shard_model(
 
     Build the functional model after it (``fm.functional_model(module, checkpoint_layers=...)``:
     checkpointing the same layers keeps one layer's full parameters at a time). Every rank
-    must run the same tasks on the same data. :func:`funcmeta.adapt`, calls of the functional
+    must run the same tasks on the same data, unless it gathers the whole parameters for
+    its own tasks with :func:`gather_params`. :func:`funcmeta.adapt`, calls of the functional
     model, and the task-batched calls (:func:`funcmeta.adapt_tasks`,
     :func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`, the recipes) take a sharded
     model; the task-batched ones run its tasks one at a time, since a ``DTensor`` does not run

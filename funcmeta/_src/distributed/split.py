@@ -1,0 +1,170 @@
+"""Tasks split across the ranks that shard a model: the whole parameters gathered once per
+meta-step, their meta-gradient averaged over the ranks into the shards. The implementation
+of :func:`funcmeta.distributed.gather_params`.
+
+``DTensor.full_tensor(grad_placements=[Partial()])`` gathers a shard (an all-gather) and
+declares its gradient a partial sum: its backward reduce-scatters the ranks' gradients into
+the shards instead of keeping each rank's own slice (docs/decisions/sharded-parameters.md).
+A tiny autograd function before it weights each rank's gradient by its share of the tasks,
+so that the shards' ``.grad`` is the gradient of the mean over every rank's tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from funcmeta._src.core.checks import check_real
+from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingError, is_sharded
+
+__all__ = ["gather_params"]
+
+
+class _WeightedGradient(torch.autograd.Function):
+    """The identity, whose backward multiplies the gradient by ``weight`` (a float)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, weight: float) -> Tensor:
+        ctx.weight = weight
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.weight, None
+
+
+def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
+    """The sum of ``count`` over every rank of ``mesh``, and how many ranks have none (one
+    small all-reduce per axis)."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device("cpu")
+    )
+    totals = torch.tensor([float(count), float(count == 0)], dtype=torch.float64, device=device)
+    for axis in range(mesh.ndim):
+        try:
+            work = dist.all_reduce(totals, group=mesh.get_group(axis), async_op=True)
+            assert work is not None
+            work.wait(timeout=timedelta(seconds=timeout))
+        except RuntimeError as error:
+            raise PeerError(
+                f"summing the ranks' task counts failed or did not finish within {timeout:g} "
+                f"s: a peer process is gone or stalled ({str(error).splitlines()[0]}). Exit "
+                "and resume every rank from its last torch.distributed.checkpoint save"
+            ) from error
+    return float(totals[0]), int(totals[1])
+
+
+@exposed_in("funcmeta.distributed")
+def gather_params(
+    params: Mapping[str, Tensor],
+    count: int | float | None = None,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> dict[str, Tensor]:
+    """The whole parameters of a model sharded by :func:`shard_model`, for a rank that runs
+    its own tasks: one all-gather per parameter now, and in the outer backward one
+    reduce-scatter that leaves in each shard's ``.grad`` the task-weighted mean of every
+    rank's meta-gradient.
+
+    This is the other way to use a sharded model. :func:`shard_model` alone keeps the
+    parameters sharded in the inner loop too, and every rank of its shard axis runs the same
+    tasks: the ranks split the memory, not the work. With ``gather_params`` each rank of the
+    mesh (both axes of a 2-D one) adapts its own share of the meta-batch (split it with
+    :func:`shard`) on whole tensors, so the ranks split the work: the inner loop is the
+    unsharded one (task batching with ``vmap``, :func:`funcmeta.compile_meta_step`), and a
+    rank holds the whole initial parameters and its tasks' adapted ones during the step,
+    while the parameters between steps, their gradients and the outer optimizer's state stay
+    sharded.
+
+    ``count`` is the number of tasks this rank's loss is the mean over (as returned by
+    :func:`shard`); the shards then get ``sum_r count_r * grad_r / sum_r count_r``, the
+    gradient of the mean over all tasks. Without it every rank weighs the same. Do not also
+    call :func:`average_gradients` on the sharded parameters; call it on anything else
+    learnable (plain, unsharded inner rates: ``fm.hyper`` trees not placed by
+    :func:`shard_hyper`), with the same ``count``. A model without shards (one process, or
+    an unsharded run of the same script) gets its ``params`` back as they are.
+
+    Raises :class:`ShardingError` when ``params`` mixes shards with plain tensors that
+    require grad (their gradients would not be averaged), or holds shards of different
+    meshes; :class:`PeerError` when a gather, or the sum of the counts, fails or waits past
+    ``timeout`` seconds.
+
+    Example (one process; under ``torchrun`` every rank runs the same code on its own tasks):
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> import funcmeta as fm
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> rendezvous = tempfile.mktemp()
+        >>> dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+        >>> net = fm.distributed.shard_model(torch.nn.Linear(4, 2), init_device_mesh("cpu", (1,)))
+        >>> fmodel = fm.functional_model(net)
+        >>> whole = fm.distributed.gather_params(fmodel.params, count=3)
+        >>> [type(t).__name__ for t in whole.values()]
+        ['Tensor', 'Tensor']
+        >>> fmodel(whole, torch.ones(3, 4)).sum().backward()
+        >>> type(net.weight.grad).__name__
+        'DTensor'
+        >>> dist.destroy_process_group()
+    """
+    from torch.distributed.tensor import Partial
+
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            "gather_params takes the model's parameters as a dict of name -> tensor "
+            f"(fmodel.params), got {type(params).__name__}"
+        )
+    check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
+    if count is not None:
+        check_real(count, "count (the number of tasks this rank's loss is the mean over)", low=0.0)
+    shards = {n: v for n, v in params.items() if is_sharded(v)}
+    if not shards:
+        return dict(params)
+    plain = [n for n, v in params.items() if not is_sharded(v) and v.requires_grad]
+    if plain:
+        raise ShardingError(
+            f"gather_params got shards beside plain tensors that require grad ({plain[:4]}): "
+            "their gradients would stay this rank's own. Shard the whole model "
+            "(fm.distributed.shard_model), or pass only its parameters and average the "
+            "others' gradients with fm.distributed.average_gradients"
+        )
+    meshes = {id(cast(Any, v).device_mesh): cast(Any, v).device_mesh for v in shards.values()}
+    if len(meshes) > 1:
+        raise ShardingError(
+            f"gather_params got shards of {len(meshes)} different meshes: shard the model once "
+            "(fm.distributed.shard_model) and pass its parameters"
+        )
+    mesh = next(iter(meshes.values()))
+    if count is None:
+        weight = 1.0 / mesh.size()
+    else:
+        total, empty = _totals(count, mesh, timeout)
+        if empty:
+            raise ValueError(
+                f"{empty} of {mesh.size()} ranks have no task (count=0): with gather_params "
+                "every rank runs the outer backward (its reduce-scatter is a collective), so "
+                "give every rank at least one task (as many tasks as ranks or more)"
+            )
+        weight = float(count) / total
+    partial = [Partial()] * mesh.ndim
+    whole: dict[str, Tensor] = {}
+    for name, value in params.items():
+        if not is_sharded(value):
+            whole[name] = value
+            continue
+        try:
+            full = cast(Any, value).full_tensor(grad_placements=partial)
+        except RuntimeError as error:  # a collective failed: say which, and why
+            raise PeerError(
+                f"gathering parameter {name!r} across the mesh failed: a peer rank is gone or "
+                f"stalled ({str(error).splitlines()[0]}). Exit and resume every rank from its "
+                "last torch.distributed.checkpoint save"
+            ) from error
+        whole[name] = _WeightedGradient.apply(full, weight) if value.requires_grad else full
+    return whole
