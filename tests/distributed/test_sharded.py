@@ -338,6 +338,25 @@ def _case_peer_gone(world):
     return None
 
 
+def _case_peer_gone_before_backward(world):
+    """Each rank adapts its own tasks on gathered parameters (gather_params); rank 1 exits
+    before the outer backward, whose reduce-scatter rank 0 then runs alone."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    share, count = fm.distributed.shard(_split_batch())
+    whole = fm.distributed.gather_params(fmodel.params, count)
+    xs, ys, xq, yq = share
+    result = fm.adapt_tasks(fmodel, whole, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    loss = fm.task_losses(fmodel, result.params, F.mse_loss, (xq, yq)).losses.mean()
+    if dist.get_rank() == 1:
+        os._exit(0)
+    try:
+        loss.backward()
+    except fm.distributed.PeerError as error:
+        return str(error)
+    return None
+
+
 def _case_peer_stalls(world):
     """Rank 1 stalls (20 s) when its forward reaches the second linear layer; the mesh's
     process group waits 5 s per collective: rank 0's gather of that layer gives up and says
@@ -723,6 +742,7 @@ CASES = {
     "two_axes": _case_two_axes,
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
+    "peer_gone_before_backward": _case_peer_gone_before_backward,
     "peer_stalls": _case_peer_stalls,
     "dcp": _case_dcp,
     "meta_gradients": _case_meta_gradients,
@@ -880,6 +900,25 @@ def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
     said = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert isinstance(said, str), said
     assert "gathering Linear parameter 'weight' across the mesh failed" in said
+    assert "a peer rank is gone or stalled" in said
+    assert time.monotonic() - started < 120  # no hang
+
+
+def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_path):
+    """gather_params: the backward's reduce-scatter with a peer gone raises PeerError naming
+    the parameter (the last one the backward reaches first), with no hang."""
+    import time
+
+    started = time.monotonic()
+    mp.spawn(
+        _worker,
+        args=(2, str(tmp_path / "rendezvous"), str(tmp_path), "peer_gone_before_backward", ()),
+        nprocs=2,
+        join=True,
+    )
+    said = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert isinstance(said, str), said
+    assert "reducing the meta-gradient of parameter '4." in said
     assert "a peer rank is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
 

@@ -2,11 +2,12 @@
 meta-step, their meta-gradient averaged over the ranks into the shards. The implementation
 of :func:`funcmeta.distributed.gather_params`.
 
-``DTensor.full_tensor(grad_placements=[Partial()])`` gathers a shard (an all-gather) and
-declares its gradient a partial sum: its backward reduce-scatters the ranks' gradients into
-the shards instead of keeping each rank's own slice (docs/decisions/sharded-parameters.md).
-A tiny autograd function before it weights each rank's gradient by its share of the tasks,
-so that the shards' ``.grad`` is the gradient of the mean over every rank's tasks.
+Each shard is gathered with ``DTensor.full_tensor()`` (an all-gather); an autograd function
+around it declares the whole tensor's gradient a partial sum, weighted by this rank's share
+of the tasks, and redistributes it to the shard's placements in the backward: a
+reduce-scatter of the ranks' gradients into the shards instead of ``full_tensor()``'s own
+backward, which keeps each rank's slice (docs/decisions/sharded-parameters.md). The shards'
+``.grad`` is then the gradient of the mean over every rank's tasks.
 """
 
 from __future__ import annotations
@@ -26,17 +27,35 @@ from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingErro
 __all__ = ["gather_params"]
 
 
-class _WeightedGradient(torch.autograd.Function):
-    """The identity, whose backward multiplies the gradient by ``weight`` (a float)."""
+class _Gathered(torch.autograd.Function):
+    """A shard's whole tensor (``full_tensor()``); the backward weights the gradient of the
+    whole tensor and reduces it over the mesh into the shard's placements (a partial sum
+    redistributed: a reduce-scatter along a ``Shard`` axis, an all-reduce along a
+    ``Replicate`` one), naming the parameter when a peer is gone."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, weight: float) -> Tensor:
-        ctx.weight = weight
-        return tensor.view_as(tensor)
+    def forward(ctx: Any, shard: Any, whole: Tensor, weight: float, name: str) -> Tensor:
+        ctx.spec = (shard.device_mesh, shard.placements, shard.shape, shard.stride())
+        ctx.weight, ctx.name = weight, name
+        return whole.view_as(whole)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.weight, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, None, None, None]:
+        from torch.distributed.tensor import DTensor, Partial
+
+        mesh, placements, shape, stride = ctx.spec
+        partial = DTensor.from_local(
+            grad * ctx.weight, mesh, [Partial()] * mesh.ndim, shape=shape, stride=stride
+        )
+        try:
+            return partial.redistribute(mesh, placements), None, None, None
+        except RuntimeError as error:  # a collective failed: say which, and why
+            raise PeerError(
+                f"reducing the meta-gradient of parameter {ctx.name!r} across the mesh "
+                f"failed: a peer rank is gone or stalled, or did not run this backward "
+                f"({str(error).splitlines()[0]}). Exit and resume every rank from its last "
+                "torch.distributed.checkpoint save"
+            ) from error
 
 
 def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
@@ -113,8 +132,6 @@ def gather_params(
         'DTensor'
         >>> dist.destroy_process_group()
     """
-    from torch.distributed.tensor import Partial
-
     if not isinstance(params, Mapping):
         raise TypeError(
             "gather_params takes the model's parameters as a dict of name -> tensor "
@@ -152,19 +169,19 @@ def gather_params(
                 "give every rank at least one task (as many tasks as ranks or more)"
             )
         weight = float(count) / total
-    partial = [Partial()] * mesh.ndim
     whole: dict[str, Tensor] = {}
     for name, value in params.items():
         if not is_sharded(value):
             whole[name] = value
             continue
         try:
-            full = cast(Any, value).full_tensor(grad_placements=partial)
+            with torch.no_grad():
+                full = cast(Any, value).full_tensor()
         except RuntimeError as error:  # a collective failed: say which, and why
             raise PeerError(
                 f"gathering parameter {name!r} across the mesh failed: a peer rank is gone or "
                 f"stalled ({str(error).splitlines()[0]}). Exit and resume every rank from its "
                 "last torch.distributed.checkpoint save"
             ) from error
-        whole[name] = _WeightedGradient.apply(full, weight) if value.requires_grad else full
+        whole[name] = _Gathered.apply(value, full, weight, name) if value.requires_grad else full
     return whole
