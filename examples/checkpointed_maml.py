@@ -62,12 +62,15 @@ other single-threaded job running (2026-11-28), wall time with CPU time in brack
         # width 64, bf16: query loss 0.93 -> 0.15 over 30 iterations (RESULT: 0.872 -> 0.155),
         # memory 0.32x the unchecked model's, time 1.93x, RESULT PASS; idle 55 s (92 s), with
         # the other job 56 s (51 s) on the one thread --threads then takes, 208 s (251 s) on
-        # two: a thread on the other job's core makes every parallel region wait for it
+        # two: a thread on the other job's core makes every parallel region wait for it;
+        # measured again later that day, idle: 62 to 70 s (103 to 117 s) on two threads in
+        # four runs, 56 and 67 s (52 and 62 s) on one
     python examples/checkpointed_maml.py --width 768 --rows 64 --iterations 10 --no-measure
         # the GPU's width, few rows: 1.20 -> 0.78 (RESULT: 1.134 -> 0.920), RESULT PASS; in
         # bf16 35 s (64 s); on a CPU without bf16 instructions (torch capped to AVX2 with
         # ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2), where auto runs float32: idle
-        # 50 s (93 s), with the other job 80 s (77 s) on one thread, 184 s (231 s) on two
+        # 50 s (93 s), with the other job 80 s (77 s) on one thread, 184 s (231 s) on two;
+        # measured again later that day, idle: 63 s (117 s) on two threads, 74 s (72 s) on one
     python examples/checkpointed_maml.py --precision fp16
         # fp16 + GradScaler("cpu"): 0.93 -> 0.15 (RESULT: 0.869 -> 0.155), none of the 30
         # skipped, memory 0.27x, RESULT PASS; 1523 s (1044 s) on the same machine loaded by

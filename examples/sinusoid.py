@@ -14,7 +14,8 @@ The run of ``make demo`` (4000 iterations for each of the six method and shot se
 with ``--plot examples/out/sinusoid_demo.png``) runs on one thread. From a fresh clone on this
 project's 2-core AMD EPYC (2026-11-28), the script took 73 s on the idle machine and 79 s
 with another single-threaded job running; ``make demo`` in all (its installs included) took
-83 s and 90 s. On 2 cores loaded by several other jobs (load average about 5, 2026-11-26) it
+83 s and 90 s. Measured again later that day: the script 82 s idle, 90 and 114 s beside the
+other job (two runs); ``make demo`` 94 s, and 103 and 126 s. On 2 cores loaded by several other jobs (load average about 5, 2026-11-26) it
 took 214 s, the process getting half a core. The time grows with the iterations: the full
 length, for the comparison with the published 10-shot figures, runs five times as many and
 takes about five times as long.
