@@ -357,6 +357,27 @@ def _case_peer_gone_before_backward(world):
     return None
 
 
+def _case_peer_gone_in_an_activations_gather(world):
+    """The same tasks on both ranks, checkpointed layers keeping slices of what they save
+    (the size threshold lowered to 1 element); rank 1 exits before the outer backward, whose
+    first gather of a saved tensor rank 0 then runs alone."""
+    from funcmeta._src.checkpoint import engine
+
+    engine._SPLIT_MIN = 1
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    xs, ys, xq, yq = _data()
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    loss = F.mse_loss(fmodel(result.params, xq), yq)
+    if dist.get_rank() == 1:
+        os._exit(0)
+    try:
+        loss.backward()
+    except fm.distributed.PeerError as error:
+        return str(error)
+    return None
+
+
 def _case_peer_stalls(world):
     """Rank 1 stalls (20 s) when its forward reaches the second linear layer; the mesh's
     process group waits 5 s per collective: rank 0's gather of that layer gives up and says
@@ -743,6 +764,7 @@ CASES = {
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
     "peer_gone_before_backward": _case_peer_gone_before_backward,
+    "peer_gone_in_an_activations_gather": _case_peer_gone_in_an_activations_gather,
     "peer_stalls": _case_peer_stalls,
     "dcp": _case_dcp,
     "meta_gradients": _case_meta_gradients,
@@ -904,23 +926,32 @@ def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
     assert time.monotonic() - started < 120  # no hang
 
 
-def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_path):
-    """gather_params: the backward's reduce-scatter with a peer gone raises PeerError naming
-    the parameter (the last one the backward reaches first), with no hang."""
+def _peer_gone(tmp_path, case: str) -> str:
+    """Rank 0's message from ``case`` on 2 ranks, rank 1 having exited on purpose (no
+    bundle: its process is gone); with no hang."""
     import time
 
     started = time.monotonic()
-    mp.spawn(
-        _worker,
-        args=(2, str(tmp_path / "rendezvous"), str(tmp_path), "peer_gone_before_backward", ()),
-        nprocs=2,
-        join=True,
-    )
+    mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path), case, ()), nprocs=2)
     said = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert isinstance(said, str), said
-    assert "reducing the meta-gradient of parameter '4." in said
     assert "a peer rank is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
+    return said
+
+
+def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_path):
+    """gather_params: the backward's reduce-scatter with a peer gone raises PeerError naming
+    the parameter (the last one the backward reaches first)."""
+    said = _peer_gone(tmp_path, "peer_gone_before_backward")
+    assert "reducing the meta-gradient of parameter '4." in said
+
+
+def test_a_peer_gone_while_a_backward_gathers_a_saved_activation_is_named(tmp_path):
+    """A checkpointed layer of a sharded model keeps a slice of each tensor it saves; the
+    backward's all-gather of it with a peer gone raises PeerError, not gloo's own error."""
+    said = _peer_gone(tmp_path, "peer_gone_in_an_activations_gather")
+    assert "gathering a checkpointed layer's saved tensor (shape (8, " in said
 
 
 @pytest.mark.slow  # waits out a 5 s collective timeout and a 20 s stall

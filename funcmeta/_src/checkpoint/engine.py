@@ -56,7 +56,7 @@ from torch import Tensor
 from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.fence import AutocastState
 from funcmeta._src.core.replay import recomputation
-from funcmeta._src.core.sharding import ShardingError, is_sharded
+from funcmeta._src.core.sharding import PeerError, ShardingError, is_sharded
 from funcmeta._src.module import scope
 
 __all__ = [
@@ -545,7 +545,15 @@ class _Piece:
         """The tensor again: every rank's slice, all-gathered (a copy of the same values)."""
         world = torch.distributed.get_world_size(self.group)
         out = self.piece.new_empty(self.piece.numel() * world)
-        _all_gather(out, self.piece, group=self.group)
+        try:
+            _all_gather(out, self.piece, group=self.group)
+        except RuntimeError as error:  # a collective failed: say which, and why
+            raise PeerError(
+                f"gathering a checkpointed layer's saved tensor (shape {tuple(self.shape)}) "
+                "across the shard axis failed in a backward: a peer rank is gone or stalled, "
+                f"or did not run this backward ({str(error).splitlines()[0]}). Exit and resume "
+                "every rank from its last torch.distributed.checkpoint save"
+            ) from error
         return out[: self.numel].view(self.shape)
 
 
