@@ -13,11 +13,17 @@ them in the graph until the backward reaches it; a LayerNorm checkpointed on its
 refused: torch's DTensor cannot differentiate it twice), and in the outer backward a layer's
 recomputation can overlap its neighbour's. Every rank
 runs the same tasks (``fm.recipes.maml``: a sharded model's tasks run one at a time), the
-meta-gradients land in the shards' ``.grad``, and Adam steps the shards. ``--save DIR``
+meta-gradients land in the shards' ``.grad``, and Adam steps the shards. With
+``--own-tasks`` the ranks split the work as well: each takes its share of the meta-batch
+(``fm.distributed.shard``) and adapts it on the whole parameters, gathered once per
+meta-iteration (``fm.distributed.gather_params``; its tasks batched with ``vmap``), and the
+backward reduce-scatters the mean meta-gradient into the shards; a rank then holds the
+whole parameters during a meta-iteration, its shards between them. ``--save DIR``
 writes the run with ``torch.distributed.checkpoint`` at the end and ``--resume DIR`` loads
 it first, on any number of ranks.
 
     torchrun --nproc_per_node 4 examples/sharded_maml.py                     # CPU, gloo
+    torchrun --nproc_per_node 2 examples/sharded_maml.py --own-tasks         # tasks split too
     torchrun --nproc_per_node 1 examples/sharded_maml.py --backend nccl      # one GPU
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         examples/sharded_maml.py --backend nccl --width 1024 --blocks 24      # 2 machines of 8 GPUs
@@ -28,7 +34,8 @@ each rank holds against the whole model and the most gathered bytes alive at onc
 ``RESULT PASS`` or ``RESULT FAIL`` (exit status 1): the adapted query loss fell from the
 first iterations to the last, each rank holds at most its share of the parameters plus one
 block's, and no more gathered bytes were alive at once than one block's, the final norm's and
-one other layer's.
+one other layer's (with ``--own-tasks``, where the layers gather nothing, the loss and what
+a rank holds between meta-iterations).
 """
 
 from __future__ import annotations
@@ -146,6 +153,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3, help="outer Adam learning rate")
     p.add_argument("--save", help="a folder: save the run there at the end (all ranks)")
     p.add_argument("--resume", help="a folder: resume the run saved there")
+    p.add_argument(
+        "--own-tasks",
+        action="store_true",
+        help="each rank adapts its share of the tasks on whole parameters gathered once per "
+        "meta-iteration (fm.distributed.gather_params)",
+    )
     p.add_argument("--check", action="store_true", help="end with RESULT PASS or RESULT FAIL")
     add_threads_option(p, 1, "one per rank: the ranks share the cores")
     return p
@@ -199,10 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     for it in range(start, start + args.iterations):
         rng = torch.Generator().manual_seed(it)  # the same tasks on every rank, and on resuming
         support, query = tasks(args, args.meta_batch, rng, device)
+        params = fmodel.params
+        if args.own_tasks:  # this rank's share of the tasks, on the whole parameters
+            (support, query), count = fm.distributed.shard((support, query))
+            params = fm.distributed.gather_params(fmodel.params, count)
         outer.zero_grad()
         out = fm.recipes.maml(
             fmodel,
-            fmodel.params,
+            params,
             next_token_loss,
             support,
             query,
@@ -214,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         adapted_losses.append(out.loss.item())
         if (it + 1) % 5 == 0:  # every rank: a sharded model's calls gather on all of them
             with torch.no_grad():
-                before = fm.task_losses(fmodel, fmodel.params, next_token_loss, query).losses
+                before = fm.task_losses(fmodel, params, next_token_loss, query).losses
         if rank == 0 and (it + 1) % 5 == 0:
             print(
                 f"iteration {it + 1}: query loss {before.mean().item():.3f} before adapting, "
@@ -231,13 +248,18 @@ def main(argv: list[str] | None = None) -> int:
     held = sum(p.to_local().numel() for p in net.parameters())
     whole = sum(p.numel() for p in net.parameters())
     status = 0
-    if rank == 0:
+    if rank == 0 and args.own_tasks:
+        print(
+            f"{world} ranks, each with its own tasks: each holds {held:,} of {whole:,} "
+            "parameters between meta-iterations, all of them during one"
+        )
+    elif rank == 0:
         print(
             f"{world} ranks: each holds {held:,} of {whole:,} parameters; gathered at most "
             f"{most:,} bytes at once (one block, the final norm and one other layer: {block:,})"
         )
-        if args.check:
-            status = _check(adapted_losses, held, whole, world, most, block)
+    if rank == 0 and args.check:
+        status = _check(adapted_losses, held, whole, world, most, block)
     # no rank tears the group down while a peer's last collective is in flight (gloo aborts
     # the process: "terminate called without an active exception")
     dist.barrier()

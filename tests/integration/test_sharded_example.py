@@ -42,3 +42,13 @@ def test_two_ranks_hold_half_and_one_block_then_one_rank_resumes(tmp_path):
     resumed = _torchrun(1, "--iterations", "5", "--resume", str(tmp_path / "run"))
     assert "iteration 15: query loss" in resumed  # it went on from iteration 10
     assert "1 ranks: each holds" in resumed
+
+
+@pytest.mark.slow
+def test_two_ranks_with_their_own_tasks_learn_and_hold_half_between_iterations():
+    out = _torchrun(2, "--own-tasks", "--iterations", "10", "--check")
+    lines = out.strip().splitlines()
+    assert re.match(
+        r"2 ranks, each with its own tasks: each holds 51,200 of 102,400 parameters", lines[-2]
+    ), out
+    assert lines[-1].startswith("RESULT PASS"), out  # the adapted query loss fell
