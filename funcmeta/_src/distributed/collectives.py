@@ -26,6 +26,7 @@ __all__ = [
     "average_gradients",
     "check_same_everywhere",
     "shard",
+    "wait_collective",
     "world",
 ]
 
@@ -74,14 +75,16 @@ def _first_difference(signatures: list[Any]) -> str:
     return "the ranks' signatures differ"  # pragma: no cover - digests collide only if they differ
 
 
-def _wait(work: Any, timeout: float, what: str) -> None:
+def wait_collective(work: Any, timeout: float, what: str, save: str = "snapshot") -> None:
+    """Wait for a collective at most ``timeout`` seconds; :class:`PeerError` naming ``what``
+    otherwise (``save``: what a run resumes from)."""
     try:
         work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
         raise PeerError(
             f"rank {dist.get_rank()}: {what} with the other ranks failed or did not finish "
             f"within {timeout:g} s: a peer process is gone or stalled ({e}). Exit and resume "
-            "every rank from its last snapshot."
+            f"every rank from its last {save}."
         ) from e
 
 
@@ -157,7 +160,7 @@ def average_gradients(
     # then the mesh axis along which the parameters are replicated
     grads = [_local(torch.zeros_like(t) if t.grad is None else t.grad) for _, t in named]
     flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_ones(1)]) * float(count)
-    _wait(
+    wait_collective(
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
         timeout,
         "averaging the gradients",
@@ -234,7 +237,7 @@ def _check_signature(
     size = world(group)[1]
     mine = torch.tensor([_digest(signature)], dtype=torch.int64, device=device)
     digests = [torch.empty_like(mine) for _ in range(size)]
-    _wait(
+    wait_collective(
         dist.all_gather(digests, mine, group=group, async_op=True),
         timeout,
         "comparing what the ranks average",
@@ -257,12 +260,12 @@ def _gather_signatures(
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(size)]
     what = "naming the difference in what the ranks average"
-    _wait(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
+    wait_collective(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
     longest = max(int(n) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in range(size)]
-    _wait(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
+    wait_collective(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
     return [
         [(e[0], tuple(e[1]), e[2]) for e in json.loads(bytes(g[: int(n)].tolist()).decode())]
         for g, n in zip(gathered, lengths, strict=True)

@@ -13,7 +13,6 @@ backward, which keeps each rank's slice (docs/decisions/sharded-parameters.md). 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any, cast
 
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingError, is_sharded
+from funcmeta._src.distributed.collectives import wait_collective
 
 __all__ = ["gather_params"]
 
@@ -68,16 +68,10 @@ def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
     )
     totals = torch.tensor([float(count), float(count == 0)], dtype=torch.float64, device=device)
     for axis in range(mesh.ndim):
-        try:
-            work = dist.all_reduce(totals, group=mesh.get_group(axis), async_op=True)
-            assert work is not None
-            work.wait(timeout=timedelta(seconds=timeout))
-        except RuntimeError as error:
-            raise PeerError(
-                f"summing the ranks' task counts failed or did not finish within {timeout:g} "
-                f"s: a peer process is gone or stalled ({str(error).splitlines()[0]}). Exit "
-                "and resume every rank from its last torch.distributed.checkpoint save"
-            ) from error
+        work = dist.all_reduce(totals, group=mesh.get_group(axis), async_op=True)
+        wait_collective(
+            work, timeout, "summing the task counts", "torch.distributed.checkpoint save"
+        )
     return float(totals[0]), int(totals[1])
 
 
