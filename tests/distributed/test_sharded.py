@@ -730,6 +730,13 @@ def _case_split_refusals(world):
         said["no task"] = None
     except ValueError as error:
         said["no task"] = str(error)
+    placed = fm.distributed.shard_hyper(_split_rates(fmodel), net)
+    share, count = fm.distributed.shard(_split_batch())
+    try:  # rates placed beside the shards meet the whole parameters in the inner step
+        _split_meta(fmodel, fm.distributed.gather_params(fmodel.params, count), share, placed)
+        said["placed rates on whole parameters"] = None
+    except fm.distributed.ShardingError as error:
+        said["placed rates on whole parameters"] = str(error)
     extra = {**fmodel.params, "extra": torch.zeros(2, requires_grad=True)}
     try:
         fm.distributed.gather_params(extra)
@@ -1087,9 +1094,13 @@ def test_gather_params_and_average_gradients_refuse_what_would_be_wrong(tmp_path
     """average_gradients over ranks that hold different shards would average different rows,
     silently where the shards have one shape; a rank without tasks would skip the backward
     whose reduce-scatter the others wait in; a plain learnable tensor beside the shards would
-    keep this rank's own gradient."""
+    keep this rank's own gradient; rates placed beside the shards meet whole parameters in
+    the inner step (torch's mixed-tensor error, said again with the fix)."""
     for said in _spawn(tmp_path, 2, "split_refusals"):
         assert "would average different shards of '0.weight'" in (said["average shards"] or "")
         assert "nothing to average" in said["average shards"]
         assert "1 of 2 ranks have no task" in (said["no task"] or "")
         assert "plain tensors that require grad (['extra'])" in (said["plain beside shards"] or "")
+        placed = said["placed rates on whole parameters"] or ""
+        assert "met a DTensor hyperparameter with whole parameters" in placed
+        assert "keep the rates as fm.hyper built them" in placed

@@ -25,6 +25,7 @@ __all__ = [
     "refuse_sharded_options",
     "refuse_sharded",
     "rewrite_mixed",
+    "rewrite_mixed_hyper",
 ]
 
 _DISPATCH_MIX = "got mixed torch.Tensor and DTensor"
@@ -86,6 +87,22 @@ def rewrite_mixed(error: BaseException) -> ShardingError | None:
         "that layer runs, so a forward that reads another layer's weight (a shared or tied "
         "weight, self.other.weight) meets a shard; own the weight in the layer that uses it, "
         "or leave the model unsharded"
+    )
+
+
+def rewrite_mixed_hyper(error: BaseException, params: list[Any]) -> ShardingError | None:
+    """The named error for torch's "mixed torch.Tensor and DTensor" in an inner optimizer's
+    step on whole parameters (``params`` holds no ``DTensor``): a hyperparameter placed by
+    ``shard_hyper`` (a ``DTensor``) met them; else ``None``."""
+    if _DISPATCH_MIX not in str(error) or any(is_sharded(p) for p in params):
+        return None
+    return ShardingError(
+        "the inner optimizer's step met a DTensor hyperparameter with whole parameters "
+        f"(torch: {str(error).splitlines()[0]}): rates placed by "
+        "fm.distributed.shard_hyper go with a sharded model's own parameters. With "
+        "fm.distributed.gather_params (whole parameters, each rank its own tasks) keep the "
+        "rates as fm.hyper built them and average their gradients with "
+        "fm.distributed.average_gradients(list(rates.parameters()), count)"
     )
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta._src.core import kernels, tree
-from funcmeta._src.core.sharding import is_sharded
+from funcmeta._src.core.sharding import is_sharded, rewrite_mixed_hyper
 from funcmeta._src.core.tree import Filter, PyTreeSpec, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
 from funcmeta._src.inner.options import AdaptOptions
@@ -142,9 +142,15 @@ class InnerLoop:
             )
         adapted = tree.unflatten(self.param_spec, leaves)
         with contextlib.nullcontext() if mode.graph else torch.no_grad():
-            adapted, new_state = optim_step(
-                self.opt, grad_tree, state, adapted, tasks=self.tasks is not None
-            )
+            try:
+                adapted, new_state = optim_step(
+                    self.opt, grad_tree, state, adapted, tasks=self.tasks is not None
+                )
+            except RuntimeError as error:
+                placed = rewrite_mixed_hyper(error, leaves)
+                if placed is not None:
+                    raise placed from error
+                raise
         new_leaves = cast(list[Tensor], self.param_spec.flatten_up_to(adapted))
         check = self.options.nonfinite
         # what the step produced is checked too: an overflowing update (a huge rate, fp16)
