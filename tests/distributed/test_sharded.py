@@ -713,6 +713,50 @@ def _case_split_tasks(world, shape):
     return kinds, count, grads, [r.grad for r in rates.parameters()]
 
 
+def _split_partial_losses(fmodel, params, share, rank: int):
+    """Rank 0: the MAML query loss of its tasks; rank 1: a loss of the head's weight alone
+    (the other parameters get no gradient on that rank)."""
+    if rank == 1:
+        return (params["4.weight"] ** 2).sum()
+    xs, ys, xq, yq = share
+    result = fm.adapt_tasks(fmodel, params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=2)
+    return fm.task_losses(fmodel, result.params, F.mse_loss, (xq, yq)).losses.mean()
+
+
+def _case_split_partial_use(world):
+    """gather_params where one rank's loss reaches only some of the parameters."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    share, count = fm.distributed.shard(_split_batch())
+    whole = fm.distributed.gather_params(fmodel.params, count)
+    _split_partial_losses(fmodel, whole, share, dist.get_rank()).backward()
+    return [p.grad.full_tensor() for p in net.parameters()]
+
+
+def _case_average_groups(world):
+    """average_gradients on a 2 x 2 mesh's shards: over the task axis (valid, also for a model
+    sharded over the sub-mesh of the shard axis) and over the shard axis (refused)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
+    said = {}
+    for name, sharded in (
+        ("2-D", fm.distributed.shard_model(_net(), mesh, mesh_dim="shards")),
+        ("sub-mesh", fm.distributed.shard_model(_net(), mesh["shards"])),
+    ):
+        for p in sharded.parameters():
+            p.grad = torch.ones_like(p)
+        for axis in ("tasks", "shards"):
+            try:
+                fm.distributed.average_gradients(
+                    dict(sharded.named_parameters()), group=mesh.get_group(axis)
+                )
+                said[name, axis] = None
+            except fm.distributed.ShardingError as error:
+                said[name, axis] = str(error)
+    return said
+
+
 def _case_split_refusals(world):
     """What gather_params and average_gradients refuse on a sharded model."""
     net = fm.distributed.shard_model(_net(), _mesh(world))
@@ -739,7 +783,7 @@ def _case_split_refusals(world):
         said["placed rates on whole parameters"] = str(error)
     extra = {**fmodel.params, "extra": torch.zeros(2, requires_grad=True)}
     try:
-        fm.distributed.gather_params(extra)
+        fm.distributed.gather_params(extra, 1)
         said["plain beside shards"] = None
     except fm.distributed.ShardingError as error:
         said["plain beside shards"] = str(error)
@@ -761,6 +805,8 @@ def _case_bundle(world):
 CASES = {
     "split_tasks": _case_split_tasks,
     "split_refusals": _case_split_refusals,
+    "split_partial_use": _case_split_partial_use,
+    "average_groups": _case_average_groups,
     "split_activations": _case_split_activations,
     "layer_norm_alone": _case_layer_norm_alone,
     "bundle": _case_bundle,
@@ -799,6 +845,7 @@ BUNDLES: dict[int, list[tuple[str, tuple]]] = {
         ("recipes", (None,)),
         ("split_tasks", ((2,),)),
         ("split_refusals", ()),
+        ("split_partial_use", ()),
     ],
     4: [
         ("two_axes", ()),
@@ -807,6 +854,7 @@ BUNDLES: dict[int, list[tuple[str, tuple]]] = {
         ("recipes", ("sequential",)),
         ("split_tasks", ((4,),)),
         ("split_tasks", ((2, 2),)),
+        ("average_groups", ()),
     ],
 }
 
@@ -949,9 +997,9 @@ def _peer_gone(tmp_path, case: str) -> str:
 
 def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_path):
     """gather_params: the backward's reduce-scatter with a peer gone raises PeerError naming
-    the parameter (the last one the backward reaches first)."""
+    the parameter (the first one: one node reduces them all, in order)."""
     said = _peer_gone(tmp_path, "peer_gone_before_backward")
-    assert "reducing the meta-gradient of parameter '4." in said
+    assert "reducing the meta-gradient of parameter '0.weight'" in said
 
 
 def test_a_peer_gone_while_a_backward_gathers_a_saved_activation_is_named(tmp_path):
@@ -1104,3 +1152,38 @@ def test_gather_params_and_average_gradients_refuse_what_would_be_wrong(tmp_path
         placed = said["placed rates on whole parameters"] or ""
         assert "met a DTensor hyperparameter with whole parameters" in placed
         assert "keep the rates as fm.hyper built them" in placed
+
+
+def test_a_rank_whose_loss_leaves_out_parameters_sends_zeros_for_them(tmp_path):
+    """gather_params's one backward node reduces every gathered parameter's gradient on
+    every rank, zeros for those a rank's loss did not reach: no rank waits in a
+    reduce-scatter the other skipped, and the shards get the task-weighted mean."""
+    batch = _split_batch()
+    shares = [tuple(x[:3] for x in batch), tuple(x[3:] for x in batch)]
+    expected = None
+    for rank, (share, count) in enumerate(zip(shares, (3, 2), strict=True)):
+        net = _net()
+        fmodel = fm.functional_model(net)
+        _split_partial_losses(fmodel, fmodel.params, share, rank).backward()
+        grads = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)) * count / 5
+            for p in net.parameters()
+        ]
+        expected = (
+            grads if expected is None else [a + b for a, b in zip(expected, grads, strict=True)]
+        )
+    for grads in _spawn(tmp_path, 2, "split_partial_use"):
+        for ours, theirs in zip(grads, expected, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+
+
+def test_average_gradients_over_a_meshs_task_axis_runs_and_over_its_shard_axis_is_refused(
+    tmp_path,
+):
+    """On a 2 x 2 mesh the task axis's group holds ranks with the same shards: averaged, for a
+    model sharded with mesh_dim= and for one sharded over the shard axis's sub-mesh; the shard
+    axis's group holds different shards: refused, naming the task axis's group."""
+    for said in _spawn(tmp_path, 4, "average_groups"):
+        assert said["2-D", "tasks"] is None and said["sub-mesh", "tasks"] is None, said
+        assert "group=mesh.get_group('tasks')" in (said["2-D", "shards"] or "")
+        assert "would average different shards" in (said["sub-mesh", "shards"] or "")

@@ -178,30 +178,36 @@ def average_gradients(
 
 
 def _refuse_different_shards(named: list[tuple[str, Tensor]], group: Any) -> None:
-    """Raise :class:`ShardingError` when ``group`` holds two ranks with different shards of a
-    sharded parameter in ``named``: averaging them would mix different rows of it, silently
-    when the shards have the same shape."""
+    """Raise :class:`ShardingError` when ``group`` holds two ranks of a sharded parameter's
+    mesh with different shards of it: averaging them would mix different rows of it,
+    silently when the shards have the same shape. (A rank of ``group`` outside this rank's
+    mesh, a model sharded over a sub-mesh, is not judged here.)"""
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     for name, t in named:
         if not is_sharded(t):
             continue
         sharded = cast(Any, t)
         mesh = sharded.device_mesh
-        axes = [i for i, p in enumerate(sharded.placements) if p.is_shard()]
         grid = mesh.mesh
-        where = {r: (grid == r).nonzero()[0].tolist() for r in ranks if bool((grid == r).any())}
-        for axis in axes:
-            seen = {w[axis] for w in where.values()}
-            if len(seen) > 1 or len(where) < len(ranks):
-                raise ShardingError(
-                    f"average_gradients would average different shards of {name!r}: its group "
-                    f"holds ranks {ranks[:8]}, which split that parameter along mesh axis "
-                    f"{axis}. Pass the group of the axis that splits the tasks "
-                    "(group=mesh.get_group('tasks') on a 2-D mesh). On a 1-D mesh there is "
-                    "nothing to average: with the same tasks on every rank the shards' .grad is "
-                    "complete after the backward, and with fm.distributed.gather_params its "
-                    "backward averaged them"
-                )
+        where = [(grid == r).nonzero()[0].tolist() for r in ranks if bool((grid == r).any())]
+        for axis, placement in enumerate(sharded.placements):
+            if not placement.is_shard() or len({w[axis] for w in where}) < 2:
+                continue
+            names = list(mesh.mesh_dim_names or ())
+            others = [repr(names[i]) if names else str(i) for i in range(mesh.ndim) if i != axis]
+            fix = (
+                f"pass the group of the axis that splits the tasks "
+                f"(group=mesh.get_group({others[0]}))"
+                if others
+                else "on a 1-D mesh there is nothing to average"
+            )
+            raise ShardingError(
+                f"average_gradients would average different shards of {name!r}: its group "
+                f"holds ranks {ranks[:8]}, which split that parameter along mesh axis "
+                f"{names[axis] if names else axis!r}; {fix}. With the same tasks on every "
+                "rank of the shard axis, the shards' .grad is complete after the backward; "
+                "with fm.distributed.gather_params, its backward averaged them"
+            )
 
 
 def _local(tensor: Tensor) -> Tensor:

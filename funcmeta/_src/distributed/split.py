@@ -28,34 +28,43 @@ __all__ = ["gather_params"]
 
 
 class _Gathered(torch.autograd.Function):
-    """A shard's whole tensor (``full_tensor()``); the backward weights the gradient of the
-    whole tensor and reduces it over the mesh into the shard's placements (a partial sum
-    redistributed: a reduce-scatter along a ``Shard`` axis, an all-reduce along a
-    ``Replicate`` one), naming the parameter when a peer is gone."""
+    """Shards' whole tensors (gathered before, without a graph), as one autograd node: its
+    backward runs on every rank whose loss reached any of them, with zeros for those it did
+    not reach, so every rank runs the same collectives in the same order. For each shard it
+    weights the gradient of the whole tensor and reduces it over the mesh into the shard's
+    placements (a partial sum redistributed: a reduce-scatter along a ``Shard`` axis, an
+    all-reduce along a ``Replicate`` one), naming the parameter when a peer is gone."""
 
     @staticmethod
-    def forward(ctx: Any, shard: Any, whole: Tensor, weight: float, name: str) -> Tensor:
-        ctx.spec = (shard.device_mesh, shard.placements, shard.shape, shard.stride())
-        ctx.weight, ctx.name = weight, name
-        return whole.view_as(whole)
+    def forward(ctx: Any, weight: float, names: list[str], *tensors: Any) -> tuple[Tensor, ...]:
+        half = len(tensors) // 2
+        shards, wholes = tensors[:half], tensors[half:]
+        ctx.specs = [(s.device_mesh, s.placements, s.shape, s.stride()) for s in shards]
+        ctx.weight, ctx.names = weight, names
+        ctx.set_materialize_grads(True)  # zeros for a whole tensor this rank's loss left out
+        return tuple(w.view_as(w) for w in wholes)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Any, None, None, None]:
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
         from torch.distributed.tensor import DTensor, Partial
 
-        mesh, placements, shape, stride = ctx.spec
-        partial = DTensor.from_local(
-            grad * ctx.weight, mesh, [Partial()] * mesh.ndim, shape=shape, stride=stride
-        )
-        try:
-            return partial.redistribute(mesh, placements), None, None, None
-        except RuntimeError as error:  # a collective failed: say which, and why
-            raise PeerError(
-                f"reducing the meta-gradient of parameter {ctx.name!r} across the mesh "
-                f"failed: a peer rank is gone or stalled, or did not run this backward "
-                f"({str(error).splitlines()[0]}). Exit and resume every rank from its last "
-                "torch.distributed.checkpoint save"
-            ) from error
+        reduced = []
+        for (mesh, placements, shape, stride), name, grad in zip(
+            ctx.specs, ctx.names, grads, strict=True
+        ):
+            partial = DTensor.from_local(
+                grad * ctx.weight, mesh, [Partial()] * mesh.ndim, shape=shape, stride=stride
+            )
+            try:
+                reduced.append(partial.redistribute(mesh, placements))
+            except RuntimeError as error:  # a collective failed: say which, and why
+                raise PeerError(
+                    f"reducing the meta-gradient of parameter {name!r} across the mesh "
+                    f"failed: a peer rank is gone or stalled, or did not run this backward "
+                    f"({str(error).splitlines()[0]}). Exit and resume every rank from its "
+                    "last torch.distributed.checkpoint save"
+                ) from error
+        return (None, None, *reduced, *([None] * len(reduced)))
 
 
 def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
@@ -78,37 +87,43 @@ def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
 @exposed_in("funcmeta.distributed")
 def gather_params(
     params: Mapping[str, Tensor],
-    count: int | float | None = None,
+    count: int | float,
     *,
     timeout: float = DEFAULT_TIMEOUT,
 ) -> dict[str, Tensor]:
     """The whole parameters of a model sharded by :func:`shard_model`, for a rank that runs
-    its own tasks: one all-gather per parameter now, and in the outer backward one
-    reduce-scatter that leaves in each shard's ``.grad`` the task-weighted mean of every
-    rank's meta-gradient.
+    its own ``count`` tasks: one all-gather per parameter now, and in the outer backward one
+    reduce-scatter per parameter that leaves in each shard's ``.grad`` the task-weighted mean
+    of every rank's meta-gradient.
 
     This is the other way to use a sharded model. :func:`shard_model` alone keeps the
     parameters sharded in the inner loop too, and every rank of its shard axis runs the same
     tasks: the ranks split the memory, not the work. With ``gather_params`` each rank of the
     mesh (both axes of a 2-D one) adapts its own share of the meta-batch (split it with
     :func:`shard`) on whole tensors, so the ranks split the work: the inner loop is the
-    unsharded one (task batching with ``vmap``, :func:`funcmeta.compile_meta_step`), and a
-    rank holds the whole initial parameters and its tasks' adapted ones during the step,
-    while the parameters between steps, their gradients and the outer optimizer's state stay
-    sharded.
+    unsharded one (:func:`funcmeta.adapt`, :func:`funcmeta.adapt_tasks` with its tasks
+    batched by ``vmap``, the recipes; not :func:`funcmeta.compile_meta_step`, which reads
+    the model's own parameters), and a rank holds the whole initial parameters and its
+    tasks' adapted ones during the step, while the parameters between steps, their gradients
+    and the outer optimizer's state stay sharded.
 
     ``count`` is the number of tasks this rank's loss is the mean over (as returned by
     :func:`shard`); the shards then get ``sum_r count_r * grad_r / sum_r count_r``, the
-    gradient of the mean over all tasks. Without it every rank weighs the same. Do not also
-    call :func:`average_gradients` on the sharded parameters; call it on anything else
-    learnable (plain, unsharded inner rates: ``fm.hyper`` trees not placed by
-    :func:`shard_hyper`), with the same ``count``. A model without shards (one process, or
-    an unsharded run of the same script) gets its ``params`` back as they are.
+    gradient of the mean over all tasks. Every rank runs the outer backward once per gather
+    (the reduce-scatters are collectives; a rank whose loss leaves out some parameters sends
+    zeros for them), so every rank needs a task: a ``count`` of 0 on any rank raises
+    ``ValueError`` on all of them. Do not also call :func:`average_gradients` on the sharded
+    parameters; call it on anything else learnable (plain, unsharded inner rates: ``fm.hyper``
+    trees not placed by :func:`shard_hyper`), with the same ``count``. A model without
+    shards (one process, or an unsharded run of the same script) gets its ``params`` back as
+    they are.
 
     Raises :class:`ShardingError` when ``params`` mixes shards with plain tensors that
     require grad (their gradients would not be averaged), or holds shards of different
-    meshes; :class:`PeerError` when a gather, or the sum of the counts, fails or waits past
-    ``timeout`` seconds.
+    meshes; :class:`PeerError` when the sum of the counts fails or waits past ``timeout``
+    seconds, and when a gather or a reduce-scatter fails. Those two wait as long as the
+    process group the mesh is built on allows (its ``timeout``), as :func:`shard_model`'s
+    gathers do.
 
     Example (one process; under ``torchrun`` every rank runs the same code on its own tasks):
         >>> import tempfile, torch, torch.distributed as dist
@@ -132,8 +147,7 @@ def gather_params(
             f"(fmodel.params), got {type(params).__name__}"
         )
     check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
-    if count is not None:
-        check_real(count, "count (the number of tasks this rank's loss is the mean over)", low=0.0)
+    check_real(count, "count (the number of tasks this rank's loss is the mean over)", low=0.0)
     shards = {n: v for n, v in params.items() if is_sharded(v)}
     if not shards:
         return dict(params)
@@ -152,30 +166,33 @@ def gather_params(
             "(fm.distributed.shard_model) and pass its parameters"
         )
     mesh = next(iter(meshes.values()))
-    if count is None:
-        weight = 1.0 / mesh.size()
-    else:
-        total, empty = _totals(count, mesh, timeout)
-        if empty:
-            raise ValueError(
-                f"{empty} of {mesh.size()} ranks have no task (count=0): with gather_params "
-                "every rank runs the outer backward (its reduce-scatter is a collective), so "
-                "give every rank at least one task (as many tasks as ranks or more)"
-            )
-        weight = float(count) / total
+    total, empty = _totals(count, mesh, timeout)
+    if empty:
+        raise ValueError(
+            f"{empty} of {mesh.size()} ranks have no task (count=0): with gather_params "
+            "every rank runs the outer backward (its reduce-scatter is a collective), so "
+            "give every rank at least one task (as many tasks as ranks or more)"
+        )
     whole: dict[str, Tensor] = {}
+    learnt: list[str] = []
     for name, value in params.items():
         if not is_sharded(value):
             whole[name] = value
             continue
         try:
             with torch.no_grad():
-                full = cast(Any, value).full_tensor()
+                whole[name] = cast(Any, value).full_tensor()
         except RuntimeError as error:  # a collective failed: say which, and why
             raise PeerError(
                 f"gathering parameter {name!r} across the mesh failed: a peer rank is gone or "
                 f"stalled ({str(error).splitlines()[0]}). Exit and resume every rank from its "
                 "last torch.distributed.checkpoint save"
             ) from error
-        whole[name] = _Gathered.apply(value, full, weight, name) if value.requires_grad else full
+        if value.requires_grad:
+            learnt.append(name)
+    if learnt:  # one node for all: its backward reduces every gradient, used or not
+        weight = float(count) / total
+        mine = [params[n] for n in learnt]
+        tied = _Gathered.apply(weight, learnt, *mine, *(whole[n] for n in learnt))
+        whole.update(zip(learnt, tied, strict=True))
     return whole
