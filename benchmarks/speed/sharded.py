@@ -15,8 +15,10 @@ all tasks at once (``fm.adapt_tasks``), float32, each way in fresh processes und
 - ``tasks only``: the same ranks, each holding the whole model (``fm.distributed.shard`` and
   ``average_gradients``: one all-reduce), for what the sharding itself costs.
 
-Each prints the median of ``--repeats`` meta-iterations (zero_grad, inner loop, backward,
-the collectives, the outer Adam step), after a first one. The sharded run's meta-gradient is
+The ways run in turn, ``--rounds`` times (fresh processes each time, so that a slow spell
+of the machine falls on every way alike), each timing ``--repeats`` meta-iterations
+(zero_grad, inner loop, backward, the collectives, the outer Adam step) after a first one;
+a way's time is the median of all its timed iterations. The sharded run's meta-gradient is
 checked against the reference's (relative difference). Traffic: rank 0's bytes in the
 collectives as torch dispatches them, against ``(ranks - 1) / ranks x 2 x model bytes``
 (the all-gather sends this rank's shard to every other rank; the reduce-scatter sends every
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,7 +147,7 @@ def rank_main(args: argparse.Namespace) -> None:
     with sent.mode:
         meta_iteration()
     row = {
-        "seconds": sorted(seconds)[len(seconds) // 2],
+        "seconds": seconds,
         "sent": sent.counts,
         "count": count,
         "held": sum(
@@ -182,7 +185,8 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--tasks", type=int, default=8, help="tasks per meta-step, in all")
     parser.add_argument("--rows", type=int, default=64, help="support (and query) rows per task")
-    parser.add_argument("--repeats", type=int, default=5, help="timed meta-iterations")
+    parser.add_argument("--repeats", type=int, default=3, help="timed meta-iterations a run")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each way, in turn")
     parser.add_argument("--steps", type=int, default=3, help="inner SGD steps")
     parser.add_argument("--max-ratio", type=float, default=0.75)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
@@ -200,11 +204,17 @@ def main() -> int:
         f"torch {torch.__version__}"
     )
     folder = Path(tempfile.mkdtemp())
-    rows = {
-        "single": run("single", 1, args, str(folder / "single.pt")),
-        "sharded": run("sharded", args.ranks, args, str(folder / "sharded.pt")),
-        "tasks": run("tasks", args.ranks, args, str(folder / "tasks.pt")),
-    }
+    ranks = {"single": 1, "sharded": args.ranks, "tasks": args.ranks}
+    rows: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            row = run(mode, ranks[mode], args, str(folder / f"{mode}.pt"))
+            if mode in rows:
+                rows[mode]["seconds"] += row["seconds"]
+            else:
+                rows[mode] = row
+    for row in rows.values():
+        row["seconds"] = statistics.median(row["seconds"])
     reference = torch.load(folder / "single.pt")
     base = rows["single"]["seconds"]
     print(

@@ -17,7 +17,7 @@ SCRIPT = script("speed/sharded.py")
 @pytest.mark.slow
 def test_the_benchmark_runs_on_two_ranks_and_judges_its_target():
     command = [sys.executable, str(SCRIPT), "--width", "64", "--blocks", "2", "--tasks", "4"]
-    command += ["--rows", "8", "--repeats", "1", "--max-ratio", "100"]
+    command += ["--rows", "8", "--repeats", "1", "--rounds", "1", "--max-ratio", "100"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     lines = run.stdout.splitlines()
