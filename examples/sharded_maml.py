@@ -41,6 +41,7 @@ a rank holds between meta-iterations).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -203,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def note(module: nn.Module, inputs: object) -> None:
         nonlocal most
-        most = max(most, fm.distributed.gathered_bytes())
+        now = fm.distributed.gathered_bytes()
+        if now > block:  # garbage the collector has not reached yet is not memory held
+            gc.collect()
+            now = fm.distributed.gathered_bytes()
+        most = max(most, now)
 
     for layer in net.modules():  # after each layer's own gather (registered before)
         if any(True for _ in layer.parameters(recurse=False)):
