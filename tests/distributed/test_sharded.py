@@ -338,6 +338,17 @@ def _case_peer_gone(world):
     return None
 
 
+def _backward_with_rank_one_gone(loss: torch.Tensor) -> str | None:
+    """Rank 1 exits; rank 0 runs ``loss``'s backward alone: its PeerError's message."""
+    if dist.get_rank() == 1:
+        os._exit(0)
+    try:
+        loss.backward()
+    except fm.distributed.PeerError as error:
+        return str(error)
+    return None
+
+
 def _case_peer_gone_before_backward(world):
     """Each rank adapts its own tasks on gathered parameters (gather_params); rank 1 exits
     before the outer backward, whose reduce-scatter rank 0 then runs alone."""
@@ -348,13 +359,7 @@ def _case_peer_gone_before_backward(world):
     xs, ys, xq, yq = share
     result = fm.adapt_tasks(fmodel, whole, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
     loss = fm.task_losses(fmodel, result.params, F.mse_loss, (xq, yq)).losses.mean()
-    if dist.get_rank() == 1:
-        os._exit(0)
-    try:
-        loss.backward()
-    except fm.distributed.PeerError as error:
-        return str(error)
-    return None
+    return _backward_with_rank_one_gone(loss)
 
 
 def _case_peer_gone_in_an_activations_gather(world):
@@ -369,13 +374,7 @@ def _case_peer_gone_in_an_activations_gather(world):
     xs, ys, xq, yq = _data()
     result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
     loss = F.mse_loss(fmodel(result.params, xq), yq)
-    if dist.get_rank() == 1:
-        os._exit(0)
-    try:
-        loss.backward()
-    except fm.distributed.PeerError as error:
-        return str(error)
-    return None
+    return _backward_with_rank_one_gone(loss)
 
 
 def _case_peer_stalls(world):

@@ -182,6 +182,8 @@ def _refuse_different_shards(named: list[tuple[str, Tensor]], group: Any) -> Non
     mesh with different shards of it: averaging them would mix different rows of it,
     silently when the shards have the same shape. (A rank of ``group`` outside this rank's
     mesh, a model sharded over a sub-mesh, is not judged here.)"""
+    if not any(is_sharded(t) for _, t in named):
+        return  # plain tensors: nothing to judge, no lookup of the group's ranks
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     for name, t in named:
         if not is_sharded(t):
