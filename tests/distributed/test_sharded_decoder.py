@@ -82,9 +82,10 @@ def _tokens(tasks: int | None):
     return tuple(torch.randint(0, 32, shape, generator=g) for _ in range(4))
 
 
-def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None) -> list:
+def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None, own_tasks=False) -> list:
     """One meta-iteration in ``mode``: the meta-gradients of the parameters (full tensors),
-    then of the learnable rates; ``None`` for a frozen parameter."""
+    then of the learnable rates; ``None`` for a frozen parameter. ``own_tasks``: each rank
+    its share of the tasks on the whole parameters (fm.distributed.gather_params)."""
     model = _decoder(mode)
     if mesh is not None:
         fm.distributed.shard_model(model, mesh, mesh_dim=mesh_dim)
@@ -103,11 +104,12 @@ def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None) -> list:
     if mode in ("maml", "anil", "mamlpp"):
         xs, ys, xq, yq = _tokens(4)
         count = xs.shape[0]
-        if task_group is not None:
+        if task_group is not None or own_tasks:
             (xs, ys, xq, yq), count = fm.distributed.shard((xs, ys, xq, yq), group=task_group)
         support, query = (xs, ys), (xq, yq)
+        params = fm.distributed.gather_params(fmodel.params, count) if own_tasks else fmodel.params
         if mode == "maml":
-            out = fm.recipes.maml(fmodel, fmodel.params, _loss, support, query, steps=2, lr=0.1)
+            out = fm.recipes.maml(fmodel, params, _loss, support, query, steps=2, lr=0.1)
         elif mode == "anil":
             out = fm.recipes.anil(
                 fmodel, fmodel.params, _loss, support, query, steps=2, lr=0.1, trainable="lm_head"
@@ -150,6 +152,7 @@ def _worker(rank: int, world: int, rendezvous: str, out: str) -> None:
     try:
         mesh = init_device_mesh("cpu", (world,))
         result: object = {mode: _meta(mode, mesh) for mode in MODES}
+        result["maml, own tasks"] = _meta("maml", mesh, own_tasks=True)  # type: ignore[index]
         if world == 4:  # tasks along one axis, the parameters along the other
             grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
             tasks = grid.get_group("tasks")
@@ -193,6 +196,8 @@ def test_a_sharded_llama_decoder_gives_the_unsharded_meta_gradients(tmp_path, wo
             ours_off = (a.double() - c).abs().max() / scale
             theirs_off = (b.double() - c).abs().max() / scale
             assert ours_off <= 1.25 * theirs_off + 2**-8, (ours_off, theirs_off)
+        for a, b in zip(ours["maml, own tasks"], references["maml"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg="own tasks")
         if world == 4:
             theirs = references["maml"]
             for a, b in zip(ours["maml, 2 x 2 mesh"], theirs, strict=True):
