@@ -36,16 +36,15 @@ Example (one process; under ``torchrun`` every rank runs the same code):
     >>> fm.distributed.average_gradients(net.parameters(), count)   # a no-op without a process group
 """
 
-from funcmeta._src.core.sharding import ShardingError
+from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingError
 from funcmeta._src.distributed.collectives import (
-    DEFAULT_TIMEOUT,
     MismatchError,
-    PeerError,
     average_gradients,
     shard,
     world,
 )
-from funcmeta._src.distributed.sharded import gathered_bytes, shard_hyper, shard_model
+from funcmeta._src.distributed.runtime import gathered_bytes
+from funcmeta._src.distributed.sharded import shard_hyper, shard_model
 from funcmeta._src.distributed.split import gather_params
 
 __all__ = [

@@ -365,34 +365,46 @@ def _case_peer_gone_before_backward(world):
 def _case_peer_gone_in_an_activations_gather(world):
     """The same tasks on both ranks, checkpointed layers keeping slices of what they save
     (the size threshold lowered to 1 element); rank 1 exits before the outer backward, whose
-    first gather of a saved tensor rank 0 then runs alone."""
-    from funcmeta._src.checkpoint import engine
+    first gather of a saved tensor rank 0 then runs alone. (The query loss comes from
+    fm.task_losses, which checks its batch up front: a direct call's first collective in the
+    backward would be its check of the outputs' gradient.)"""
+    from funcmeta._src.distributed import runtime
 
-    engine._SPLIT_MIN = 1
+    runtime._SPLIT_MIN = 1
     net = fm.distributed.shard_model(_net(), _mesh(world))
     fmodel = fm.functional_model(net, checkpoint_layers="sequential")
     xs, ys, xq, yq = _data()
     result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
-    loss = F.mse_loss(fmodel(result.params, xq), yq)
+    loss = fm.task_losses(fmodel, result.params, F.mse_loss, (xq[None], yq[None])).losses.sum()
     return _backward_with_rank_one_gone(loss)
 
 
-def _case_peer_stalls(world):
-    """Rank 1 stalls (20 s) when its forward reaches the second linear layer; the mesh's
-    process group waits 5 s per collective: rank 0's gather of that layer gives up and says
-    which layer, with no hang. Returns rank 0's message and seconds, rank 1's outcome."""
+def _case_peer_stalls(world, where):
+    """Rank 1 stalls (30 s) when its forward reaches the second linear layer (``"layer"``) or
+    before its fm.adapt call (``"batch"``). The model is sharded with timeout=5 on a mesh
+    whose group also waits 5 s, made after an equal mesh that waits 30 minutes was used
+    (torch then puts the shards back on that equal mesh, whose group would wait it out):
+    rank 0's collective gives up after 5 s and says which one, with no hang. Returns rank
+    0's message and seconds."""
     import time
     from datetime import timedelta
 
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
 
+    earlier = _mesh(world)  # the default group's timeout
+    distribute_tensor(torch.ones(4, 2), earlier, [Shard(0)]).full_tensor()
     group = dist.new_group(list(range(world)), timeout=timedelta(seconds=5))
     mesh = DeviceMesh.from_group(group, "cpu")
-    net = fm.distributed.shard_model(_net(), mesh)
-    if dist.get_rank() == 1:
-        net[2].register_forward_pre_hook(lambda *_: time.sleep(20))
+    assert mesh == earlier  # torch's equality ignores the process group
+    net = fm.distributed.shard_model(_net(), mesh, timeout=5)
+    stall = lambda *_: time.sleep(30)  # noqa: E731
+    if dist.get_rank() == 1 and where == "layer":
+        net[2].register_forward_pre_hook(stall)
     fmodel = fm.functional_model(net)
     xs, ys, *_ = _data()
+    if dist.get_rank() == 1 and where == "batch":
+        stall()
     started = time.monotonic()
     try:
         fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
@@ -655,22 +667,22 @@ def _case_split_activations(world):
     """With every saved tensor of a checkpointed layer split across the ranks (the size
     threshold lowered to 1 element), the meta-gradients of each combination and recipe: the
     unsharded run's are compared by the test. Counts the slices kept, to show they were."""
-    from funcmeta._src.checkpoint import engine
+    from funcmeta._src.distributed import runtime
 
     kept = [0]
-    original, threshold = engine._Piece.__init__, engine._SPLIT_MIN
+    original, threshold = runtime._Piece.__init__, runtime._SPLIT_MIN
 
-    def counting(self, t, group):
+    def counting(self, t, owner):
         kept[0] += 1
-        original(self, t, group)
+        original(self, t, owner)
 
-    engine._SPLIT_MIN, engine._Piece.__init__ = 1, counting
+    runtime._SPLIT_MIN, runtime._Piece.__init__ = 1, counting
     try:
         mesh = _mesh(world)
         out = {name: _combination(name, mesh) for name in SPLIT_COMBINATIONS}
         out.update({name: _recipe(name, mesh, "sequential") for name in ("maml", "metasgd")})
     finally:
-        engine._SPLIT_MIN, engine._Piece.__init__ = threshold, original
+        runtime._SPLIT_MIN, runtime._Piece.__init__ = threshold, original
     return out, kept[0]
 
 
@@ -976,7 +988,7 @@ def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
     said = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert isinstance(said, str), said
     assert "gathering Linear parameter 'weight' across the mesh failed" in said
-    assert "a peer rank is gone or stalled" in said
+    assert "a peer process is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
 
 
@@ -989,7 +1001,7 @@ def _peer_gone(tmp_path, case: str) -> str:
     mp.spawn(_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path), case, ()), nprocs=2)
     said = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert isinstance(said, str), said
-    assert "a peer rank is gone or stalled" in said
+    assert "a peer process is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
     return said
 
@@ -1008,16 +1020,26 @@ def test_a_peer_gone_while_a_backward_gathers_a_saved_activation_is_named(tmp_pa
     assert "gathering a checkpointed layer's saved tensor (shape (8, " in said
 
 
-@pytest.mark.slow  # waits out a 5 s collective timeout and a 20 s stall
-def test_a_peer_stalled_mid_run_raises_peer_error_after_the_groups_timeout(tmp_path):
-    """A rank that stalls inside a run (not gone) leaves its peer waiting in a gather for the
-    process group's timeout (here 5 s, the mesh's group), then PeerError names the layer:
-    no hang."""
-    said, seconds = _spawn(tmp_path, 2, "peer_stalls")[0]
+@pytest.mark.slow  # waits out a 5 s collective timeout and a 30 s stall, twice
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [
+        ("layer", "gathering Linear parameter 'weight' across the mesh failed"),
+        ("batch", "comparing the batches given to fm.adapt failed or did not finish within 5 s"),
+    ],
+)
+def test_a_peer_stalled_mid_run_raises_peer_error_after_shard_models_timeout(
+    tmp_path, where, named
+):
+    """A rank that stalls inside a run (not gone) leaves its peer waiting in a collective for
+    shard_model's timeout (5 s), also where an equal mesh with a 30-minute group was made and
+    used first; then PeerError names the collective: no hang (the target: within the timeout
+    plus 10 s)."""
+    said, seconds = _spawn(tmp_path, 2, "peer_stalls", where)[0]
     assert said is not None, "rank 0 finished although its peer stalled"
-    assert "gathering Linear parameter 'weight' across the mesh failed" in said
-    assert "a peer rank is gone or stalled" in said
-    assert seconds < 18  # the group's 5 s timeout, not the peer's 20 s stall
+    assert named in said
+    assert "a peer process is gone or stalled" in said
+    assert seconds < 15  # shard_model's 5 s timeout (plus 10 s), not the peer's 30 s stall
 
 
 def test_tasks_on_one_mesh_axis_and_shards_on_the_other_equal_one_process(tmp_path):

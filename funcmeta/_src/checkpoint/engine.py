@@ -56,7 +56,7 @@ from torch import Tensor
 from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.fence import AutocastState
 from funcmeta._src.core.replay import recomputation
-from funcmeta._src.core.sharding import PeerError, ShardingError, is_sharded
+from funcmeta._src.core.sharding import ShardingError, saving_split
 from funcmeta._src.module import scope
 
 __all__ = [
@@ -397,7 +397,7 @@ class _Checkpoint(torch.autograd.Function):
         if torch.is_grad_enabled():
             # This backward is recorded (create_graph): one node that keeps the inputs and
             # the gradients, not the function's activations.
-            with _split_saving(tensors):
+            with saving_split(tensors):
                 vjps = _CheckpointVJP.apply(run, wanted, picked, len(tensors), *tensors, *given)
         else:
             vjps = run.first_vjp(wanted, picked, tensors, given)
@@ -493,95 +493,10 @@ def _checkpointed(
         out = fn(*args, **kwargs)
         _check_closed(tree.leaves_registered(out), [], mark, closed)
         return out
-    with _split_saving(tensors):
+    # a sharded model's runtime keeps each rank's slice of what the node saves
+    with saving_split(tensors):
         outs = _Checkpoint.apply(run, *tensors)
     return run.output(outs)
-
-
-# --- saved activations split across the ranks that share them (sharded models) -----------
-
-#: Elements below which a saved tensor is kept whole (its gather would cost more than it saves).
-_SPLIT_MIN = 4096
-
-
-def _split_group(tensors: Any) -> Any:
-    """The process group whose ranks split the inputs' ``DTensor`` shards, when it has more than
-    one rank, else ``None``. Its ranks run the same data (``check_same_batch``), so a plain
-    tensor computed from the inputs is the same on each of them."""
-    for t in tensors:
-        if is_sharded(t):
-            for axis, placement in enumerate(t.placements):
-                if placement.is_shard():
-                    group = t.device_mesh.get_group(axis)
-                    return group if torch.distributed.get_world_size(group) > 1 else None
-    return None
-
-
-#: torch's all-gather into one tensor: ``all_gather_single`` where torch has it (the older
-#: name, ``all_gather_into_tensor``, warns that it is deprecated there).
-_all_gather: Callable[..., Any] = (
-    getattr(torch.distributed, "all_gather_single", None)
-    or torch.distributed.all_gather_into_tensor
-)
-
-
-class _Piece:
-    """This rank's slice of a saved tensor (padded to an equal share), and its shape."""
-
-    __slots__ = ("group", "numel", "piece", "shape")
-
-    def __init__(self, t: Tensor, group: Any) -> None:
-        world = torch.distributed.get_world_size(group)
-        rank = torch.distributed.get_rank(group)
-        flat = t.detach().reshape(-1)
-        self.numel, self.shape, self.group = flat.numel(), t.shape, group
-        share = -(-self.numel // world)
-        piece = flat[rank * share : (rank + 1) * share].clone()
-        if piece.numel() < share:
-            piece = torch.cat([piece, piece.new_zeros(share - piece.numel())])
-        self.piece = piece
-
-    def whole(self) -> Tensor:
-        """The tensor again: every rank's slice, all-gathered (a copy of the same values)."""
-        world = torch.distributed.get_world_size(self.group)
-        out = self.piece.new_empty(self.piece.numel() * world)
-        try:
-            _all_gather(out, self.piece, group=self.group)
-        except RuntimeError as error:  # a collective failed: say which, and why
-            raise PeerError(
-                f"gathering a checkpointed layer's saved tensor (shape {tuple(self.shape)}) "
-                "across the shard axis failed in a backward: a peer rank is gone or stalled, "
-                f"or did not run this backward ({str(error).splitlines()[0]}). Exit and resume "
-                "every rank from its last torch.distributed.checkpoint save"
-            ) from error
-        return out[: self.numel].view(self.shape)
-
-
-def _split_saving(tensors: Any) -> contextlib.AbstractContextManager[Any]:
-    """For a checkpointed layer of a sharded model: saved-tensor hooks that keep only this
-    rank's slice of each plain (replicated) floating tensor the node saves, its inputs and
-    incoming gradients, gathered back when the backward reads them. Every rank of the shard
-    axis holds the same activations (the same data), so each keeps 1/world of them. CPU
-    tensors only (gloo); elsewhere, and without sharded inputs, nothing changes."""
-    group = _split_group(tensors)
-    if group is None:
-        return contextlib.nullcontext()
-
-    def pack(t: Tensor) -> Any:
-        if (
-            is_sharded(t)
-            or t.numel() < _SPLIT_MIN
-            or not t.is_contiguous()
-            or not _differentiable(t)
-            or t.device.type != "cpu"
-        ):
-            return t
-        return _Piece(t, group)
-
-    def unpack(x: Any) -> Tensor:
-        return x.whole() if isinstance(x, _Piece) else x
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 def checkpoint_closed(

@@ -83,7 +83,6 @@ from funcmeta._src.core.fence import (
     with_own_code_object,
 )
 from funcmeta._src.core.precision import CONVOLUTIONS, warn_tf32_second_order
-from funcmeta._src.core.sharding import refuse_sharded
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.forward import vmapped_losses
 from funcmeta._src.inner.inputs import (
@@ -241,7 +240,14 @@ class MetaStep:
             runtime=TRACED,
         )
         losses, _ = vmapped_losses(
-            self.fmodel, self.loss_fn, query, dims, result.params, result.buffers, runtime=TRACED
+            self.fmodel,
+            self.loss_fn,
+            query,
+            dims,
+            result.params,
+            result.buffers,
+            chunk=None,
+            runtime=TRACED,
         )
         return losses.mean()
 
@@ -621,8 +627,7 @@ def compile_meta_step(
     for i, m in enumerate(modules):
         if not isinstance(m, nn.Module):
             raise TypeError(f"hyper[{i}] is a {type(m).__name__}; hyper takes nn.Modules")
-    refuse_sharded(
-        fmodel.params,
+    fmodel.runtime.refuse(
         "fm.compile_meta_step",
         "its graph runs the tasks under torch.func.vmap and torch.func.grad, which a DTensor "
         "does not run under; use fm.adapt_tasks or the recipes, which run a sharded model's "

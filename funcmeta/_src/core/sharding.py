@@ -1,38 +1,51 @@
-"""Parameters sharded across processes (``DTensor``), as the engine meets them: the error
-for a call that cannot take them, and torch's own error rewritten where a layer read a shard.
-:func:`funcmeta.distributed.shard_model` (``funcmeta._src.distributed.sharded``) makes them."""
+"""Parameters sharded across processes (``DTensor``), as the engine meets them: the errors,
+torch's own error rewritten where a layer read a shard, and the record of which modules are
+sharded and by which runtime. :func:`funcmeta.distributed.shard_model`
+(``funcmeta._src.distributed``) makes them and starts every collective; nothing here talks to
+other processes.
+
+Nothing here imports ``torch.distributed.tensor``: :func:`is_sharded` answers ``False`` while
+that module is not loaded, since no ``DTensor`` can exist before it is.
+
+Example:
+    >>> import torch
+    >>> from funcmeta._src.core.sharding import is_sharded, sharding_of
+    >>> is_sharded(torch.ones(2)), sharding_of(torch.nn.Linear(1, 1)) is None
+    (False, True)
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
-from datetime import timedelta
-from typing import Any
+import sys
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
-import torch
-from torch.overrides import TorchFunctionMode
+from torch import Tensor, nn
 
-from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
 
 __all__ = [
     "DEFAULT_TIMEOUT",
     "PeerError",
     "ShardingError",
+    "SavingSplit",
     "is_sharded",
-    "check_same_batch",
-    "learnable_tensors_refused",
-    "refuse_sharded_options",
+    "record_sharding",
     "refuse_sharded",
     "rewrite_mixed",
     "rewrite_mixed_hyper",
+    "saving_split",
+    "sharding_epoch",
+    "sharding_of",
 ]
 
 _DISPATCH_MIX = "got mixed torch.Tensor and DTensor"
 
 DEFAULT_TIMEOUT = 600.0
-"""Seconds a collective of :func:`funcmeta.distributed.average_gradients` (and of a sharded
-model's checks) waits for the other ranks by default."""
+"""Seconds a collective of :func:`funcmeta.distributed.average_gradients`, and of a model
+sharded by :func:`funcmeta.distributed.shard_model`, waits for the other ranks by default."""
 
 
 @exposed_in("funcmeta.distributed")
@@ -49,22 +62,95 @@ class ShardingError(ValueError):
     the message names the parameter or the entry point, and what to do."""
 
 
-def _dtensor_class() -> type:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed: nothing is a DTensor
-        return type("NoDTensor", (), {})
-    return DTensor
-
-
-_DTENSOR: list[type] = []  # the class, looked up at the first check (the inner loop asks)
+_DTENSOR: list[type] = []  # the class, once torch.distributed.tensor is loaded
 
 
 def is_sharded(tensor: Any) -> bool:
-    """Whether ``tensor`` is a ``DTensor`` (a shard of ``shard_model``'s, or any other)."""
+    """Whether ``tensor`` is a ``DTensor`` (a shard of ``shard_model``'s, or any other).
+
+    Imports nothing: until ``torch.distributed.tensor`` is loaded (by ``shard_model``, or by
+    the user) no ``DTensor`` exists, and the answer is ``False`` at the cost of a dict lookup.
+    """
     if not _DTENSOR:
-        _DTENSOR.append(_dtensor_class())
+        module = sys.modules.get("torch.distributed.tensor")
+        found = getattr(module, "DTensor", None) if module is not None else None
+        if found is None:
+            return False
+        _DTENSOR.append(found)
     return isinstance(tensor, _DTENSOR[0])
+
+
+class SavingSplit(Protocol):
+    """What the checkpoint engine asks of a sharded model's runtime: the saved-tensor hooks
+    that keep each rank's slice of what a checkpointed layer saves (its gathers are that
+    runtime's collectives)."""
+
+    def split_saving(self, tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
+        """The hooks for a checkpointed call on ``tensors`` (a nullcontext where none apply)."""
+        ...
+
+
+#: The runtime of each module sharded by ``shard_model`` (the module it was given), and of
+#: each mesh it built; and how many times a module was sharded in this process.
+_MODULES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_MESHES: dict[int, tuple[Any, SavingSplit]] = {}
+_EPOCH = [0]
+
+
+def record_sharding(module: nn.Module, mesh: Any, runtime: SavingSplit) -> None:
+    """Note that ``module`` was sharded on ``mesh`` (built for it) and runs on ``runtime``."""
+    _MODULES[module] = runtime
+    _MESHES[id(mesh)] = (mesh, runtime)
+    _EPOCH[0] += 1
+
+
+def sharding_epoch() -> int:
+    """How many modules were sharded in this process so far (a functional model built
+    before the latest one checks that its module was not among them)."""
+    return _EPOCH[0]
+
+
+def sharding_of(module: nn.Module) -> Any:
+    """The runtime of the sharding of ``module`` or of its submodules (``None``: unsharded).
+    Raises :class:`ShardingError` when parts of it were sharded by separate ``shard_model``
+    calls, or when it holds ``DTensor`` parameters that ``shard_model`` did not make."""
+    if _EPOCH[0] == 0:  # nothing sharded in this process
+        found: list[Any] = []
+    else:
+        found = []
+        for m in module.modules():
+            runtime = _MODULES.get(m)
+            if runtime is not None and all(runtime is not f for f in found):
+                found.append(runtime)
+    if len(found) > 1:
+        raise ShardingError(
+            f"parts of this {type(module).__name__} were sharded by {len(found)} separate "
+            "fm.distributed.shard_model calls: shard the model once (the module whose forward "
+            "is called), so that one runtime owns its gathers and checks"
+        )
+    if not found:
+        odd = next((n for n, p in module.named_parameters() if is_sharded(p)), None)
+        if odd is not None:
+            raise ShardingError(
+                f"parameter {odd!r} is a DTensor that fm.distributed.shard_model did not make: "
+                "shard the model with fm.distributed.shard_model(module, mesh), which owns its "
+                "gathers, checks and collectives"
+            )
+        return None
+    return found[0]
+
+
+def saving_split(tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """The saved-tensor hooks of the sharded runtime whose shards are among ``tensors`` (a
+    checkpointed layer's inputs), or a nullcontext."""
+    if _EPOCH[0] == 0:
+        return contextlib.nullcontext()
+    for t in tensors:
+        if is_sharded(t):
+            entry = _MESHES.get(id(t.device_mesh))  # type: ignore[attr-defined]
+            if entry is not None:
+                return entry[1].split_saving(tensors)
+    return contextlib.nullcontext()
 
 
 def refuse_sharded(params: Mapping[str, Any], entry: str, why: str) -> None:
@@ -106,129 +192,3 @@ def rewrite_mixed_hyper(error: BaseException, params: list[Any]) -> ShardingErro
     )
 
 
-_DIFFERENTIATION = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
-
-
-class _LearnableMeetsShard(TorchFunctionMode):
-    """Refuses a call that mixes a ``DTensor`` with a plain tensor that requires grad: a
-    learnable hyperparameter (a rate) applied to a sharded gradient. torch lets a tensor
-    without dimensions through as a scalar and differentiates it on this rank's shard alone:
-    its gradient would be a partial sum, different on every rank, without an error."""
-
-    def __init__(self, in_model: Callable[[], bool]) -> None:
-        super().__init__()
-        self.in_model = in_model  # inside the model's forward: torch's own error, said again
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        if func in _DIFFERENTIATION or self.in_model():
-            # a plain loss differentiated for sharded leaves is right; in the model's forward
-            # a layer meeting a shard is torch's error, said again (rewrite_mixed)
-            return func(*args, **(kwargs or {}))
-        tensors = [a for a in tree.leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
-        if len(tensors) > 1 and any(is_sharded(t) for t in tensors):
-            plain = [t for t in tensors if not is_sharded(t) and t.requires_grad]
-            if plain:
-                raise ShardingError(
-                    "a learnable tensor (shape "
-                    f"{tuple(plain[0].shape)}, requires_grad) meets a sharded parameter's "
-                    f"tensor in {getattr(func, '__name__', func)}: its gradient would sum "
-                    "this rank's shard alone, a different wrong number on every rank. "
-                    "Place learnable hyperparameters (fm.hyper rates) beside the shards "
-                    "first: fm.distributed.shard_hyper(rates, model), before building the "
-                    "outer optimizer"
-                )
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def learnable_tensors_refused(
-    params: Mapping[str, Any], in_model: Callable[[], bool]
-) -> Iterator[None]:
-    """Within the block, outside the model's forward (``in_model()`` False), refuse what
-    :class:`_LearnableMeetsShard` refuses when ``params`` holds a ``DTensor``; nothing
-    otherwise (no mode, no cost)."""
-    if not any(is_sharded(v) for v in params.values()):
-        yield
-        return
-    with _LearnableMeetsShard(in_model):
-        yield
-
-
-def _digest(tensor: torch.Tensor) -> torch.Tensor:
-    """An exact checksum of ``tensor``'s values and their order, the same on any device and
-    thread count: its bit patterns as integers, weighted by position, summed in int64."""
-    x = tensor.detach().contiguous().reshape(-1)
-    if x.dtype == torch.bool:
-        x = x.to(torch.uint8)
-    if x.is_floating_point() or x.is_complex():
-        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-        x = x.view(bits[x.element_size()]) if x.element_size() in bits else x.view(torch.uint8)
-    weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 1021 + 1
-    return (x.to(torch.int64) * weights).sum()
-
-
-def check_same_batch(batch: Any, params: Mapping[str, Any]) -> None:
-    """Raise :class:`ShardingError` on every rank of the mesh axis that splits ``params``
-    unless all its ranks hold the same ``batch`` (values, shapes, order): ``full_tensor()``'s
-    backward sums nothing across ranks, so ranks that share parameters but not data would
-    get wrong gradients silently. One 8-byte all-gather per call; nothing for unsharded
-    ``params``."""
-    sharded = next((v for v in params.values() if is_sharded(v)), None)
-    if sharded is None:
-        return
-    import torch.distributed as dist
-    from torch.distributed.tensor import Shard
-
-    axes = [i for i, p in enumerate(sharded.placements) if isinstance(p, Shard)]
-    if not axes:
-        return
-    group = sharded.device_mesh.get_group(axes[0])
-    if dist.get_world_size(group) == 1:
-        return
-    leaves = [x for x in tree.leaves(batch) if isinstance(x, torch.Tensor)]
-    device = sharded.to_local().device
-    total = torch.zeros((), dtype=torch.int64, device=device)
-    for i, x in enumerate(leaves):
-        shape = torch.tensor(list(x.shape) or [0], dtype=torch.int64, device=device)
-        total = total * 31 + _digest(x).to(device) + (i + 1) * _digest(shape)
-    mine = total.reshape(1)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        work = dist.all_gather(every, mine, group=group, async_op=True)
-        assert work is not None
-        work.wait(timeout=timedelta(seconds=DEFAULT_TIMEOUT))
-    except RuntimeError as error:
-        raise PeerError(
-            f"comparing the batches of the ranks that split the parameters failed or did not "
-            f"finish within {DEFAULT_TIMEOUT:g} s: a peer process is gone or stalled "
-            f"({str(error).splitlines()[0]}). Exit and resume every rank from its last "
-            "torch.distributed.checkpoint save"
-        ) from error
-    if any(not torch.equal(e, every[0]) for e in every):
-        raise ShardingError(
-            "the ranks that split the parameters hold different batches: a sharded model "
-            "needs the same tasks on every rank of its shard axis (a gathered parameter's "
-            "backward sums nothing across ranks, so the gradients would be wrong); split "
-            "tasks along another mesh axis (shard_model(..., mesh_dim=) on a 2-D mesh) and "
-            "average with fm.distributed.average_gradients over it"
-        )
-
-
-#: The inner-loop options a sharded model refuses, and why.
-_SHARDED_OPTIONS = (
-    "its check of the inner gradients for non-finite values does not run on DTensor shards "
-    "yet; leave it out (a non-finite loss then reaches the parameters, as it does without "
-    "the option)"
-)
-
-
-def refuse_sharded_options(params: Mapping[str, Any], entry: str, options: Any) -> None:
-    """Raise :class:`ShardingError` when ``options`` (an ``AdaptOptions``) sets
-    ``on_nonfinite`` or ``loss_scale`` and ``params`` are sharded: their non-finite check
-    reduces the gradients with a product, which DTensor refuses ("Replicate to
-    Partial(product) conversion is not supported")."""
-    for option in ("on_nonfinite", "loss_scale"):
-        if getattr(options, option) is not None:
-            refuse_sharded(params, f"{entry} with {option}=", _SHARDED_OPTIONS)

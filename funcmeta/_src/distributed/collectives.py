@@ -7,26 +7,22 @@ import hashlib
 import itertools
 import json
 from collections.abc import Iterable, Mapping
-from datetime import timedelta
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingError, is_sharded
+from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, ShardingError, is_sharded
+from funcmeta._src.distributed import comm
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "MismatchError",
-    "PeerError",
     "average_gradients",
     "check_same_everywhere",
     "shard",
-    "wait_collective",
     "world",
 ]
 
@@ -75,25 +71,12 @@ def _first_difference(signatures: list[Any]) -> str:
     return "the ranks' signatures differ"  # pragma: no cover - digests collide only if they differ
 
 
-def wait_collective(work: Any, timeout: float, what: str, save: str = "snapshot") -> None:
-    """Wait for a collective at most ``timeout`` seconds; :class:`PeerError` naming ``what``
-    otherwise (``save``: what a run resumes from)."""
-    try:
-        work.wait(timeout=timedelta(seconds=timeout))
-    except RuntimeError as e:
-        raise PeerError(
-            f"rank {dist.get_rank()}: {what} with the other ranks failed or did not finish "
-            f"within {timeout:g} s: a peer process is gone or stalled ({e}). Exit and resume "
-            f"every rank from its last {save}."
-        ) from e
-
-
 @exposed_in("funcmeta.distributed")
 def world(group: Any = None) -> tuple[int, int]:
     """``(rank, world_size)`` of ``group``, or ``(0, 1)`` without an initialised process group."""
-    if not (dist.is_available() and dist.is_initialized()):
+    if not comm.initialized():
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    return comm.rank(group), comm.size(group)
 
 
 @exposed_in("funcmeta.distributed")
@@ -150,9 +133,7 @@ def average_gradients(
     if world(group)[1] == 1:
         return
     _refuse_different_shards(named, group)
-    device = named[0][1].device if named else torch.device("cpu")
-    if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = comm.world_device(named[0][1].device if named else torch.device("cpu"), group)
     _check_signature(_signature(named), device, group, timeout)
     if not named:
         return
@@ -160,11 +141,7 @@ def average_gradients(
     # then the mesh axis along which the parameters are replicated
     grads = [_local(torch.zeros_like(t) if t.grad is None else t.grad) for _, t in named]
     flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_ones(1)]) * float(count)
-    wait_collective(
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
-        timeout,
-        "averaging the gradients",
-    )
+    comm.all_reduce(flat, group, timeout, "averaging the gradients")
     total = flat[-1]
     if float(total) == 0:
         raise ValueError("no rank had any task: nothing to average")
@@ -184,7 +161,7 @@ def _refuse_different_shards(named: list[tuple[str, Tensor]], group: Any) -> Non
     mesh, a model sharded over a sub-mesh, is not judged here.)"""
     if not any(is_sharded(t) for _, t in named):
         return  # plain tensors: nothing to judge, no lookup of the group's ranks
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    ranks = comm.group_ranks(group)
     for name, t in named:
         if not is_sharded(t):
             continue
@@ -195,7 +172,8 @@ def _refuse_different_shards(named: list[tuple[str, Tensor]], group: Any) -> Non
         for axis, placement in enumerate(sharded.placements):
             if not placement.is_shard() or len({w[axis] for w in where}) < 2:
                 continue
-            names = list(mesh.mesh_dim_names or ())
+            # shard_model's own mesh names its axes name@funcmetaN: the user's names
+            names = [n.split("@funcmeta")[0] for n in mesh.mesh_dim_names or ()]
             others = [repr(names[i]) if names else str(i) for i in range(mesh.ndim) if i != axis]
             fix = (
                 f"pass the group of the axis that splits the tasks "
@@ -242,15 +220,9 @@ def _check_signature(
 ) -> None:
     """Raise :class:`MismatchError` on every rank unless all ranks have ``signature``
     (``needs``: the message's start, saying what must agree)."""
-    size = world(group)[1]
     mine = torch.tensor([_digest(signature)], dtype=torch.int64, device=device)
-    digests = [torch.empty_like(mine) for _ in range(size)]
-    wait_collective(
-        dist.all_gather(digests, mine, group=group, async_op=True),
-        timeout,
-        "comparing what the ranks average",
-    )
-    if all(bool((d == digests[0]).all()) for d in digests):
+    digests = comm.all_gather(mine, group, timeout, "comparing what the ranks average")
+    if bool((digests == digests[0]).all()):
         return
     # every rank saw the same digests and gets here: gather the signatures to name the difference
     signatures = _gather_signatures(signature, device, group, timeout)
@@ -263,17 +235,14 @@ def _gather_signatures(
     """Every rank's signature, gathered as JSON bytes in two tensor collectives that each
     wait at most ``timeout`` (``all_gather_object`` has no timeout, and unpickles what the
     peers send)."""
-    size = world(group)[1]
     data = torch.tensor(list(json.dumps(signature).encode()), dtype=torch.uint8, device=device)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(size)]
     what = "naming the difference in what the ranks average"
-    wait_collective(dist.all_gather(lengths, length, group=group, async_op=True), timeout, what)
-    longest = max(int(n) for n in lengths)
+    lengths = comm.all_gather(length, group, timeout, what)
+    longest = int(lengths.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
-    gathered = [torch.empty_like(padded) for _ in range(size)]
-    wait_collective(dist.all_gather(gathered, padded, group=group, async_op=True), timeout, what)
+    gathered = comm.all_gather(padded, group, timeout, what)
     return [
         [(e[0], tuple(e[1]), e[2]) for e in json.loads(bytes(g[: int(n)].tolist()).decode())]
         for g, n in zip(gathered, lengths, strict=True)
@@ -286,7 +255,5 @@ def check_same_everywhere(
     """Raise :class:`MismatchError` on every rank of ``group`` unless all ranks hold tensors
     of the same names, shapes and dtypes (``needs`` opens the message); :class:`PeerError`
     when a rank does not answer within ``timeout`` seconds."""
-    device = named[0][1].device if named else torch.device("cpu")
-    if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = comm.world_device(named[0][1].device if named else torch.device("cpu"), group)
     _check_signature(_signature(named), device, group, timeout, needs)

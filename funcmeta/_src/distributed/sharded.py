@@ -1,5 +1,7 @@
 """A model's parameters sharded across processes, gathered a layer at a time: the
-implementation of :func:`funcmeta.distributed.shard_model`.
+implementation of :func:`funcmeta.distributed.shard_model` (and :func:`shard_hyper`, which
+places learnable rates beside the shards). The model's gathers, checks and collectives are
+its runtime's (``funcmeta._src.distributed.runtime``).
 
 Each parameter becomes a ``DTensor`` sharded along its first dimension over a 1-D
 ``DeviceMesh`` (``Shard(0)``; a parameter without dimensions is replicated). A layer that
@@ -19,85 +21,27 @@ not the work. ``full_tensor``'s backward sums nothing across ranks, which is exa
 
 from __future__ import annotations
 
-import threading
-import weakref
+import itertools
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
+from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import parameter_dict
-from funcmeta._src.core.sharding import ShardingError, is_sharded
-from funcmeta._src.distributed.collectives import (
+from funcmeta._src.core.sharding import (
     DEFAULT_TIMEOUT,
-    PeerError,
-    check_same_everywhere,
+    ShardingError,
+    is_sharded,
+    record_sharding,
 )
+from funcmeta._src.distributed import comm
+from funcmeta._src.distributed.collectives import check_same_everywhere
+from funcmeta._src.distributed.runtime import ShardedRuntime, _LayerGather
 from funcmeta._src.optim.hyper import HyperTree
 
-__all__ = ["gathered_bytes", "shard_hyper", "shard_model", "sharded_names"]
-
-
-class _Gather:
-    """The forward hooks of one layer: its ``DTensor`` parameters gathered for the forward,
-    the shards back afterwards (also when the forward raises). Per thread, and nested
-    (a layer called again inside its own forward)."""
-
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def _stack(self) -> list[dict[str, Any]]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def before(self, module: nn.Module, args: Any) -> None:
-        shards = {n: p for n, p in parameter_dict(module).items() if is_sharded(p)}
-        self._stack().append(shards)
-        for name, shard in shards.items():
-            try:
-                full = shard.full_tensor()
-            except RuntimeError as error:  # a collective failed: say which gather, and why
-                raise PeerError(
-                    f"gathering {type(module).__name__} parameter {name!r} across the mesh "
-                    f"failed: a peer rank is gone or stalled, or ranks run different layers "
-                    f"({str(error).splitlines()[0]}). Exit and resume every rank from its "
-                    "last torch.distributed.checkpoint save"
-                ) from error
-            if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
-                _count(full)
-            parameter_dict(module)[name] = full
-
-    def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        stack = self._stack()
-        if not stack:
-            return
-        for name, shard in stack.pop().items():
-            parameter_dict(module)[name] = shard
-
-
-_LIVE: list[Any] = []  # weak references to the gathered tensors' storages (gathered_bytes)
-
-
-def _count(full: Tensor) -> None:
-    _LIVE[:] = [r for r in _LIVE if r() is not None]
-    _LIVE.append(weakref.ref(full.untyped_storage()))
-
-
-@exposed_in("funcmeta.distributed")
-def gathered_bytes() -> int:
-    """The bytes of gathered parameters alive in this process now (their storages, kept by
-    the tensor, a view of it or autograd's saved tensors): a layer's gather lives until its
-    backward, or only while it runs when the layer is checkpointed.
-
-    Example:
-        >>> import funcmeta as fm
-        >>> isinstance(fm.distributed.gathered_bytes(), int)
-        True
-    """
-    alive = {s.data_ptr(): s.nbytes() for s in (r() for r in _LIVE) if s is not None}
-    return sum(alive.values())
+__all__ = ["shard_hyper", "shard_model", "sharded_names"]
 
 
 def _shard_axis(mesh: Any, mesh_dim: str | int | None) -> int:
@@ -129,6 +73,41 @@ def sharded_names(module: nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if is_sharded(p)]
 
 
+_MESHES = itertools.count(1)  # each shard_model call's own mesh gets its own axis names
+
+
+def _own_mesh(mesh: Any, timeout: float) -> Any:
+    """A mesh of the same ranks and shape as ``mesh``, on process groups of its own whose
+    collectives wait at most ``timeout`` seconds, its axes named apart from every other mesh
+    (``name@funcmetaN``). torch's ``DeviceMesh`` compares equal to any mesh of the same ranks
+    and axis names, whatever its process groups, and a ``DTensor`` placed on one may come back
+    on an equal mesh made earlier, with that mesh's groups and timeout
+    (docs/decisions/sharded-parameters.md); a mesh of its own keeps the timeout."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = mesh.mesh
+    where = (grid == comm.rank()).nonzero()
+    if where.shape[0] == 0:
+        raise ShardingError(
+            f"rank {comm.rank()} is not in the mesh {grid.tolist()}: call shard_model on the "
+            "ranks of the mesh (every rank of it runs the same code)"
+        )
+    at = where[0].tolist()
+    groups = []
+    for axis in range(grid.dim()):
+        index: list[Any] = list(at)
+        index[axis] = slice(None)
+        groups.append(comm.new_group(grid[tuple(index)].tolist(), timeout))
+    tag = next(_MESHES)
+    names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(grid.dim()))
+    return DeviceMesh.from_group(
+        groups if grid.dim() > 1 else groups[0],
+        mesh.device_type,
+        mesh=grid if grid.dim() > 1 else None,
+        mesh_dim_names=tuple(f"{n}@funcmeta{tag}" for n in names),
+    )
+
+
 @exposed_in("funcmeta.distributed")
 def shard_model(
     module: nn.Module,
@@ -146,16 +125,25 @@ def shard_model(
     :func:`shard` over ``mesh.get_group(other)`` and average the meta-gradients with
     :func:`average_gradients` over that group, which takes the shards' ``.grad``).
 
+    The parameters are placed on a mesh of the same ranks built for this call, on process
+    groups of its own: every collective of the model (its gathers, its checks, the
+    reductions of its gradients) waits at most ``timeout`` seconds for the other ranks, then
+    raises :class:`PeerError`, whatever meshes the process made before. Its runtime owns
+    them (``fm.functional_model(module).runtime``).
+
     Build the functional model after it (``fm.functional_model(module, checkpoint_layers=...)``:
-    checkpointing the same layers keeps one layer's full parameters at a time). Every rank
-    must run the same tasks on the same data, unless it gathers the whole parameters for
-    its own tasks with :func:`gather_params`. :func:`funcmeta.adapt`, calls of the functional
-    model, and the task-batched calls (:func:`funcmeta.adapt_tasks`,
-    :func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`, the recipes) take a sharded
-    model; the task-batched ones run its tasks one at a time, since a ``DTensor`` does not run
-    under ``torch.func.vmap``. :func:`funcmeta.compile_meta_step` raises
-    :class:`ShardingError`. Learnable hyperparameters (``fm.hyper`` rates) are placed beside
-    the shards with :func:`shard_hyper`.
+    checkpointing the same layers keeps one layer's full parameters at a time); a functional
+    model built before is refused by name at its next use. Every rank of the shard axis must
+    compute on the same data, unless it gathers the whole parameters for its own tasks with
+    :func:`gather_params`. Every way of computing a loss on the shards checks this and
+    raises :class:`ShardingError` on every rank where they differ: :func:`funcmeta.adapt`
+    and the task-batched calls (:func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses`,
+    :func:`funcmeta.apply_tasks`, the recipes) compare the batch; a direct call
+    (``fmodel(params, x)`` or ``module(x)``) compares its inputs, and in the backward the
+    gradient reaching its outputs, where the targets show. The task-batched calls run the
+    tasks one at a time, since a ``DTensor`` does not run under ``torch.func.vmap``.
+    :func:`funcmeta.compile_meta_step` raises :class:`ShardingError`. Learnable
+    hyperparameters (``fm.hyper`` rates) are placed beside the shards with :func:`shard_hyper`.
 
     Raises :class:`ShardingError` for a mesh of more than two axes, a 2-D mesh without
     ``mesh_dim``, a module already sharded, and a
@@ -177,8 +165,11 @@ def shard_model(
         ('DTensor', (3, 2))
         >>> dist.destroy_process_group()
     """
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard
 
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard_model takes an nn.Module, got {type(module).__name__}")
+    check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
     axis = _shard_axis(mesh, mesh_dim)
     owners: dict[int, list[str]] = {}
     for prefix, layer in module.named_modules(remove_duplicate=False):
@@ -205,22 +196,28 @@ def shard_model(
         "the ranks disagree on the model they shard (fm.distributed.shard_model needs the same "
         "parameter names, shapes and dtypes in the same order on every rank of the mesh)",
     )
+    own = _own_mesh(mesh, timeout)
+    runtime = ShardedRuntime(own, axis, timeout)
+    # the direct-call checks first: before any layer gathers, after every layer put back
+    module.register_forward_pre_hook(runtime.before_call, with_kwargs=True)
     for layer in module.modules():
-        own = [n for n, p in parameter_dict(layer).items() if p is not None]
-        if not own:
+        names = [n for n, p in parameter_dict(layer).items() if p is not None]
+        if not names:
             continue
-        for name in own:
+        for name in names:
             p = parameter_dict(layer)[name]
             assert p is not None
-            placements: list[Any] = [Replicate()] * mesh.ndim
+            placements: list[Any] = [Replicate()] * own.ndim
             if p.dim() > 0:
                 placements[axis] = Shard(0)
-            parameter_dict(layer)[name] = nn.Parameter(
-                distribute_tensor(p.detach(), mesh, placements), requires_grad=p.requires_grad
-            )
-        gather = _Gather()
+            with torch.no_grad():
+                placed = comm.distribute(p.detach(), own, placements)
+            parameter_dict(layer)[name] = nn.Parameter(placed, requires_grad=p.requires_grad)
+        gather = _LayerGather()
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
+    module.register_forward_hook(runtime.after_call, with_kwargs=True)
+    record_sharding(module, own, runtime)
     return module
 
 
@@ -256,7 +253,7 @@ def shard_hyper(hyper: HyperTree, module: nn.Module) -> HyperTree:
         ['DTensor', 'DTensor']
         >>> dist.destroy_process_group()
     """
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard
 
     if not isinstance(hyper, HyperTree):
         raise TypeError(
@@ -276,9 +273,9 @@ def shard_hyper(hyper: HyperTree, module: nn.Module) -> HyperTree:
     lead = 0 if hyper.steps is None else 1
 
     def placed(raw: Tensor, placements: list[Any]) -> nn.Parameter:
-        return nn.Parameter(
-            distribute_tensor(raw.detach(), mesh, placements), requires_grad=raw.requires_grad
-        )
+        with torch.no_grad():
+            placed_raw = comm.distribute(raw.detach(), mesh, placements)
+        return nn.Parameter(placed_raw, requires_grad=raw.requires_grad)
 
     if hyper.kind != "per_element":
         assert isinstance(hyper.raw, nn.Parameter)  # one Parameter for every other kind

@@ -16,13 +16,12 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, PeerError, ShardingError, is_sharded
-from funcmeta._src.distributed.collectives import wait_collective
+from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, ShardingError, is_sharded
+from funcmeta._src.distributed import comm
 
 __all__ = ["gather_params"]
 
@@ -55,32 +54,18 @@ class _Gathered(torch.autograd.Function):
             partial = DTensor.from_local(
                 grad * ctx.weight, mesh, [Partial()] * mesh.ndim, shape=shape, stride=stride
             )
-            try:
-                reduced.append(partial.redistribute(mesh, placements))
-            except RuntimeError as error:  # a collective failed: say which, and why
-                raise PeerError(
-                    f"reducing the meta-gradient of parameter {name!r} across the mesh "
-                    f"failed: a peer rank is gone or stalled, or did not run this backward "
-                    f"({str(error).splitlines()[0]}). Exit and resume every rank from its "
-                    "last torch.distributed.checkpoint save"
-                ) from error
+            what = f"reducing the meta-gradient of parameter {name!r} across the mesh"
+            reduced.append(comm.redistribute(partial, mesh, placements, what))
         return (None, None, *reduced, *([None] * len(reduced)))
 
 
 def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
     """The sum of ``count`` over every rank of ``mesh``, and how many ranks have none (one
     small all-reduce per axis)."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device("cpu")
-    )
+    device = comm.world_device(torch.device(mesh.device_type), mesh.get_group(0))
     totals = torch.tensor([float(count), float(count == 0)], dtype=torch.float64, device=device)
     for axis in range(mesh.ndim):
-        work = dist.all_reduce(totals, group=mesh.get_group(axis), async_op=True)
-        wait_collective(
-            work, timeout, "summing the task counts", "torch.distributed.checkpoint save"
-        )
+        comm.all_reduce(totals, mesh.get_group(axis), timeout, "summing the task counts")
     return float(totals[0]), int(totals[1])
 
 
@@ -122,8 +107,7 @@ def gather_params(
     require grad (their gradients would not be averaged), or holds shards of different
     meshes; :class:`PeerError` when the sum of the counts fails or waits past ``timeout``
     seconds, and when a gather or a reduce-scatter fails. Those two wait as long as the
-    process group the mesh is built on allows (its ``timeout``), as :func:`shard_model`'s
-    gathers do.
+    mesh's process groups allow: :func:`shard_model`'s ``timeout``.
 
     Example (one process; under ``torchrun`` every rank runs the same code on its own tasks):
         >>> import tempfile, torch, torch.distributed as dist
@@ -179,15 +163,8 @@ def gather_params(
         if not is_sharded(value):
             whole[name] = value
             continue
-        try:
-            with torch.no_grad():
-                whole[name] = cast(Any, value).full_tensor()
-        except RuntimeError as error:  # a collective failed: say which, and why
-            raise PeerError(
-                f"gathering parameter {name!r} across the mesh failed: a peer rank is gone or "
-                f"stalled ({str(error).splitlines()[0]}). Exit and resume every rank from its "
-                "last torch.distributed.checkpoint save"
-            ) from error
+        with torch.no_grad():
+            whole[name] = comm.gather_whole(value, f"gathering parameter {name!r} across the mesh")
         if value.requires_grad:
             learnt.append(name)
     if learnt:  # one node for all: its backward reduces every gradient, used or not

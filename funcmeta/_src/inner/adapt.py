@@ -25,17 +25,11 @@ from typing_extensions import Unpack
 from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
-from funcmeta._src.core.sharding import (
-    check_same_batch,
-    learnable_tensors_refused,
-    refuse_sharded_options,
-)
 from funcmeta._src.core.types import AdaptResult, LossFn, NonFiniteError
 from funcmeta._src.inner.forward import forward_loss, raised_at_the_call
 from funcmeta._src.inner.inputs import TaskAxisSuspect, check_adapt_call, leftover_task_axis
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
-from funcmeta._src.module import scope
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.optim.base import GradientTransformation
 
@@ -96,12 +90,13 @@ def adapt(
     axis = leftover_task_axis(args, kwargs, targets)
     if axis is not None:
         loss_fn = _first_call_checked(loss_fn, axis)
-    check_same_batch(checked.batch, params)
-    refuse_sharded_options(params, "fm.adapt", opts)
-    forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch)
+    runtime = fmodel.runtime.for_params(params)
+    runtime.check_batch(checked.batch, "fm.adapt")
+    runtime.check_options(opts, "fm.adapt")
+    forward = functools.partial(forward_loss, fmodel, loss_fn, checked.batch, runtime=runtime)
     adapted, fixed = split_adapted(dict(params), opts.trainable, fmodel.frozen)
     try:
-        with learnable_tensors_refused(params, lambda: scope.current() is not None):
+        with runtime.entry():
             return inner_loop(
                 adapted,
                 fixed,
@@ -111,7 +106,9 @@ def adapt(
                 opts,
                 frozen=fmodel.frozen,
                 forward=forward,
+                tasks=None,
                 state=state,
+                runtime=runtime,
             )
     except (RuntimeError, ValueError) as error:
         if axis is None or not _about_shapes(error) or axis.hint() in str(error):

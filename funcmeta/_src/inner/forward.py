@@ -12,7 +12,8 @@ Example:
     >>> from funcmeta._src.inner.forward import forward_loss
     >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
     >>> batch = (((torch.ones(3, 2),), {}), torch.zeros(3, 1))
-    >>> loss, _ = forward_loss(fmodel, F.mse_loss, batch, fmodel.params, fmodel.buffers)
+    >>> runtime = fmodel.runtime
+    >>> loss, _ = forward_loss(fmodel, F.mse_loss, batch, fmodel.params, fmodel.buffers, runtime=runtime)
     >>> loss.shape
     torch.Size([])
 """
@@ -32,7 +33,7 @@ from funcmeta._src.core.checks import error_like
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import CallInputs, TaskAxisError
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.runtime import EAGER, Runtime
+from funcmeta._src.runtime import Runtime
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -54,7 +55,7 @@ def forward_loss(
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
     *,
-    runtime: Runtime = EAGER,
+    runtime: Runtime,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``(loss_fn(fmodel(params, *args, **kwargs), targets), new_buffers)`` for a batch
     ``((args, kwargs), targets)`` made by ``funcmeta._src.inner.inputs.check_adapt_call``,
@@ -72,7 +73,7 @@ def forward_loss_outputs(
     params: Mapping[str, Tensor],
     buffers: Mapping[str, Tensor],
     *,
-    runtime: Runtime = EAGER,
+    runtime: Runtime,
 ) -> tuple[tuple[Tensor, Any], dict[str, Tensor]]:
     """:func:`forward_loss` that also gives the model's outputs: ``((loss, outputs),
     new_buffers)``."""
@@ -187,8 +188,8 @@ def vmapped_losses(
     buffers: dict[str, Tensor],
     *,
     outputs: bool = False,
-    chunk: int | None = None,
-    runtime: Runtime = EAGER,
+    chunk: int | None,
+    runtime: Runtime,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task losses ``(T,)`` and new per-task buffers, the forward under vmap; with
     ``outputs``, ``((losses, outputs), new_buffers)``, the outputs with a task axis.
@@ -215,8 +216,8 @@ def task_outputs_of(
     params: Mapping[str, Tensor],
     buffers: dict[str, Tensor],
     *,
-    chunk: int | None = None,
-    runtime: Runtime = EAGER,
+    chunk: int | None,
+    runtime: Runtime,
 ) -> tuple[Any, dict[str, Tensor]]:
     """Per-task outputs and new per-task buffers of the call ``(args, kwargs)``, under vmap;
     ``dims``, ``chunk`` and ``runtime`` as in :func:`vmapped_losses`."""

@@ -32,14 +32,14 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta._src.core import kernels, tree
-from funcmeta._src.core.sharding import is_sharded, rewrite_mixed_hyper
+from funcmeta._src.core.sharding import rewrite_mixed_hyper
 from funcmeta._src.core.tree import Filter, PyTreeSpec, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
 from funcmeta._src.inner.options import AdaptOptions
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.optim.base import step as optim_step
 from funcmeta._src.optim.clip import clip_grads_by_global_norm
-from funcmeta._src.runtime import EAGER, Runtime
+from funcmeta._src.runtime import Runtime
 
 __all__ = [
     "Forward",
@@ -88,8 +88,8 @@ class InnerLoop:
     names: list[str]
     fixed: Tree | None
     options: AdaptOptions
-    tasks: int | None = None
-    runtime: Runtime = EAGER
+    tasks: int | None
+    runtime: Runtime
 
     def unrolled_step(
         self,
@@ -120,10 +120,12 @@ class InnerLoop:
         # activations held for a moment. Not where the activations are offloaded (the least
         # device memory asked for), nor under a step checkpoint, which runs the step's
         # forward again inside its inner gradient: that would hold the graphs of both runs.
-        # Nor for sharded parameters: a kept graph holds its layer's gathered parameters, so
-        # every layer's at once; recomputing gathers one layer's at a time.
-        keep = mode.second_order and not (
-            mode.offload or self.options.checkpoint_steps or any(map(is_sharded, leaves))
+        # Nor where the runtime says not (a sharded model's: a kept graph holds its layer's
+        # gathered parameters, so every layer's at once; recomputing gathers one at a time).
+        keep = (
+            mode.second_order
+            and self.runtime.keeps_layer_graphs
+            and not (mode.offload or self.options.checkpoint_steps)
         )
         loss, found, new_buffers = self.runtime.gradient(
             self._objective, leaves, buffers, second_order=mode.second_order, keep_graph=keep
@@ -296,9 +298,9 @@ def inner_loop(
     *,
     frozen: list[str],
     forward: Forward,
-    tasks: int | None = None,
-    state: Any = None,
-    runtime: Runtime = EAGER,
+    tasks: int | None,
+    state: Any,
+    runtime: Runtime,
 ) -> AdaptResult:
     """Once the arguments are checked and the adapted parameters split off
     (:func:`split_adapted`): initialise the optimizer unless ``state`` is given, and run

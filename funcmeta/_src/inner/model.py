@@ -20,7 +20,9 @@ from funcmeta._src.batching.recurrent import recurrent_layers
 from funcmeta._src.checkpoint import takeover
 from funcmeta._src.checkpoint.layers import CheckpointSpec, checkpointed_runner, select
 from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.sharding import sharding_of
 from funcmeta._src.module.functional import FunctionalModel, check_layers
+from funcmeta._src.runtime import EAGER
 
 __all__ = ["functional_model"]
 
@@ -64,6 +66,10 @@ def functional_model(
     repeats float32 runs bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices
     up front.
 
+    A module sharded by :func:`funcmeta.distributed.shard_model` is sharded first, then
+    made functional: the model takes that sharding's runtime (its gathers, checks and
+    collectives). A module sharded later is refused by name at the model's next use.
+
     Example:
         >>> import torch, funcmeta as fm
         >>> fmodel = fm.functional_model(torch.nn.Linear(2, 1))
@@ -81,6 +87,7 @@ def functional_model(
     if not isinstance(module, nn.Module):
         raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
     check_layers(module)
+    sharding = sharding_of(module)  # the runtime of fm.distributed.shard_model, if it ran
     checkpointed = select(module, checkpoint_layers)
     runner, copies = checkpointed_runner(module, checkpointed, recurrent_layers(module))
     build = functools.partial(checkpointed_runner, module, checkpointed)
@@ -90,4 +97,6 @@ def functional_model(
         copies=copies,
         checkpointed=checkpointed,
         executor=TaskExecutor(module, build, task_chunk),
+        runtime=EAGER if sharding is None else sharding,
+        sharded=sharding is not None,
     )

@@ -42,11 +42,6 @@ from typing_extensions import Unpack
 from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.precision import warn_tf32_second_order
-from funcmeta._src.core.sharding import (
-    check_same_batch,
-    learnable_tensors_refused,
-    refuse_sharded_options,
-)
 from funcmeta._src.core.types import AdaptResult, LossFn, TaskLosses
 from funcmeta._src.inner.forward import raised_at_the_call, task_outputs_of, vmapped_losses
 from funcmeta._src.inner.inputs import (
@@ -59,11 +54,10 @@ from funcmeta._src.inner.inputs import (
 )
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
-from funcmeta._src.module import scope
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
+from funcmeta._src.module.task_protocol import TaskCall
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta._src.runtime import EAGER, PER_TASK, Runtime, runtime_for
+from funcmeta._src.runtime import Runtime
 from funcmeta._src.runtime.place import unless_set
 
 __all__ = ["adapt_tasks", "apply_tasks", "task_count", "task_inner_loop", "task_losses"]
@@ -89,15 +83,15 @@ def apply_tasks(
     )
     call = checked.batch[0]
     assert checked.param_dims is not None  # task-batched: one entry per parameter
-    check_same_batch(call, params)
-    with unless_set("the inputs given to fm.apply_tasks"):
-        return _following(
-            fmodel,
-            functools.partial(
-                task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers
-            ),
-            runtime_for(params),
-        )
+    runtime = fmodel.runtime.for_params(params)
+    runtime.check_batch(call, "fm.apply_tasks")
+    run = functools.partial(
+        task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers, runtime=runtime
+    )
+    with unless_set("the inputs given to fm.apply_tasks"), runtime.entry():
+        out, new_buffers = runtime.following(fmodel, lambda chunk: run(chunk=chunk))
+    # the user computes a loss from the outputs with targets the runtime never saw
+    return runtime.outputs(out), new_buffers
 
 
 @exposed_in("funcmeta")
@@ -137,7 +131,8 @@ def task_losses(
         raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
     checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
     assert checked.param_dims is not None  # task-batched: one entry per parameter
-    check_same_batch(checked.batch, params)
+    runtime = fmodel.runtime.for_params(params)
+    runtime.check_batch(checked.batch, "fm.task_losses")
     run = functools.partial(
         vmapped_losses,
         fmodel,
@@ -147,13 +142,14 @@ def task_losses(
         params,
         checked.buffers,
         outputs=return_outputs,
+        runtime=runtime,
     )
-    runtime = runtime_for(params)
-    with unless_set("the batch given to fm.task_losses"):
-        if not return_outputs:
-            return TaskLosses(*_following(fmodel, run, runtime))
-        (losses, outputs), new_buffers = _following(fmodel, run, runtime)
-    return TaskLosses(losses, new_buffers, outputs)
+    with unless_set("the batch given to fm.task_losses"), runtime.entry():
+        found, new_buffers = runtime.following(fmodel, lambda chunk: run(chunk=chunk))
+    if not return_outputs:
+        return TaskLosses(found, new_buffers)
+    losses, outputs = found
+    return TaskLosses(losses, new_buffers, runtime.outputs(outputs))
 
 
 @exposed_in("funcmeta")
@@ -192,17 +188,13 @@ def adapt_tasks(
     warn_tf32_second_order(fmodel.module, params.values(), opts.first_order)
     tasks, dims = checked.tasks, checked.param_dims
     assert tasks is not None and dims is not None  # task-batched: both are set
-    runtime = runtime_for(params)
-    if (
-        runtime is PER_TASK
-    ):  # a sharded model: the same batch on every shard rank, one task at a time
-        check_same_batch(checked.batch, params)
-        refuse_sharded_options(params, "fm.adapt_tasks", opts)
-        chunking = ChunkRun(1)
-    else:
-        chunking = _chunk_run(fmodel, checked, params, steps, opts)
-
-    with learnable_tensors_refused(params, lambda: scope.current() is not None):
+    runtime = fmodel.runtime.for_params(params)
+    runtime.check_batch(checked.batch, "fm.adapt_tasks")
+    runtime.check_options(opts, "fm.adapt_tasks")
+    chunking = runtime.chunk_for(
+        fmodel, functools.partial(_task_call, checked, params, steps, opts)
+    )
+    with runtime.entry():
         result, _ = task_inner_loop(
             fmodel,
             loss_fn,
@@ -238,7 +230,7 @@ def task_inner_loop(
     state: Any = None,
     chunk: int | None = None,
     watch: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-    runtime: Runtime = EAGER,
+    runtime: Runtime,
 ) -> tuple[AdaptResult, dict[str, int | None]]:
     """The inner loop of T tasks on a checked call: the adapted parameters split off
     (``funcmeta._src.inner.loop.split_adapted``), given a task axis
@@ -281,23 +273,20 @@ def task_inner_loop(
     return result, step_dims
 
 
-def _chunk_run(
-    fmodel: FunctionalModel,
+def _task_call(
     checked: CheckedCall,
     params: Mapping[str, Tensor],
     steps: int,
     opts: AdaptOptions,
-) -> ChunkRun:
-    """The chunk of this inner loop, as the model's executor chooses it (see
-    ``funcmeta._src.batching.chunks``): the call described for it."""
-    if fmodel.executor is None:
-        return ChunkRun(None)
+) -> TaskCall:
+    """The task-batched inner loop described for the executor that chooses its chunk (see
+    ``funcmeta._src.batching.chunks``)."""
     # checked by check_adapt_call(task_batched=True): both are set
     assert checked.tasks is not None and checked.param_dims is not None
     inputs, targets = (
         tuple(x for x in tree.leaves(part) if isinstance(x, Tensor)) for part in checked.batch
     )
-    call = TaskCall(
+    return TaskCall(
         tasks=checked.tasks,
         steps=steps,
         inputs=inputs,
@@ -309,17 +298,3 @@ def _chunk_run(
         expect_backward=torch.is_grad_enabled()
         and any(isinstance(v, Tensor) and v.requires_grad for v in params.values()),
     )
-    return fmodel.executor.chunk_for(call)
-
-
-def _following(
-    fmodel: FunctionalModel, run: Callable[..., tuple[Any, dict[str, Tensor]]], runtime: Runtime
-) -> tuple[Any, dict[str, Tensor]]:
-    """``run(chunk=c, runtime=runtime)``, a task-batched pass (:func:`apply_tasks`,
-    :func:`task_losses`), on the chunk the model's executor chooses for it, once for this
-    call (that of the inner loop it follows); under ``task_chunk="tune"`` its time counts
-    with that measured inner loop (the query pass after :func:`adapt_tasks`, on the same
-    chunk). The per-task runtime (a sharded model) takes no chunk and nothing is timed."""
-    if fmodel.executor is None or runtime is PER_TASK:
-        return run(chunk=None, runtime=runtime)
-    return fmodel.executor.run_following(lambda chunk: run(chunk=chunk, runtime=runtime))

@@ -34,7 +34,6 @@ from typing_extensions import Unpack
 from funcmeta._src.batching.chunks import candidate_chunks
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.sharding import refuse_sharded
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import split_batch, task_count
 from funcmeta._src.inner.options import AdaptKeywords
@@ -86,8 +85,7 @@ def tune_task_chunk(
     for c in sizes:
         check_int(c, "candidates", low=1, what=f"positive ints (all of {candidates!r})")
     check_int(repeats, "repeats", low=1, what="a positive int")
-    refuse_sharded(
-        params,
+    fmodel.runtime.for_params(params).refuse(
         "fm.tune_task_chunk",
         "a sharded model's task-batched calls run one task at a time (a DTensor does not run "
         "under vmap), so there is no chunk to choose",

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from funcmeta._src.core.checks import check_tree
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
+from funcmeta._src.core.sharding import ShardingError, sharding_epoch, sharding_of
 from funcmeta._src.core.vmap import any_batched
 from funcmeta._src.module import scope
 from funcmeta._src.module.guard import guard_of
@@ -43,7 +44,13 @@ class FunctionalModel:
 
     Build one with :func:`funcmeta.functional_model`, which chooses the checkpointed layers
     (the ``runner``: a shadow of the module with those layers checkpointed, and its
-    ``copies`` kept in step) and gives it the task executor.
+    ``copies`` kept in step), gives it the task executor and its runtime (how its steps run:
+    eager, or the runtime of a model sharded by ``fm.distributed.shard_model``, when
+    ``sharded``).
+
+    A module sharded after its functional model was built is refused by name at the model's
+    next use (``params``, a call, an entry point): the functional model holds the whole
+    tensors from before, which no gradient would reach through the shards.
 
     Attributes:
         module: the wrapped module; never mutated by calls.
@@ -64,11 +71,16 @@ class FunctionalModel:
         copies: Sequence[tuple[nn.Module, nn.Module]] = (),
         checkpointed: Sequence[str] = (),
         executor: Executor | None = None,
+        runtime: Any,
+        sharded: bool,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
         check_layers(module)
         self.module = module
+        self._runtime = runtime
+        self._sharded = sharded
+        self._epoch = sharding_epoch()
         self.checkpointed = list(checkpointed)
         self.runner = module if runner is None else runner
         self.copies = list(copies)
@@ -81,7 +93,33 @@ class FunctionalModel:
 
     @property
     def params(self) -> dict[str, Tensor]:
+        self.check_sharding()
         return dict(self._own_params)
+
+    @property
+    def runtime(self) -> Any:
+        """How this model's steps run (``funcmeta._src.runtime``): chosen once, where the model
+        was made; an entry point asks it for the call's runtime (``runtime.for_params``)."""
+        self.check_sharding()
+        return self._runtime
+
+    def check_sharding(self) -> None:
+        """Raise :class:`funcmeta.distributed.ShardingError` when the module was sharded (or
+        sharded again) after this functional model was built. Costs an integer comparison
+        unless a module was sharded since the last check."""
+        if self._epoch == sharding_epoch():
+            return
+        now = sharding_of(self.module)
+        if now is not (self._runtime if self._sharded else None):
+            raise ShardingError(
+                f"the module {type(self.module).__name__} was sharded "
+                "(fm.distributed.shard_model) after fm.functional_model took it: this "
+                "functional model holds its whole tensors from before, so no meta-gradient "
+                "would reach the shards and an outer optimizer would train nothing. Build the "
+                "functional model after sharding: fm.functional_model(net, ...) once "
+                "fm.distributed.shard_model(net, mesh) has run"
+            )
+        self._epoch = sharding_epoch()
 
     @property
     def task_chunk(self) -> int | str | None:
@@ -169,6 +207,7 @@ class FunctionalModel:
         forward wrote into its buffers (BatchNorm running statistics in train mode); the
         buffers passed in and the module's own are left unchanged.
         """
+        self.check_sharding()
         self.check_params(params)
         return self.run_checked(params, buffers, args, kwargs)
 

@@ -1,11 +1,17 @@
 """The runtime's contract: :class:`Runtime`, what every way of running a step provides.
 
+The abstract methods are how a step computes; the others are what an entry point asks of the
+runtime before and around a call (the checks of a sharded model, the chunk of tasks), each
+a no-op here and overridden where a runtime differs (``funcmeta._src.distributed.runtime``).
+
 Example:
     >>> from funcmeta._src.runtime import EAGER, TRACED, Runtime
     >>> isinstance(EAGER, Runtime) and isinstance(TRACED, Runtime)
     True
-    >>> sorted(name for name in vars(Runtime) if not name.startswith("_"))
-    ['gradient', 'over_tasks', 'run', 'second_order_kernels', 'step_scope']
+    >>> sorted(name for name in vars(Runtime) if not name.startswith("_"))  # doctest: +NORMALIZE_WHITESPACE
+    ['check_batch', 'check_options', 'chunk_for', 'entry', 'following', 'for_params',
+     'gradient', 'keeps_layer_graphs', 'outputs', 'over_tasks', 'refuse', 'run',
+     'second_order_kernels', 'step_scope']
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
 
 __all__ = ["Objective", "Runtime"]
 
@@ -27,7 +34,50 @@ Objective = Callable[[list[Tensor], dict[str, Tensor]], tuple[Tensor, Tensor, di
 
 
 class Runtime(abc.ABC):
-    """How a step runs: the model, the task axis, the inner gradient, each step's frame."""
+    """How a step runs: the model, the task axis, the inner gradient, each step's frame;
+    and what an entry point asks of it around a call."""
+
+    #: Whether a second-order step's checkpointed layers may take their inner gradient on
+    #: their forward's graph (a sharded model's may not: a kept graph holds its layer's
+    #: gathered parameters, every layer's at once).
+    keeps_layer_graphs: bool = True
+
+    def for_params(self, params: Mapping[str, Any]) -> Runtime:
+        """The runtime of a call on ``params``: this one. (A sharded model's runtime answers
+        the eager one for whole parameters, ``fm.distributed.gather_params``'.)"""
+        return self
+
+    def check_batch(self, batch: Any, entry: str) -> None:
+        """Raise unless ``batch`` (inputs and targets) may be computed on here: nothing to
+        check but on a sharded model, whose ranks must hold the same batch."""
+
+    def check_options(self, options: Any, entry: str) -> None:
+        """Raise for inner-loop ``options`` (an ``AdaptOptions``) this runtime cannot run."""
+
+    def refuse(self, entry: str, why: str) -> None:
+        """Raise where ``entry`` (a feature named in the error, with ``why``) cannot run on
+        this runtime; nothing here."""
+
+    def entry(self) -> contextlib.AbstractContextManager[Any]:
+        """Around an entry point's whole computation, once its batch is checked."""
+        return contextlib.nullcontext()
+
+    def outputs(self, out: Any) -> Any:
+        """The model's outputs handed to the user (``fm.apply_tasks``), who computes a loss
+        from them this runtime does not see: as they are here."""
+        return out
+
+    def chunk_for(self, fmodel: FunctionalModel, describe: Callable[[], TaskCall]) -> ChunkRun:
+        """The chunk of tasks of a task-batched inner loop (``describe()`` says the call):
+        all tasks at once here."""
+        return ChunkRun(None)
+
+    def following(
+        self, fmodel: FunctionalModel, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """``run(chunk)``, a task-batched pass that follows an inner loop
+        (``fm.task_losses``, ``fm.apply_tasks``), on its chunk: all tasks here."""
+        return run(None)
 
     @abc.abstractmethod
     def run(

@@ -36,6 +36,7 @@ from funcmeta._src.core.sharding import rewrite_mixed
 from funcmeta._src.core.vmap import any_batched, vmap_flat
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.shadow import Standin
+from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
 from funcmeta._src.runtime.base import Objective, Runtime
 from funcmeta._src.runtime.place import at, current
 
@@ -85,6 +86,22 @@ class EagerRuntime(Runtime):
         chunk: int | None,
     ) -> Any:
         return vmap_flat(one_task, trees, in_dims, chunk)
+
+    def chunk_for(self, fmodel: FunctionalModel, describe: Callable[[], TaskCall]) -> ChunkRun:
+        """The chunk the model's task executor chooses for the call (``task_chunk``)."""
+        if fmodel.executor is None:
+            return ChunkRun(None)
+        return fmodel.executor.chunk_for(describe())
+
+    def following(
+        self, fmodel: FunctionalModel, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """On the chunk the model's executor chooses, once for this call: that of the inner
+        loop it follows; under ``task_chunk="tune"`` its time counts with that measured inner
+        loop."""
+        if fmodel.executor is None:
+            return run(None)
+        return fmodel.executor.run_following(run)
 
     def gradient(
         self,

@@ -1,0 +1,457 @@
+"""The runtime of a model sharded by :func:`funcmeta.distributed.shard_model`: one object
+that owns the mesh, its process groups and their timeout, and every gather, check and
+collective of the model's steps.
+
+:func:`funcmeta.functional_model` gives a sharded module's functional model this runtime
+(``FunctionalModel.runtime``), and every way of computing a loss on it goes through it:
+
+- the entry points (:func:`funcmeta.adapt`, :func:`funcmeta.adapt_tasks`,
+  :func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`, the recipes) compare the
+  batch's checksum across the ranks of the shard axis before they compute
+  (:meth:`ShardedRuntime.check_batch`), and each inner step compares its loss
+  (:meth:`ShardedRuntime.gradient`: a random draw that differs between ranks shows there);
+- a direct call of the model (``fmodel(params, x)``, or ``net(x)``) is checked by hooks on
+  the sharded module: its inputs' checksum before the forward, and in the backward the
+  gradient that reaches its outputs (:meth:`ShardedRuntime.outputs`), which holds the
+  targets and the loss the model never sees. ``fm.apply_tasks``' outputs get the same check;
+- each layer gathers its parameters while it runs (:class:`_LayerGather`), and a checkpointed
+  layer keeps its rank's slice of what it saves (:meth:`ShardedRuntime.split_saving`).
+
+Every collective is started by ``funcmeta._src.distributed.comm``. The ranks of the shard
+axis must compute on the same data: a gathered parameter's backward keeps each rank's slice
+of a gradient it assumes is the same on every rank (``docs/decisions/sharded-parameters.md``).
+Where they do not, every rank raises :class:`~funcmeta.distributed.ShardingError`.
+
+Example (one process; under ``torchrun`` every rank runs the same code):
+    >>> import tempfile, torch, torch.distributed as dist
+    >>> import funcmeta as fm
+    >>> from torch.distributed.device_mesh import init_device_mesh
+    >>> dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    >>> net = fm.distributed.shard_model(torch.nn.Linear(4, 2), init_device_mesh("cpu", (1,)), timeout=30)
+    >>> runtime = fm.functional_model(net).runtime
+    >>> type(runtime).__name__, runtime.timeout
+    ('ShardedRuntime', 30.0)
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from funcmeta._src.core import tree
+from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.fence import parameter_dict
+from funcmeta._src.core.sharding import ShardingError, is_sharded
+from funcmeta._src.core.vmap import loop_flat
+from funcmeta._src.distributed import comm
+from funcmeta._src.module import scope
+from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.runtime import EAGER, EagerRuntime, Runtime
+from funcmeta._src.runtime.base import Objective
+
+__all__ = ["ShardedRuntime", "gathered_bytes"]
+
+_DETERMINISM = (
+    "If the data and the random draws (dropout) are the same on every rank, a kernel that "
+    "is not bitwise deterministic made them differ: run every rank with the same "
+    "torch.set_num_threads and torch.use_deterministic_algorithms(True)"
+)
+
+
+class ShardedRuntime(EagerRuntime):
+    """The runtime of one :func:`funcmeta.distributed.shard_model` call (see the module
+    docstring): the eager runtime with the tasks of a call run one at a time (a ``DTensor``
+    runs under no ``torch.func`` transform), the same-data checks, the layers' gathers.
+
+    Attributes:
+        mesh: the mesh the parameters are placed on (built by ``shard_model`` from the one
+            it was given: the same ranks, process groups of its own with ``timeout``).
+        axis: the mesh axis that splits the parameters.
+        group: that axis's process group for this rank.
+        timeout: seconds each collective waits for the other ranks.
+    """
+
+    keeps_layer_graphs = False
+
+    def __init__(self, mesh: Any, axis: int, timeout: float) -> None:
+        self.mesh = mesh
+        self.axis = axis
+        self.group = mesh.get_group(axis)
+        self.ranks = comm.size(self.group)
+        self.timeout = float(timeout)
+        self._local = threading.local()
+
+    # ------------------------------------------------------------ the call's runtime
+
+    def for_params(self, params: Mapping[str, Any]) -> Runtime:
+        """This runtime for the shards; the eager one for whole parameters
+        (``fm.distributed.gather_params``: each rank its own tasks, ``vmap`` over them)."""
+        return self if any(is_sharded(v) for v in params.values()) else EAGER
+
+    def refuse(self, entry: str, why: str) -> None:
+        raise ShardingError(f"{entry} cannot take a sharded model: {why}")
+
+    def check_options(self, options: Any, entry: str) -> None:
+        """Refuse ``on_nonfinite`` and ``loss_scale``: their non-finite check reduces the
+        gradients with a product, which DTensor refuses ("Replicate to Partial(product)
+        conversion is not supported")."""
+        for option in ("on_nonfinite", "loss_scale"):
+            if getattr(options, option) is not None:
+                self.refuse(
+                    f"{entry} with {option}=",
+                    "its check of the inner gradients for non-finite values does not run on "
+                    "DTensor shards yet; leave it out (a non-finite loss then reaches the "
+                    "parameters, as it does without the option)",
+                )
+
+    @contextlib.contextmanager
+    def entry(self) -> Iterator[None]:
+        """Refuse a learnable tensor meeting a shard outside the model's forward (a rate not
+        placed by ``shard_hyper``)."""
+        with _LearnableMeetsShard(lambda: scope.current() is not None):
+            yield
+
+    # ------------------------------------------------------------ the checks
+
+    def check_batch(self, batch: Any, entry: str) -> None:
+        """Raise :class:`ShardingError` on every rank of the shard axis unless all hold the
+        same ``batch`` (values, shapes, order): one 8-byte all-gather."""
+        if self.ranks == 1:
+            return
+        device = self._device()
+        leaves = [x for x in tree.leaves_registered(batch) if isinstance(x, Tensor)]
+        total = torch.zeros((), dtype=torch.int64, device=device)
+        for i, x in enumerate(leaves):
+            shape = torch.tensor(list(x.shape) or [0], dtype=torch.int64, device=device)
+            total = total * 31 + _digest(x).to(device) + (i + 1) * _digest(shape)
+        self._same(total, f"the batches given to {entry}", _different_batches(entry))
+
+    def check_result(self, value: Tensor, what: str) -> None:
+        """Raise :class:`ShardingError` on every rank unless ``value`` (a loss computed on
+        the checked batch) is the same bits on every rank of the shard axis."""
+        if self.ranks == 1:
+            return
+        self._same(
+            _digest(value).to(self._device()),
+            what,
+            f"{what} differs between the ranks that split the parameters, on the same batch: "
+            f"their gradients would be wrong. {_DETERMINISM}",
+        )
+
+    def _same(self, digest: Tensor, what: str, message: str) -> None:
+        every = comm.all_gather(digest.reshape(1), self.group, self.timeout, f"comparing {what}")
+        if not bool((every == every[0]).all()):
+            raise ShardingError(message)
+
+    def _device(self) -> torch.device:
+        return comm.world_device(torch.device(self.mesh.device_type), self.group)
+
+    # ------------------------------------------------------------ the steps
+
+    def run(
+        self,
+        fmodel: FunctionalModel,
+        params: Mapping[str, Tensor],
+        buffers: Mapping[str, Tensor],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, dict[str, Tensor]]:
+        """The eager run; the direct-call hooks of the sharded module stand aside (the entry
+        point checked the batch, targets included)."""
+        depth = getattr(self._local, "inside", 0)
+        self._local.inside = depth + 1
+        try:
+            return super().run(fmodel, params, buffers, args, kwargs)
+        finally:
+            self._local.inside = depth
+
+    def over_tasks(
+        self,
+        one_task: Callable[..., Any],
+        trees: tuple[Any, ...],
+        in_dims: tuple[Any, ...],
+        chunk: int | None,
+    ) -> Any:
+        return loop_flat(one_task, trees, in_dims)
+
+    def gradient(
+        self,
+        objective: Objective,
+        leaves: list[Tensor],
+        buffers: dict[str, Tensor],
+        *,
+        second_order: bool,
+        keep_graph: bool,
+    ) -> tuple[Tensor, list[Tensor | None], dict[str, Tensor]]:
+        """The eager inner gradient, its loss compared across the ranks."""
+        loss, found, new_buffers = super().gradient(
+            objective, leaves, buffers, second_order=second_order, keep_graph=keep_graph
+        )
+        self.check_result(loss.detach(), "an inner step's loss")
+        return loss, found, new_buffers
+
+    def outputs(self, out: Any) -> Any:
+        """``out`` whose backward compares the gradient reaching it across the ranks: a loss
+        of targets that differ between ranks shows there."""
+        if self.ranks == 1 or not torch.is_grad_enabled():
+            return out
+        leaves, spec = tree.flatten_registered(out)
+        if not any(isinstance(x, Tensor) and x.requires_grad for x in leaves):
+            return out
+        checked = [
+            _SameGradient.apply(self, x) if isinstance(x, Tensor) and x.requires_grad else x
+            for x in leaves
+        ]
+        return tree.unflatten_registered(checked, spec)
+
+    # ------------------------------------------------------------ direct calls
+
+    def before_call(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """The sharded module's forward pre-hook: a direct call's inputs compared."""
+        stack = self._calls()
+        check = (
+            getattr(self._local, "inside", 0) == 0
+            and torch.is_grad_enabled()
+            and any(is_sharded(p) for p in module.parameters())
+        )
+        stack.append(check)
+        if check:
+            self.check_batch((args, kwargs), "a call of the sharded model")
+
+    def after_call(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """The sharded module's forward hook: a direct call's outputs checked in the backward."""
+        stack = self._calls()
+        if stack and stack.pop():
+            return self.outputs(output)
+        return None
+
+    def _calls(self) -> list[bool]:
+        stack = getattr(self._local, "calls", None)
+        if stack is None:
+            stack = self._local.calls = []
+        return stack
+
+    # ------------------------------------------------------------ checkpointed layers
+
+    def split_saving(self, tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
+        """Saved-tensor hooks that keep only this rank's slice of each plain (replicated)
+        floating tensor a checkpointed layer saves, its inputs and incoming gradients,
+        all-gathered back when the backward reads them. Every rank of the shard axis holds
+        the same activations (the same data), so each keeps 1/world of them. CPU tensors of
+        ``_SPLIT_MIN`` elements or more only (gloo)."""
+        if self.ranks == 1:
+            return contextlib.nullcontext()
+
+        def pack(t: Tensor) -> Any:
+            if (
+                is_sharded(t)
+                or t.numel() < _SPLIT_MIN
+                or not t.is_contiguous()
+                or not _differentiable(t)
+                or t.device.type != "cpu"
+            ):
+                return t
+            return _Piece(t, self)
+
+        def unpack(x: Any) -> Tensor:
+            return x.whole() if isinstance(x, _Piece) else x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _different_batches(entry: str) -> str:
+    return (
+        f"the ranks that split the parameters hold different batches in {entry}: a sharded "
+        "model needs the same data on every rank of its shard axis, through every way of "
+        "computing a loss (fm.adapt, fm.adapt_tasks, fm.task_losses, fm.apply_tasks, the "
+        "recipes, and a direct call of the model), since a gathered parameter's backward sums "
+        "nothing across the ranks and the gradients would be wrong. To give each rank its own "
+        "tasks, gather the whole parameters for them (fm.distributed.gather_params), or split "
+        "the tasks along another mesh axis (shard_model(..., mesh_dim=) on a 2-D mesh) and "
+        "average with fm.distributed.average_gradients over it"
+    )
+
+
+def _digest(tensor: Tensor) -> Tensor:
+    """An exact checksum of ``tensor``'s values and their order, the same on any device and
+    thread count: its bit patterns as integers, weighted by position, summed in int64."""
+    if is_sharded(tensor):
+        tensor = tensor.to_local()  # type: ignore[attr-defined]
+    x = tensor.detach().contiguous().reshape(-1)
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    if x.is_floating_point() or x.is_complex():
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+        x = x.view(bits[x.element_size()]) if x.element_size() in bits else x.view(torch.uint8)
+    weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 1021 + 1
+    return (x.to(torch.int64) * weights).sum()
+
+
+class _SameGradient(torch.autograd.Function):
+    """The identity, whose backward compares the incoming gradient's checksum across the
+    ranks of the shard axis (one 8-byte all-gather) and raises :class:`ShardingError` on
+    every rank where it differs."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: ShardedRuntime, x: Tensor) -> Tensor:
+        ctx.runtime = runtime
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
+        runtime: ShardedRuntime = ctx.runtime
+        runtime._same(
+            _digest(grad).to(runtime._device()),
+            "the gradient reaching the model's outputs",
+            "the gradient reaching a sharded model's outputs differs between the ranks that "
+            "split its parameters: the loss computed from them (its targets, or what it adds) "
+            "is not the same on every rank, so the meta-gradients would be wrong. Give every "
+            "rank of the shard axis the same batch, targets included, or gather the whole "
+            "parameters for each rank's own tasks (fm.distributed.gather_params). "
+            + _DETERMINISM,
+        )
+        return None, grad
+
+
+_DIFFERENTIATION = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward)
+
+
+class _LearnableMeetsShard(TorchFunctionMode):
+    """Refuses a call that mixes a ``DTensor`` with a plain tensor that requires grad: a
+    learnable hyperparameter (a rate) applied to a sharded gradient. torch lets a tensor
+    without dimensions through as a scalar and differentiates it on this rank's shard alone:
+    its gradient would be a partial sum, different on every rank, without an error."""
+
+    def __init__(self, in_model: Callable[[], bool]) -> None:
+        super().__init__()
+        self.in_model = in_model  # inside the model's forward: torch's own error, said again
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func in _DIFFERENTIATION or self.in_model():
+            # a plain loss differentiated for sharded leaves is right; in the model's forward
+            # a layer meeting a shard is torch's error, said again (rewrite_mixed)
+            return func(*args, **(kwargs or {}))
+        tensors = [a for a in tree.leaves((args, kwargs or {})) if isinstance(a, torch.Tensor)]
+        if len(tensors) > 1 and any(is_sharded(t) for t in tensors):
+            plain = [t for t in tensors if not is_sharded(t) and t.requires_grad]
+            if plain:
+                raise ShardingError(
+                    "a learnable tensor (shape "
+                    f"{tuple(plain[0].shape)}, requires_grad) meets a sharded parameter's "
+                    f"tensor in {getattr(func, '__name__', func)}: its gradient would sum "
+                    "this rank's shard alone, a different wrong number on every rank. "
+                    "Place learnable hyperparameters (fm.hyper rates) beside the shards "
+                    "first: fm.distributed.shard_hyper(rates, model), before building the "
+                    "outer optimizer"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+# ------------------------------------------------------------------ the layers' gathers
+
+
+class _LayerGather:
+    """The forward hooks of one layer: its ``DTensor`` parameters gathered for the forward,
+    the shards back afterwards (also when the forward raises). Per thread, and nested
+    (a layer called again inside its own forward)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _stack(self) -> list[dict[str, Any]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def before(self, module: nn.Module, args: Any) -> None:
+        shards = {n: p for n, p in parameter_dict(module).items() if is_sharded(p)}
+        self._stack().append(shards)
+        for name, shard in shards.items():
+            full = comm.gather_whole(
+                shard,
+                f"gathering {type(module).__name__} parameter {name!r} across the mesh",
+            )
+            if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
+                _count(full)
+            parameter_dict(module)[name] = full
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self._stack()
+        if not stack:
+            return
+        for name, shard in stack.pop().items():
+            parameter_dict(module)[name] = shard
+
+
+_LIVE: list[Any] = []  # weak references to the gathered tensors' storages (gathered_bytes)
+
+
+def _count(full: Tensor) -> None:
+    _LIVE[:] = [r for r in _LIVE if r() is not None]
+    _LIVE.append(weakref.ref(full.untyped_storage()))
+
+
+@exposed_in("funcmeta.distributed")
+def gathered_bytes() -> int:
+    """The bytes of gathered parameters alive in this process now (their storages, kept by
+    the tensor, a view of it or autograd's saved tensors): a layer's gather lives until its
+    backward, or only while it runs when the layer is checkpointed.
+
+    Example:
+        >>> import funcmeta as fm
+        >>> isinstance(fm.distributed.gathered_bytes(), int)
+        True
+    """
+    alive = {s.data_ptr(): s.nbytes() for s in (r() for r in _LIVE) if s is not None}
+    return sum(alive.values())
+
+
+# ------------------------------------------------------------------ saved activations split
+
+#: Elements below which a saved tensor is kept whole (its gather would cost more than it saves).
+_SPLIT_MIN = 4096
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class _Piece:
+    """This rank's slice of a saved tensor (padded to an equal share), and its shape."""
+
+    __slots__ = ("numel", "piece", "runtime", "shape")
+
+    def __init__(self, t: Tensor, runtime: ShardedRuntime) -> None:
+        world, me = runtime.ranks, comm.rank(runtime.group)
+        flat = t.detach().reshape(-1)
+        self.numel, self.shape, self.runtime = flat.numel(), t.shape, runtime
+        share = -(-self.numel // world)
+        piece = flat[me * share : (me + 1) * share].clone()
+        if piece.numel() < share:
+            piece = torch.cat([piece, piece.new_zeros(share - piece.numel())])
+        self.piece = piece
+
+    def whole(self) -> Tensor:
+        """The tensor again: every rank's slice, all-gathered (a copy of the same values)."""
+        runtime = self.runtime
+        out = self.piece.new_empty(self.piece.numel() * runtime.ranks)
+        comm.all_gather_into(
+            out,
+            self.piece,
+            runtime.group,
+            runtime.timeout,
+            f"gathering a checkpointed layer's saved tensor (shape {tuple(self.shape)}) across "
+            "the shard axis in a backward",
+        )
+        return out[: self.numel].view(self.shape)
