@@ -13,7 +13,15 @@ all tasks at once (``fm.adapt_tasks``), float32, each way in fresh processes und
   all-gather per parameter), the meta-gradient reduce-scattered into the shards in the
   backward, Adam's state on the shards;
 - ``tasks only``: the same ranks, each holding the whole model (``fm.distributed.shard`` and
-  ``average_gradients``: one all-reduce), for what the sharding itself costs.
+  ``average_gradients``: one all-reduce), for what the sharding itself costs;
+- ``checks`` and ``checks off``: what the sharded runtime's same-data checks cost per
+  meta-step. The model sharded over the ranks, every rank running the same ``--check-tasks``
+  tasks in the docs' pattern (``fm.adapt`` on the shards, the query loss through a direct
+  call of the model): per task one comparison of the support batch, one per inner step of
+  its loss, one of the query inputs and, in the backward, one of the gradient reaching the
+  outputs (8-byte all-gathers). ``checks off`` is the same run with those comparisons
+  replaced by nothing (the benchmark patches them out: the baseline only); its ratio is
+  the checks' cost.
 
 The ways run in turn, ``--rounds`` times (fresh processes each time, so that a slow spell
 of the machine falls on every way alike), each timing ``--repeats`` meta-iterations
@@ -49,7 +57,7 @@ from torch import nn
 
 import funcmeta as fm
 
-MODES = ("single", "sharded", "tasks")
+MODES = ("single", "sharded", "tasks", "checks", "unchecked")
 
 
 class Block(nn.Module):
@@ -83,7 +91,7 @@ class Sent:
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        counts = self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        counts = self.counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "compare": 0}
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,6 +104,8 @@ class Sent:
                     counts["reduce_scatter"] += first.nbytes * (n - 1) // n
                 elif name.startswith("c10d.allreduce_"):  # the tensors, as a list
                     counts["all_reduce"] += sum(t.nbytes for t in first)
+                elif name.startswith("c10d.allgather_"):  # the checks' comparisons
+                    counts["compare"] += sum(t.nbytes for t in args[1]) * (len(first[0]) - 1)
                 return func(*args, **(kwargs or {}))
 
         self.mode = Mode()
@@ -110,14 +120,40 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     net = model(args.width, args.blocks)
-    if args.mode == "sharded":
+    checking = args.mode in ("checks", "unchecked")
+    if args.mode == "sharded" or checking:
         net = fm.distributed.shard_model(net, init_device_mesh("cpu", (world,)))
+    if args.mode == "unchecked":  # the baseline of the checks' cost: comparisons patched out
+        from funcmeta._src.distributed.runtime import ShardedRuntime
+
+        ShardedRuntime.check_batch = lambda *a, **k: None  # type: ignore[method-assign]
+        ShardedRuntime.check_result = lambda *a, **k: None  # type: ignore[method-assign]
+        ShardedRuntime.outputs = lambda self, out: out  # type: ignore[method-assign]
     fmodel = fm.functional_model(net)
     outer = torch.optim.Adam(net.parameters(), lr=1e-4)
     share, count = fm.distributed.shard(batch(args.tasks, args.rows, args.width))
     xs, ys, xq, yq = share
+    if checking:  # every rank the same tasks
+        count = args.check_tasks
+        xs, ys, xq, yq = (t[:count] for t in batch(args.tasks, args.rows, args.width))
+
+    def checked_iteration() -> None:
+        outer.zero_grad(set_to_none=True)
+        for t in range(count):
+            result = fm.adapt(
+                fmodel,
+                fmodel.params,
+                F.mse_loss,
+                (xs[t], ys[t]),
+                fm.optim.sgd(lr=0.01),
+                steps=args.steps,
+            )
+            (F.mse_loss(fmodel(result.params, xq[t]), yq[t]) / count).backward()
 
     def meta_iteration() -> None:
+        if checking:
+            checked_iteration()
+            return
         outer.zero_grad(set_to_none=True)
         params = fmodel.params
         if args.mode == "sharded":
@@ -166,7 +202,7 @@ def run(mode: str, ranks: int, args: argparse.Namespace, out: str) -> dict:
     command += ["--nproc-per-node", str(ranks), __file__, "--rank-run", "--mode", mode]
     command += ["--width", str(args.width), "--blocks", str(args.blocks), "--rows", str(args.rows)]
     command += ["--tasks", str(args.tasks), "--repeats", str(args.repeats)]
-    command += ["--steps", str(args.steps), "--out", out]
+    command += ["--steps", str(args.steps), "--check-tasks", str(args.check_tasks), "--out", out]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _attempt in range(2):
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -189,6 +225,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each way, in turn")
     parser.add_argument("--steps", type=int, default=3, help="inner SGD steps")
     parser.add_argument("--max-ratio", type=float, default=0.75)
+    parser.add_argument(
+        "--check-tasks", type=int, default=2, help="tasks of the checks rows (same on every rank)"
+    )
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
@@ -204,7 +243,7 @@ def main() -> int:
         f"torch {torch.__version__}"
     )
     folder = Path(tempfile.mkdtemp())
-    ranks = {"single": 1, "sharded": args.ranks, "tasks": args.ranks}
+    ranks = {m: 1 if m == "single" else args.ranks for m in MODES}
     rows: dict[str, dict] = {}
     for _ in range(args.rounds):
         for mode in MODES:
@@ -221,13 +260,29 @@ def main() -> int:
         f"{'way':<12} {'ranks':>5} {'tasks/rank':>10} {'params MiB/rank':>15} "
         f"{'median s':>9} {'ratio':>6}"
     )
-    names = {"single": "one process", "sharded": "sharded", "tasks": "tasks only"}
+    names = {
+        "single": "one process",
+        "sharded": "sharded",
+        "tasks": "tasks only",
+        "checks": "checks",
+        "unchecked": "checks off",
+    }
     for mode, row in rows.items():
         ranks = 1 if mode == "single" else args.ranks
+        against = rows["unchecked"]["seconds"] if mode == "checks" else base
         print(
             f"{names[mode]:<12} {ranks:>5} {row['count']:>10} {row['held'] / 2**20:15.2f} "
-            f"{row['seconds']:9.3f} {row['seconds'] / base:6.2f}"
+            f"{row['seconds']:9.3f} {row['seconds'] / against:6.2f}"
+            + (" (against checks off)" if mode == "checks" else "")
         )
+    checks = rows["checks"]
+    compared = checks["sent"]["compare"]
+    print(
+        f"checks: {args.check_tasks} tasks on every rank, fm.adapt ({args.steps} steps) and a "
+        f"direct call's query loss; per meta-step {checks['seconds'] - rows['unchecked']['seconds']:+.3f} s "
+        f"({checks['seconds'] / rows['unchecked']['seconds']:.3f}x checks off), "
+        f"{compared:,} bytes of comparisons sent by rank 0"
+    )
     missed = []
     for mode in ("sharded", "tasks"):
         grads = torch.load(folder / f"{mode}.pt")

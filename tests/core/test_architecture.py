@@ -80,6 +80,145 @@ def test_the_chunk_of_a_call_is_chosen_at_its_entry_point_not_read_off_the_model
     assert found == []
 
 
+def _code_nodes(path: Path) -> list:
+    import ast
+
+    return list(ast.walk(ast.parse(path.read_text())))
+
+
+def test_the_runtime_is_owned_not_inferred_and_required_below_the_entry_points():
+    """No ``runtime_for`` (a runtime inferred from the parameters), no ``PER_TASK`` identity
+    branch, and no parameter ``runtime`` with a default anywhere under ``funcmeta/_src``:
+    the model's runtime is chosen where it is made and handed down."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "funcmeta/_src").rglob("*.py")):
+        where = path.relative_to(ROOT / "funcmeta/_src")
+        for node in _code_nodes(path):
+            if isinstance(node, ast.Name | ast.Attribute):
+                name = node.id if isinstance(node, ast.Name) else node.attr
+                if name in ("runtime_for", "PER_TASK"):
+                    found.append(f"{where}:{node.lineno} names {name}")
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                args = node.args
+                positional = [*args.posonlyargs, *args.args]
+                with_defaults = [a.arg for a in positional][len(positional) - len(args.defaults) :]
+                defaults = set(with_defaults) | {
+                    a.arg
+                    for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+                    if d is not None
+                }
+                if "runtime" in defaults:
+                    found.append(f"{where}:{node.lineno} {node.name}(runtime=...) has a default")
+            if isinstance(node, ast.ClassDef):
+                for field in node.body:
+                    if (
+                        isinstance(field, ast.AnnAssign)
+                        and isinstance(field.target, ast.Name)
+                        and field.target.id == "runtime"
+                        and field.value is not None
+                    ):
+                        found.append(f"{where}:{field.lineno} a runtime field with a default")
+    assert found == []
+
+
+#: What talks to other processes: torch.distributed's module, DTensor's gathers and
+#: redistributions, the collectives.
+_DISTRIBUTED_CALLS = (
+    "full_tensor",
+    "redistribute",
+    "distribute_tensor",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "reduce_scatter",
+    "broadcast",
+    "barrier",
+    "new_group",
+)
+
+
+def test_torch_distributed_and_dtensor_collectives_live_under_distributed_and_start_in_comm():
+    """No module outside ``_src/distributed`` imports ``torch.distributed`` (or calls a
+    gather or a collective); inside it, only ``comm.py`` starts a collective."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "funcmeta").rglob("*.py")):
+        where = path.relative_to(ROOT / "funcmeta").as_posix()
+        inside = where.startswith("_src/distributed/")
+        for node in _code_nodes(path):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                modules = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                )
+                if any(m.startswith("torch.distributed") for m in modules) and not inside:
+                    found.append(f"{where}:{node.lineno} imports torch.distributed")
+            called = None
+            if isinstance(node, ast.Call):
+                f = node.func
+                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                through_comm = isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "comm"
+                if through_comm:
+                    called = None  # comm's own functions: the one place
+            if called in _DISTRIBUTED_CALLS and where != "_src/distributed/comm.py":
+                found.append(f"{where}:{node.lineno} calls {called}")
+    assert found == [], found
+
+
+def test_the_distributed_checks_see_a_call_and_a_collective_outside_their_place(tmp_path):
+    """The check above is not blind: a gather in the inner loop is named."""
+    import ast
+
+    code = "def f(shard):\n    return shard.full_tensor()\n"
+    calls = [
+        n.func.attr
+        for n in ast.walk(ast.parse(code))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    ]
+    assert "full_tensor" in calls and "full_tensor" in _DISTRIBUTED_CALLS
+
+
+def test_no_backup_or_merge_leftovers_are_tracked():
+    """No ``*.orig``, ``*.rej``, ``*~``, ``*.bak`` or ``*.swp`` file is in the repository."""
+    import subprocess
+
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    leftovers = [f for f in tracked if f.endswith((".orig", ".rej", "~", ".bak", ".swp", ".swo"))]
+    assert leftovers == []
+
+
+def test_a_first_adapt_imports_no_dtensor_and_is_quick():
+    """In a fresh process, the first ``fm.adapt`` of an unsharded 1x1 Linear imports no
+    ``torch.distributed.tensor`` (nothing can be a DTensor before it is loaded) and takes at
+    most 0.1 s (the best of three fresh processes, for a loaded machine)."""
+    import subprocess
+
+    code = (
+        "import sys, time, torch, torch.nn.functional as F, funcmeta as fm\n"
+        "fmodel = fm.functional_model(torch.nn.Linear(1, 1))\n"
+        "x, y = torch.randn(4, 1), torch.randn(4, 1)\n"
+        "t = time.perf_counter()\n"
+        "fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)\n"
+        "print(time.perf_counter() - t, 'torch.distributed.tensor' in sys.modules)\n"
+    )
+    seconds = []
+    for _ in range(3):
+        run = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+        )
+        took, loaded = run.stdout.split()
+        assert loaded == "False", "the first fm.adapt imported torch.distributed.tensor"
+        seconds.append(float(took))
+    assert min(seconds) <= 0.1, seconds
+
+
 def test_no_import_circle_among_the_private_modules():
     assert check_layers.import_cycles() == []
 

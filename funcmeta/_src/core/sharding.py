@@ -190,5 +190,3 @@ def rewrite_mixed_hyper(error: BaseException, params: list[Any]) -> ShardingErro
         "rates as fm.hyper built them and average their gradients with "
         "fm.distributed.average_gradients(list(rates.parameters()), count)"
     )
-
-

@@ -229,7 +229,7 @@ class ShardedRuntime(EagerRuntime):
     def after_call(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """The sharded module's forward hook: a direct call's outputs checked in the backward."""
         stack = self._calls()
-        if stack and stack.pop():
+        if stack and stack.pop() and output is not None:
             return self.outputs(output)
         return None
 
@@ -315,8 +315,7 @@ class _SameGradient(torch.autograd.Function):
             "split its parameters: the loss computed from them (its targets, or what it adds) "
             "is not the same on every rank, so the meta-gradients would be wrong. Give every "
             "rank of the shard axis the same batch, targets included, or gather the whole "
-            "parameters for each rank's own tasks (fm.distributed.gather_params). "
-            + _DETERMINISM,
+            "parameters for each rank's own tasks (fm.distributed.gather_params). " + _DETERMINISM,
         )
         return None, grad
 

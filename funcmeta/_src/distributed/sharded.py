@@ -216,7 +216,7 @@ def shard_model(
         gather = _LayerGather()
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
-    module.register_forward_hook(runtime.after_call, with_kwargs=True)
+    module.register_forward_hook(runtime.after_call, with_kwargs=True, always_call=True)
     record_sharding(module, own, runtime)
     return module
 

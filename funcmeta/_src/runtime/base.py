@@ -50,13 +50,16 @@ class Runtime(abc.ABC):
     def check_batch(self, batch: Any, entry: str) -> None:
         """Raise unless ``batch`` (inputs and targets) may be computed on here: nothing to
         check but on a sharded model, whose ranks must hold the same batch."""
+        return None
 
     def check_options(self, options: Any, entry: str) -> None:
         """Raise for inner-loop ``options`` (an ``AdaptOptions``) this runtime cannot run."""
+        return None
 
     def refuse(self, entry: str, why: str) -> None:
         """Raise where ``entry`` (a feature named in the error, with ``why``) cannot run on
         this runtime; nothing here."""
+        return None
 
     def entry(self) -> contextlib.AbstractContextManager[Any]:
         """Around an entry point's whole computation, once its batch is checked."""
