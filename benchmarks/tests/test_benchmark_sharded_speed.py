@@ -1,6 +1,7 @@
 """``benchmarks/speed/sharded.py`` runs end to end on 2 gloo ranks (a small model): its
 table, the sharded meta-gradient checked against one process's, the bytes sent equal to its
-formula, and a RESULT line that judges the time target."""
+formula, the same-data checks' rows and their count, and a RESULT line that judges the time
+target."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ def test_the_benchmark_runs_on_two_ranks_and_judges_its_target():
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    for way in ("one process", "sharded", "tasks only"):
+    for way in ("one process", "sharded", "tasks only", "checks ", "checks off"):
         assert any(s.startswith(way) for s in lines), run.stdout
+    # the checks rows: 2 tasks, each 1 support batch + 3 inner losses + 1 query input + 1
+    # gradient at the outputs compared, 8 bytes sent to the other rank each
+    checks = next(s for s in lines if s.startswith("checks:"))
+    assert "96 bytes of comparisons sent by rank 0" in checks, checks
     differences = [s for s in lines if "largest relative difference" in s]
     assert len(differences) == 2
     for line in differences:
