@@ -96,6 +96,44 @@ def init_gloo(rank: int, rendezvous: str, world_size: int = 2) -> None:
     )
 
 
+def _gloo_case(rank: int, world: int, rendezvous: str, out: str, case, args: tuple) -> None:
+    """One rank of :func:`spawn_gloo`: ``case(world, *args)`` on one thread, its result (or
+    its traceback) saved for the test; no rank tears the group down while a peer's last
+    collective is in flight."""
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    init_gloo(rank, rendezvous, world)
+    try:
+        result = case(world, *args)
+    except Exception:  # reported to the test, which judges it
+        result = ("raised", traceback.format_exc())
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=30))
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def spawn_gloo(world: int, case: Callable, *args) -> list:
+    """Every rank's result of ``case(world, *args)`` (a module-level function) on ``world``
+    gloo processes; the test fails with a rank's traceback where it raised."""
+    import torch.multiprocessing as mp
+
+    folder = Path(tempfile.mkdtemp())
+    mp.spawn(
+        _gloo_case, args=(world, str(folder / "rendezvous"), str(folder), case, args), nprocs=world
+    )
+    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for r in results:
+        if isinstance(r, tuple) and r and r[0] == "raised":
+            pytest.fail(r[1])
+    return results
+
+
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """The shared data folder beside the project (CI clones with it there)."""
 

@@ -362,6 +362,17 @@ def _case_peer_gone_before_backward(world):
     return _backward_with_rank_one_gone(loss)
 
 
+def _case_peer_gone_before_a_direct_calls_check(world):
+    """The same task on both ranks, the query loss through a direct call; rank 1 exits before
+    the outer backward, whose first collective is the comparison of the gradient reaching
+    the model's outputs: rank 0 runs it alone."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    xs, ys, xq, yq = _data()
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    return _backward_with_rank_one_gone(F.mse_loss(fmodel(result.params, xq), yq))
+
+
 def _case_peer_gone_in_an_activations_gather(world):
     """The same tasks on both ranks, checkpointed layers keeping slices of what they save
     (the size threshold lowered to 1 element); rank 1 exits before the outer backward, whose
@@ -830,6 +841,7 @@ CASES = {
     "peer_gone_before_backward": _case_peer_gone_before_backward,
     "peer_gone_in_an_activations_gather": _case_peer_gone_in_an_activations_gather,
     "peer_stalls": _case_peer_stalls,
+    "peer_gone_before_a_direct_calls_check": _case_peer_gone_before_a_direct_calls_check,
     "dcp": _case_dcp,
     "meta_gradients": _case_meta_gradients,
     "gathered": _case_gathered,
@@ -1011,6 +1023,11 @@ def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_pat
     the parameter (the first one: one node reduces them all, in order)."""
     said = _peer_gone(tmp_path, "peer_gone_before_backward")
     assert "reducing the meta-gradient of parameter '0.weight'" in said
+
+
+def test_a_peer_gone_before_a_direct_calls_check_in_the_backward_is_named(tmp_path):
+    said = _peer_gone(tmp_path, "peer_gone_before_a_direct_calls_check")
+    assert "comparing the gradient reaching the model's outputs failed" in said, said
 
 
 def test_a_peer_gone_while_a_backward_gathers_a_saved_activation_is_named(tmp_path):

@@ -8,18 +8,11 @@ gather_params, gives one process's float64 meta-gradients on 2 and 3 gloo ranks.
 
 from __future__ import annotations
 
-import os
-import tempfile
-import traceback
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import init_gloo
+from helpers import spawn_gloo
 from torch import nn
 
 import funcmeta as fm
@@ -50,6 +43,33 @@ def _mine(t: torch.Tensor) -> torch.Tensor:
 
 def _adapted(fmodel, xs, ys):
     return fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=2)
+
+
+def _llama(world: int):
+    """A transformers Llama from a config (2 blocks, float64), sharded; its functional model
+    (its output a ModelOutput) and a batch of token ids, the same on every rank."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).double()
+    net = fm.distributed.shard_model(model, _mesh(world))
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
+    return net, fm.functional_model(net), tokens
+
+
+def _next_token(out, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def _ways(world: int) -> dict:
@@ -123,6 +143,24 @@ def _ways(world: int) -> dict:
             fmodel, fmodel.params, F.mse_loss, support, query, steps=1, lr=rates
         ).loss.backward()
 
+    def part_targets():
+        net, _ = fresh()
+        head = fm.functional_model(net[3])  # a part of the sharded model, made functional
+        hidden = torch.tanh(xq @ torch.ones(3, 6, dtype=torch.float64))
+        F.mse_loss(head(head.params, hidden), _mine(yq)).backward()
+
+    def llama_targets():
+        _, llama, tokens = _llama(world)
+        out = llama(llama.params, input_ids=tokens)
+        F.cross_entropy(out.logits.flatten(0, 1), _mine(tokens).flatten() % 32).backward()
+
+    def llama_same():
+        _, llama, tokens = _llama(world)
+        result = fm.adapt(
+            llama, llama.params, _next_token, (tokens, tokens), fm.optim.sgd(lr=0.1), steps=1
+        )
+        _next_token(llama(result.params, input_ids=tokens), tokens).backward()
+
     def dropout_draws():
         torch.manual_seed(100 + dist.get_rank())  # each rank draws its own masks
         _, fmodel = fresh(dropout=0.5)
@@ -160,8 +198,11 @@ def _ways(world: int) -> dict:
         "fm.apply_tasks, targets": apply_tasks_targets,
         "fm.recipes.maml, query": maml_query,
         "fm.recipes.metasgd, support": metasgd_support,
+        "a part made functional, targets": part_targets,
+        "a Llama's direct call, targets": llama_targets,
         "random draws in the inner loop": dropout_draws,
         "same": same_everywhere,
+        "same, a Llama": llama_same,
         "same, no grad": same_without_grad,
     }.items():
         try:
@@ -241,39 +282,13 @@ def _lora_uneven(world: int) -> tuple:
     return count, sharded, [p.grad for p in whole.parameters()]
 
 
-CASES = {"ways": _ways, "before": _before, "lora_uneven": _lora_uneven}
-
-
-def _worker(rank, world, rendezvous, out, case):
-    torch.set_num_threads(1)
-    init_gloo(rank, rendezvous, world)
-    try:
-        result = CASES[case](world)
-    except Exception:  # reported to the test, which judges it
-        result = ("raised", traceback.format_exc())
-    try:
-        dist.monitored_barrier(timeout=timedelta(seconds=30))
-    finally:
-        dist.destroy_process_group()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-
-
-def _spawn(world: int, case: str) -> list:
-    folder = Path(tempfile.mkdtemp())
-    mp.spawn(_worker, args=(world, str(folder / "rendezvous"), str(folder), case), nprocs=world)
-    results = [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    for r in results:
-        if isinstance(r, tuple) and r and r[0] == "raised":
-            pytest.fail(r[1])
-    return results
-
-
-def test_data_that_differs_between_ranks_raises_on_every_rank_through_every_way():
+@pytest.mark.parametrize("world", [2, 4])
+def test_data_that_differs_between_ranks_raises_on_every_rank_through_every_way(world):
     """Different inputs, targets, loss terms or random draws on the ranks of the shard axis,
     through each way of computing a loss: ShardingError on every rank (none hangs); the same
     data passes, and a call without grad is not checked."""
-    every = _spawn(2, "ways")
-    assert every[0] == every[1]  # the same verdicts and messages on both ranks
+    every = spawn_gloo(world, _ways)
+    assert all(e == every[0] for e in every)  # the same verdicts and messages on every rank
     said = every[0]
     assert said["same"] is None and said["same, no grad"] is None, said
     wrong = {k: v for k, v in said.items() if not k.startswith("same")}
@@ -290,7 +305,7 @@ def test_data_that_differs_between_ranks_raises_on_every_rank_through_every_way(
 
 
 def test_a_functional_model_built_before_sharding_is_refused_at_its_next_use():
-    said = _spawn(2, "before")[0]
+    said = spawn_gloo(2, _before)[0]
     for name in ("fmodel.params", "fm.adapt", "a call", "fm.task_losses"):
         assert said[name] is not None, name
         assert "was sharded (fm.distributed.shard_model) after fm.functional_model" in said[name]
@@ -301,7 +316,7 @@ def test_a_functional_model_built_before_sharding_is_refused_at_its_next_use():
 def test_lora_with_norms_and_uneven_shares_gives_one_process_meta_gradients(world):
     """5 tasks over 2 ranks (3, 2) and 3 ranks (2, 2, 1), float64: each rank's gathered
     meta-gradient, reduced into the shards, equals one process's on all 5 tasks."""
-    results = _spawn(world, "lora_uneven")
+    results = spawn_gloo(world, _lora_uneven)
     assert sorted(r[0] for r in results) == ([2, 3] if world == 2 else [1, 2, 2])
     for _, sharded, whole in results:
         for s, w in zip(sharded, whole, strict=True):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -30,10 +30,9 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "PeerError",
     "ShardingError",
-    "SavingSplit",
+    "Sharding",
     "is_sharded",
     "record_sharding",
-    "refuse_sharded",
     "rewrite_mixed",
     "rewrite_mixed_hyper",
     "saving_split",
@@ -80,26 +79,34 @@ def is_sharded(tensor: Any) -> bool:
     return isinstance(tensor, _DTENSOR[0])
 
 
-class SavingSplit(Protocol):
-    """What the checkpoint engine asks of a sharded model's runtime: the saved-tensor hooks
-    that keep each rank's slice of what a checkpointed layer saves (its gathers are that
-    runtime's collectives)."""
+class Sharding(Protocol):
+    """What the layers below ask of a sharded model's runtime (made by
+    ``funcmeta._src.distributed``, which starts every collective): the saved-tensor hooks of
+    a checkpointed layer, and the checks of a direct call of a module."""
 
     def split_saving(self, tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
-        """The hooks for a checkpointed call on ``tensors`` (a nullcontext where none apply)."""
+        """The hooks that keep each rank's slice of what a checkpointed call on ``tensors``
+        saves (a nullcontext where none apply)."""
+        ...
+
+    def watch(self, module: nn.Module) -> None:
+        """Check each direct call of ``module`` (its inputs, and the gradient reaching its
+        outputs) across the ranks that split the parameters."""
         ...
 
 
-#: The runtime of each module sharded by ``shard_model`` (the module it was given), and of
-#: each mesh it built; and how many times a module was sharded in this process.
-_MODULES: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-_MESHES: dict[int, tuple[Any, SavingSplit]] = {}
+#: The runtime of each module sharded by ``shard_model`` (every submodule of the module it
+#: was given), and of each mesh it built; and how many times a module was sharded here.
+_MODULES: weakref.WeakKeyDictionary[nn.Module, Sharding] = weakref.WeakKeyDictionary()
+_MESHES: dict[int, tuple[Any, Sharding]] = {}
 _EPOCH = [0]
 
 
-def record_sharding(module: nn.Module, mesh: Any, runtime: SavingSplit) -> None:
-    """Note that ``module`` was sharded on ``mesh`` (built for it) and runs on ``runtime``."""
-    _MODULES[module] = runtime
+def record_sharding(module: nn.Module, mesh: Any, runtime: Sharding) -> None:
+    """Note that ``module`` (and each of its submodules) was sharded on ``mesh`` (built for
+    it) and runs on ``runtime``."""
+    for m in module.modules():
+        _MODULES[m] = runtime
     _MESHES[id(mesh)] = (mesh, runtime)
     _EPOCH[0] += 1
 
@@ -110,14 +117,12 @@ def sharding_epoch() -> int:
     return _EPOCH[0]
 
 
-def sharding_of(module: nn.Module) -> Any:
+def sharding_of(module: nn.Module) -> Sharding | None:
     """The runtime of the sharding of ``module`` or of its submodules (``None``: unsharded).
     Raises :class:`ShardingError` when parts of it were sharded by separate ``shard_model``
     calls, or when it holds ``DTensor`` parameters that ``shard_model`` did not make."""
-    if _EPOCH[0] == 0:  # nothing sharded in this process
-        found: list[Any] = []
-    else:
-        found = []
+    found: list[Sharding] = []
+    if _EPOCH[0]:  # some module was sharded in this process
         for m in module.modules():
             runtime = _MODULES.get(m)
             if runtime is not None and all(runtime is not f for f in found):
@@ -128,16 +133,16 @@ def sharding_of(module: nn.Module) -> Any:
             "fm.distributed.shard_model calls: shard the model once (the module whose forward "
             "is called), so that one runtime owns its gathers and checks"
         )
-    if not found:
-        odd = next((n for n, p in module.named_parameters() if is_sharded(p)), None)
-        if odd is not None:
-            raise ShardingError(
-                f"parameter {odd!r} is a DTensor that fm.distributed.shard_model did not make: "
-                "shard the model with fm.distributed.shard_model(module, mesh), which owns its "
-                "gathers, checks and collectives"
-            )
-        return None
-    return found[0]
+    if found:
+        return found[0]
+    odd = next((n for n, p in module.named_parameters() if is_sharded(p)), None)
+    if odd is not None:
+        raise ShardingError(
+            f"parameter {odd!r} is a DTensor that fm.distributed.shard_model did not make: "
+            "shard the model with fm.distributed.shard_model(module, mesh), which owns its "
+            "gathers, checks and collectives"
+        )
+    return None
 
 
 def saving_split(tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
@@ -151,15 +156,6 @@ def saving_split(tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager
             if entry is not None:
                 return entry[1].split_saving(tensors)
     return contextlib.nullcontext()
-
-
-def refuse_sharded(params: Mapping[str, Any], entry: str, why: str) -> None:
-    """Raise :class:`ShardingError` naming ``entry`` and the first ``DTensor`` in ``params``."""
-    for name, value in params.items():
-        if is_sharded(value):
-            raise ShardingError(
-                f"{entry} cannot take a sharded model (parameter {name!r} is a DTensor): {why}"
-            )
 
 
 def rewrite_mixed(error: BaseException) -> ShardingError | None:

@@ -172,8 +172,7 @@ def _refuse_different_shards(named: list[tuple[str, Tensor]], group: Any) -> Non
         for axis, placement in enumerate(sharded.placements):
             if not placement.is_shard() or len({w[axis] for w in where}) < 2:
                 continue
-            # shard_model's own mesh names its axes name@funcmetaN: the user's names
-            names = [n.split("@funcmeta")[0] for n in mesh.mesh_dim_names or ()]
+            names = comm.axis_names(mesh)
             others = [repr(names[i]) if names else str(i) for i in range(mesh.ndim) if i != axis]
             fix = (
                 f"pass the group of the axis that splits the tasks "

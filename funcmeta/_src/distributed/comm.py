@@ -33,6 +33,7 @@ from funcmeta._src.core.sharding import PeerError
 __all__ = [
     "all_gather",
     "all_gather_into",
+    "axis_names",
     "all_reduce",
     "collective",
     "distribute",
@@ -40,6 +41,7 @@ __all__ = [
     "group_ranks",
     "initialized",
     "new_group",
+    "own_axis_names",
     "rank",
     "redistribute",
     "size",
@@ -75,6 +77,20 @@ def world_device(device: torch.device, group: Any = None) -> torch.device:
     if device.type == "cpu" and dist.get_backend(group) == "nccl":  # pragma: no cover - GPU
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+#: What ``own_axis_names`` appends to a mesh's axis names (``axis_names`` strips it).
+_OWN = "@funcmeta"
+
+
+def own_axis_names(names: Sequence[str], tag: int) -> tuple[str, ...]:
+    """Axis names apart from every other mesh's: ``name@funcmeta<tag>``."""
+    return tuple(f"{n}{_OWN}{tag}" for n in names)
+
+
+def axis_names(mesh: Any) -> list[str]:
+    """The names of ``mesh``'s axes as the user gave them (without ``own_axis_names``' tag)."""
+    return [n.split(_OWN)[0] for n in mesh.mesh_dim_names or ()]
 
 
 def new_group(ranks: Sequence[int], timeout: float) -> Any:

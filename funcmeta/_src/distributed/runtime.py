@@ -11,7 +11,8 @@ collective of the model's steps.
   (:meth:`ShardedRuntime.check_batch`), and each inner step compares its loss
   (:meth:`ShardedRuntime.gradient`: a random draw that differs between ranks shows there);
 - a direct call of the model (``fmodel(params, x)``, or ``net(x)``) is checked by hooks on
-  the sharded module: its inputs' checksum before the forward, and in the backward the
+  the sharded module (and on a part of it made functional on its own,
+  :meth:`ShardedRuntime.watch`): its inputs' checksum before the forward, and in the backward the
   gradient that reaches its outputs (:meth:`ShardedRuntime.outputs`), which holds the
   targets and the loss the model never sees. ``fm.apply_tasks``' outputs get the same check;
 - each layer gathers its parameters while it runs (:class:`_LayerGather`), and a checkpointed
@@ -88,6 +89,7 @@ class ShardedRuntime(EagerRuntime):
         self.ranks = comm.size(self.group)
         self.timeout = float(timeout)
         self._local = threading.local()
+        self._watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # ------------------------------------------------------------ the call's runtime
 
@@ -214,11 +216,21 @@ class ShardedRuntime(EagerRuntime):
 
     # ------------------------------------------------------------ direct calls
 
-    def before_call(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """The sharded module's forward pre-hook: a direct call's inputs compared."""
+    def watch(self, module: nn.Module) -> None:
+        """Check each direct call of ``module`` (the sharded module, or a part of it made
+        functional on its own): hooks that compare its inputs before the forward and, in
+        the backward, the gradient reaching its outputs. Once per module."""
+        if module in self._watched:
+            return
+        self._watched.add(module)
+        module.register_forward_pre_hook(self._before_call, with_kwargs=True, prepend=True)
+        module.register_forward_hook(self._after_call, with_kwargs=True, always_call=True)
+
+    def _before_call(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         stack = self._calls()
         check = (
-            getattr(self._local, "inside", 0) == 0
+            getattr(self._local, "inside", 0) == 0  # an entry point checked its batch
+            and not any(stack)  # a watched call around this one checks
             and torch.is_grad_enabled()
             and any(is_sharded(p) for p in module.parameters())
         )
@@ -226,8 +238,7 @@ class ShardedRuntime(EagerRuntime):
         if check:
             self.check_batch((args, kwargs), "a call of the sharded model")
 
-    def after_call(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        """The sharded module's forward hook: a direct call's outputs checked in the backward."""
+    def _after_call(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         stack = self._calls()
         if stack and stack.pop() and output is not None:
             return self.outputs(output)

@@ -98,13 +98,12 @@ def _own_mesh(mesh: Any, timeout: float) -> Any:
         index: list[Any] = list(at)
         index[axis] = slice(None)
         groups.append(comm.new_group(grid[tuple(index)].tolist(), timeout))
-    tag = next(_MESHES)
     names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(grid.dim()))
     return DeviceMesh.from_group(
         groups if grid.dim() > 1 else groups[0],
         mesh.device_type,
         mesh=grid if grid.dim() > 1 else None,
-        mesh_dim_names=tuple(f"{n}@funcmeta{tag}" for n in names),
+        mesh_dim_names=comm.own_axis_names(names, next(_MESHES)),
     )
 
 
@@ -198,8 +197,6 @@ def shard_model(
     )
     own = _own_mesh(mesh, timeout)
     runtime = ShardedRuntime(own, axis, timeout)
-    # the direct-call checks first: before any layer gathers, after every layer put back
-    module.register_forward_pre_hook(runtime.before_call, with_kwargs=True)
     for layer in module.modules():
         names = [n for n, p in parameter_dict(layer).items() if p is not None]
         if not names:
@@ -216,7 +213,8 @@ def shard_model(
         gather = _LayerGather()
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
-    module.register_forward_hook(runtime.after_call, with_kwargs=True, always_call=True)
+    # a direct call's checks: before any layer gathers (prepended), after every layer is back
+    runtime.watch(module)
     record_sharding(module, own, runtime)
     return module
 

@@ -88,6 +88,8 @@ def functional_model(
         raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
     check_layers(module)
     sharding = sharding_of(module)  # the runtime of fm.distributed.shard_model, if it ran
+    if sharding is not None:
+        sharding.watch(module)  # its direct calls checked, also for a part of a sharded model
     checkpointed = select(module, checkpoint_layers)
     runner, copies = checkpointed_runner(module, checkpointed, recurrent_layers(module))
     build = functools.partial(checkpointed_runner, module, checkpointed)
