@@ -245,10 +245,7 @@ class ShardedRuntime(EagerRuntime):
         return None
 
     def _calls(self) -> list[bool]:
-        stack = getattr(self._local, "calls", None)
-        if stack is None:
-            stack = self._local.calls = []
-        return stack
+        return _per_thread(self._local, "calls")
 
     # ------------------------------------------------------------ checkpointed layers
 
@@ -276,6 +273,15 @@ class ShardedRuntime(EagerRuntime):
             return x.whole() if isinstance(x, _Piece) else x
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _per_thread(local: threading.local, name: str) -> list[Any]:
+    """The list ``name`` of ``local`` for this thread (a new one at its first use)."""
+    found = getattr(local, name, None)
+    if found is None:
+        found = []
+        setattr(local, name, found)
+    return found
 
 
 def _different_batches(entry: str) -> str:
@@ -379,10 +385,7 @@ class _LayerGather:
         self._local = threading.local()
 
     def _stack(self) -> list[dict[str, Any]]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
+        return _per_thread(self._local, "stack")
 
     def before(self, module: nn.Module, args: Any) -> None:
         shards = {n: p for n, p in parameter_dict(module).items() if is_sharded(p)}
