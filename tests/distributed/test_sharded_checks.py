@@ -324,3 +324,28 @@ def test_lora_with_norms_and_uneven_shares_gives_one_process_meta_gradients(worl
                 assert s is None
                 continue
             torch.testing.assert_close(s, w, rtol=0, atol=1e-12)
+
+
+def test_the_batch_checksum_is_exact_in_chunks_and_sees_one_changed_bit():
+    """The checksum of a tensor larger than one chunk equals the one-shot sum of its bit
+    patterns weighted by position; one changed element, a swapped pair or another NaN
+    payload changes it."""
+    from funcmeta._src.distributed import runtime
+
+    x = torch.randn(runtime._DIGEST_CHUNK * 2 + 7, generator=torch.Generator().manual_seed(0))
+    bits = x.view(torch.int32).to(torch.int64)
+    reference = (bits * (torch.arange(bits.numel()) % 1021 + 1)).sum()
+    assert int(runtime._digest(x)) == int(reference)
+    changed = x.clone()
+    changed[runtime._DIGEST_CHUNK + 3] = torch.nextafter(
+        changed[runtime._DIGEST_CHUNK + 3], x.new_tensor(9.0)
+    )
+    swapped = x.clone()
+    swapped[[0, 1]] = x[[1, 0]]
+    nans = torch.full((4,), float("nan"))
+    other_nan = nans.clone().view(torch.int32)
+    other_nan[2] += 1  # another NaN payload: the same value to ==, other bits
+    digests = {int(runtime._digest(t)) for t in (x, changed, swapped)}
+    assert len(digests) == 3
+    assert int(runtime._digest(nans)) == int(runtime._digest(nans.clone()))
+    assert int(runtime._digest(nans)) != int(runtime._digest(other_nan.view(torch.float32)))

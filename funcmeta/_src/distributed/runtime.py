@@ -308,8 +308,16 @@ def _digest(tensor: Tensor) -> Tensor:
     if x.is_floating_point() or x.is_complex():
         bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
         x = x.view(bits[x.element_size()]) if x.element_size() in bits else x.view(torch.uint8)
-    weights = torch.arange(x.numel(), device=x.device, dtype=torch.int64) % 1021 + 1
-    return (x.to(torch.int64) * weights).sum()
+    total = torch.zeros((), dtype=torch.int64, device=x.device)
+    for start in range(0, x.numel(), _DIGEST_CHUNK):  # int64 temporaries of 8 MiB at most
+        part = x[start : start + _DIGEST_CHUNK]
+        place = torch.arange(start, start + part.numel(), device=x.device, dtype=torch.int64)
+        total += (part.to(torch.int64) * (place % 1021 + 1)).sum()
+    return total
+
+
+#: Elements a checksum converts to int64 at a time (a query's logits can be large).
+_DIGEST_CHUNK = 1 << 20
 
 
 class _SameGradient(torch.autograd.Function):
