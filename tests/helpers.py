@@ -96,6 +96,28 @@ def init_gloo(rank: int, rendezvous: str, world_size: int = 2) -> None:
     )
 
 
+def tiny_llama(blocks: int, dtype: torch.dtype = torch.float64) -> nn.Module:
+    """A transformers ``LlamaForCausalLM`` from a config (vocabulary 32, width 16, grouped-query
+    attention, untied head, no key/value cache), seeded: the same weights on every rank."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed: pip install -e '.[dev]'"
+    )
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=blocks,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype)
+
+
 def _gloo_case(rank: int, world: int, rendezvous: str, out: str, case, args: tuple) -> None:
     """One rank of :func:`spawn_gloo`: ``case(world, *args)`` on one thread, its result (or
     its traceback) saved for the test; no rank tears the group down while a peer's last

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import spawn_gloo, tiny_llama
 from torch import nn
 
 import funcmeta as fm
@@ -48,21 +48,7 @@ def _adapted(fmodel, xs, ys):
 def _llama(world: int):
     """A transformers Llama from a config (2 blocks, float64), sharded; its functional model
     (its output a ModelOutput) and a batch of token ids, the same on every rank."""
-    transformers = pytest.importorskip("transformers")
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config).double()
+    model = tiny_llama(2)
     net = fm.distributed.shard_model(model, _mesh(world))
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(2))
     return net, fm.functional_model(net), tokens

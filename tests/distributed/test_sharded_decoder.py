@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import spawn_gloo, tiny_llama
 
 import funcmeta as fm
 
@@ -41,21 +41,7 @@ MODES = [
 
 
 def _decoder(mode: str) -> torch.nn.Module:
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=24,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    model = model.to(torch.bfloat16 if mode == "bf16" else torch.float64)
+    model = tiny_llama(4, torch.bfloat16 if mode == "bf16" else torch.float64)
     if mode == "takeover":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mode == "lora":
