@@ -280,10 +280,10 @@ def agree(grads: Sequence[Any], ref: Sequence[Any]) -> bool:
 
 
 def until_chosen(call: Callable[[], Any], fmodel: Any, limit: int = 40) -> list[float]:
-    """The times in ms of the calls (``call()``: one timed meta-iteration, returning its ms
-    first) that a fresh ``task_chunk="tune"`` or ``"auto"`` model makes until it has chosen its
-    chunk (``"tune"`` on an accelerator measures nothing and reports no choice: do not call it
-    there)."""
+    """The times in ms of the calls (``call()``: one timed meta-iteration with
+    ``task_chunk="tune"`` or ``"auto"``, returning its ms first) that a fresh model makes
+    until it has chosen its chunk (``"tune"`` on an accelerator measures nothing and reports
+    no choice: do not call it there)."""
     times: list[float] = []
     while not fmodel.task_chunk_choices and len(times) < limit:
         times.append(call()[0])

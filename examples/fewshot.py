@@ -227,7 +227,13 @@ class Method:
                 steps=steps,
                 trainable=trainable,
             )
-            out, _ = fm.apply_tasks(fmodel, result.params, batch.x_query, buffers=result.buffers)
+            out, _ = fm.apply_tasks(
+                fmodel,
+                result.params,
+                batch.x_query,
+                buffers=result.buffers,
+                task_chunk=result.chunk,  # the query pass on the inner loop's chunk
+            )
         return (out.argmax(-1) == batch.y_query).float().mean(-1).tolist()
 
 

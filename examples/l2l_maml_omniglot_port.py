@@ -102,7 +102,12 @@ def accuracy(
         fmodel, fmodel.params, F.cross_entropy, support, fm.optim.sgd(lr=lr), steps=steps
     )
     _, _, logits = fm.task_losses(
-        fmodel, result.params, F.cross_entropy, query, return_outputs=True
+        fmodel,
+        result.params,
+        F.cross_entropy,
+        query,
+        return_outputs=True,
+        task_chunk=result.chunk,
     )
     return float((logits.argmax(-1) == query[1]).float().mean())
 

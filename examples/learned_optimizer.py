@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         opt: fm.optim.GradientTransformation, batch: fm.data.SinusoidBatch
     ) -> torch.Tensor:
         result = fm.adapt_tasks(fmodel, theta, F.mse_loss, batch.support, opt, steps=STEPS)
-        pred, _ = fm.apply_tasks(fmodel, result.params, batch.x_query)
+        pred, _ = fm.apply_tasks(fmodel, result.params, batch.x_query, task_chunk=result.chunk)
         return F.mse_loss(pred, batch.y_query)
 
     with torch.no_grad():  # SGD's learning rate: the best of a sweep on the validation tasks

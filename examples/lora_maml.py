@@ -162,7 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                 first_order=args.first_order,
             )
             after = fm.task_losses(
-                fmodel, result.params, next_token_loss, ({"input_ids": query}, query)
+                fmodel,
+                result.params,
+                next_token_loss,
+                ({"input_ids": query}, query),
+                task_chunk=result.chunk,  # the query pass on the inner loop's chunk
             )[0].mean()
         outer.zero_grad()
         after.backward()

@@ -112,7 +112,9 @@ def evaluate(fmodel: fm.FunctionalModel, lr: object, batch: object) -> dict[str,
         opt = fm.optim.sgd(lr=lr)
         adapted = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, batch.support, opt, steps=1)
         before = fm.task_losses(fmodel, fmodel.params, F.mse_loss, batch.query).losses
-        after = fm.task_losses(fmodel, adapted.params, F.mse_loss, batch.query).losses
+        after = fm.task_losses(
+            fmodel, adapted.params, F.mse_loss, batch.query, task_chunk=adapted.chunk
+        ).losses
     return {"before": before.tolist(), "after": after.tolist()}
 
 

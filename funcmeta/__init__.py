@@ -47,6 +47,7 @@ from funcmeta._src.core.replay import recomputing as recomputing
 from funcmeta._src.core.types import AdaptResult as AdaptResult
 from funcmeta._src.core.types import LossFn as LossFn
 from funcmeta._src.core.types import NonFiniteError as NonFiniteError
+from funcmeta._src.core.types import TaskChunk as TaskChunk
 from funcmeta._src.core.types import TaskLosses as TaskLosses
 from funcmeta._src.inner.adapt import adapt as adapt
 from funcmeta._src.inner.inputs import Args as Args
@@ -82,6 +83,7 @@ __all__ = [
     "NonFiniteError",
     "TF32Warning",
     "TaskAxisWarning",
+    "TaskChunk",
     "TaskLosses",
     "__version__",
     "adapt",

@@ -276,3 +276,20 @@ def flip_stored_bit(
     target = path if out is None else out
     target.write_bytes(bytes(raw))
     return target
+
+
+def chunks_run(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """The chunk of every vmapped run of the eager runtime from now on (``None``: all tasks
+    at once), in order: one entry per inner step of ``fm.adapt_tasks`` and one per
+    ``fm.task_losses`` or ``fm.apply_tasks`` pass."""
+    from funcmeta._src.runtime.eager import EagerRuntime
+
+    seen: list[int | None] = []
+    over_tasks = EagerRuntime.over_tasks
+
+    def spy(self, one_task, trees, in_dims, chunk):  # type: ignore[no-untyped-def]
+        seen.append(chunk)
+        return over_tasks(self, one_task, trees, in_dims, chunk)
+
+    monkeypatch.setattr(EagerRuntime, "over_tasks", spy)
+    return seen

@@ -62,7 +62,7 @@ class Setting:
             out = fm.adapt_tasks(
                 self.fmodel, self.theta, F.mse_loss, batch.support, opt, steps=STEPS
             )
-            pred, _ = fm.apply_tasks(self.fmodel, out.params, batch.x_query)
+            pred, _ = fm.apply_tasks(self.fmodel, out.params, batch.x_query, task_chunk=out.chunk)
             return (pred - batch.y_query).pow(2).mean((1, 2))
 
     def sweep(self, make) -> tuple[float, float]:

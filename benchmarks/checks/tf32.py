@@ -57,12 +57,16 @@ def meta_gradient(net: torch.nn.Module, data: tuple, batched: bool, steps: int) 
     xs, ys, xq, yq = (
         t.to(next(net.parameters()).dtype) if t.is_floating_point() else t for t in data
     )
-    fmodel = fm.functional_model(net, task_chunk=None)
+    fmodel = fm.functional_model(net)
     opt = fm.optim.sgd(lr=0.4)
     tasks = xs.shape[0]
     if batched:
-        r = fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (xs, ys), opt, steps=steps)
-        loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (xq, yq))[0].mean()
+        r = fm.adapt_tasks(
+            fmodel, fmodel.params, F.cross_entropy, (xs, ys), opt, steps=steps, task_chunk=None
+        )
+        loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (xq, yq), task_chunk=r.chunk)[
+            0
+        ].mean()
     else:
         loss = 0
         for t in range(tasks):

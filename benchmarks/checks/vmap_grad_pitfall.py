@@ -83,7 +83,7 @@ def batched(net, xs, ys, xq, yq):
     r = fm.adapt_tasks(
         fmodel, fmodel.params, F.cross_entropy, (xs, ys), fm.optim.sgd(lr=LR), steps=STEPS
     )
-    out, _ = fm.apply_tasks(fmodel, r.params, xq, buffers=r.buffers)
+    out, _ = fm.apply_tasks(fmodel, r.params, xq, buffers=r.buffers, task_chunk=r.chunk)
     loss = torch.stack([F.cross_entropy(out[t], yq[t]) for t in range(T)]).mean()
     return torch.autograd.grad(loss, list(net.parameters()))
 

@@ -107,7 +107,14 @@ def meta_iteration(way: str, dtype: torch.dtype, device: str, tasks: int) -> tup
 
     def run() -> torch.Tensor:
         result = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, support, opt, steps=STEPS)
-        losses = fm.task_losses(fmodel, result.params, F.mse_loss, query, buffers=result.buffers)
+        losses = fm.task_losses(
+            fmodel,
+            result.params,
+            F.mse_loss,
+            query,
+            buffers=result.buffers,
+            task_chunk=result.chunk,
+        )
         loss = losses.losses.mean()
         loss.backward()
         return loss.detach()

@@ -110,7 +110,7 @@ def worker(args: argparse.Namespace) -> dict:
     if per_layer:
         root = model.get_submodule(layers[0])
         names = [f"{layers[0]}.{c}" for c, _ in root.named_children()]
-    fmodel = fm.functional_model(model, checkpoint_layers=names, task_chunk=None)
+    fmodel = fm.functional_model(model, checkpoint_layers=names)
     adapters = {k: v for k, v in fmodel.params.items() if v.requires_grad}
     rates = fm.hyper.per_layer(adapters, 1e-3, parameterization="softplus").to(device)
     vocab = model.config.vocab_size
@@ -137,11 +137,12 @@ def worker(args: argparse.Namespace) -> dict:
                     ({"input_ids": ids}, ids),
                     fm.optim.sgd(lr=rates),
                     steps=steps,
+                    task_chunk=None,
                     **options,
                 )
-                loss = fm.task_losses(fmodel, r.params, loss_fn, ({"input_ids": query}, query))[
-                    0
-                ].mean()
+                loss = fm.task_losses(
+                    fmodel, r.params, loss_fn, ({"input_ids": query}, query), task_chunk=r.chunk
+                )[0].mean()
             else:
                 loss = 0
                 for t in range(tasks):

@@ -157,7 +157,9 @@ def funcmeta_way(
             r = fm.adapt_tasks(
                 fmodel, fmodel.params, F.mse_loss, (xs, ys), opt, steps=shape["steps"], **options
             )
-            losses = fm.task_losses(fmodel, r.params, F.mse_loss, (xq, yq)).losses
+            losses = fm.task_losses(
+                fmodel, r.params, F.mse_loss, (xq, yq), task_chunk=r.chunk
+            ).losses
             loss = losses.mean()
         else:
             r = fm.adapt(

@@ -6,8 +6,8 @@ Implementations:
 - **funcmeta batched:** ``fm.recipes.maml`` (``fm.adapt_tasks``) on a functional model as a
   user makes it, with the default ``task_chunk="auto"`` (a rule of the shapes: no measuring
   calls); the row below the table says what it chose.
-- **funcmeta tuned:** ``fm.adapt_tasks`` with the ``task_chunk`` that ``fm.tune_task_chunk``
-  chose on the workload (tuned once, before timing).
+- **funcmeta tuned:** ``fm.recipes.maml`` with ``task_chunk=`` the chunk that
+  ``fm.tune_task_chunk`` measured fastest on the workload (tuned once, before timing).
 - **higher:** ``innerloop_ctx`` per task.
 - **torchopt:** ``MetaSGD`` per task, with ``extract_state_dict``/``recover_state_dict``.
 - **learn2learn:** ``MAML(first_order=False)`` (``MetaSGD`` for per-element rates),
@@ -132,22 +132,32 @@ def funcmeta_batched(net, rates, support, query, loss_fn, steps):
     ).loss
 
 
-_TUNED: dict[tuple[int, int, int], fm.FunctionalModel] = {}
+_TUNED: dict[tuple[int, int, int], tuple[fm.FunctionalModel, int | None]] = {}
 
 
 def funcmeta_tuned(net, rates, support, query, loss_fn, steps):
-    """Tuned on its first call for a workload (the agreement check, before timing)."""
-    key = (id(net), support[0].shape[0], steps)
+    """Tuned on its first call for a workload (the agreement check, before timing): the
+    fastest chunk ``fm.tune_task_chunk`` measures, passed as ``task_chunk``."""
+    tasks = support[0].shape[0]
+    key = (id(net), tasks, steps)
     if key not in _TUNED:
         fmodel = fm.functional_model(net)
         opt = fm.optim.sgd(lr=rates or LR)
-        fm.tune_task_chunk(
+        times = fm.tune_task_chunk(
             fmodel, fmodel.params, loss_fn, support, opt, steps=steps, query=query, repeats=3
         )
-        _TUNED[key] = fmodel
-    fmodel = _TUNED[key]
+        best = min(times, key=times.__getitem__)
+        _TUNED[key] = fmodel, None if best >= tasks else best
+    fmodel, chunk = _TUNED[key]
     return fm.recipes.maml(
-        fmodel, fmodel.params, loss_fn, support, query, lr=rates or LR, steps=steps
+        fmodel,
+        fmodel.params,
+        loss_fn,
+        support,
+        query,
+        lr=rates or LR,
+        steps=steps,
+        task_chunk=chunk,
     ).loss
 
 

@@ -188,11 +188,17 @@ def float64_truth(
     and data: what every float32 way is measured against."""
     net64 = copy.deepcopy(net).cpu().double()
     up = lambda pair: tuple(t.cpu().double() if t.is_floating_point() else t.cpu() for t in pair)  # noqa: E731
-    fmodel = fm.functional_model(net64, task_chunk=None)
+    fmodel = fm.functional_model(net64)
     r = fm.adapt_tasks(
-        fmodel, fmodel.params, loss_fn, up(support), fm.optim.sgd(lr=lr), steps=steps
+        fmodel,
+        fmodel.params,
+        loss_fn,
+        up(support),
+        fm.optim.sgd(lr=lr),
+        steps=steps,
+        task_chunk=None,
     )
-    losses = fm.task_losses(fmodel, r.params, loss_fn, up(query)).losses
+    losses = fm.task_losses(fmodel, r.params, loss_fn, up(query), task_chunk=r.chunk).losses
     losses.mean().backward()
     return [p.grad.detach() for p in net64.parameters()]
 
@@ -217,7 +223,7 @@ def measure(
     way timed."""
     net, loss_fn, support, query, lr = workload(name, tasks, device)
     opt = fm.optim.sgd(lr=lr)
-    fmodel = fm.functional_model(net, task_chunk=None)
+    fmodel = fm.functional_model(net)
 
     def loop() -> None:
         losses = []
@@ -229,8 +235,10 @@ def measure(
         torch.stack(losses).mean().backward()
 
     def batched() -> None:
-        r = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=steps)
-        losses = fm.task_losses(fmodel, r.params, loss_fn, query).losses
+        r = fm.adapt_tasks(
+            fmodel, fmodel.params, loss_fn, support, opt, steps=steps, task_chunk=None
+        )
+        losses = fm.task_losses(fmodel, r.params, loss_fn, query, task_chunk=r.chunk).losses
         losses.mean().backward()
 
     chunk: Any = "auto" if task_chunk == 0 else task_chunk

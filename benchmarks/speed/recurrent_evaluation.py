@@ -63,7 +63,7 @@ def main() -> None:
     print(f"{'model':5s} {'T':>3s}  agree  {'loop ms':>8s}  {'batched ms':>10s}  loop/batched")
     for kind in ("lstm", "gru"):
         torch.manual_seed(0)
-        fmodel = fm.functional_model(RecurrentClassifier(kind).eval(), task_chunk=None)
+        fmodel = fm.functional_model(RecurrentClassifier(kind).eval())
         for tasks in args.tasks:
             ids = torch.randint(0, VOCAB, (tasks, SEQUENCES, LENGTH))
             mask = torch.ones_like(ids)  # the classifier reads the last token
@@ -76,7 +76,7 @@ def main() -> None:
             def batched(
                 ids: torch.Tensor = ids, mask: torch.Tensor = mask, f: Any = fmodel
             ) -> torch.Tensor:
-                return fm.apply_tasks(f, f.params, fm.Args(ids, mask))[0]
+                return fm.apply_tasks(f, f.params, fm.Args(ids, mask), task_chunk=None)[0]
 
             with torch.no_grad():
                 ref, out = loop(), batched()  # warm-up

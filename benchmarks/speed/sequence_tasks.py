@@ -10,11 +10,13 @@ can be compared): BERT-small, GPT-2-small and Llama-small (2 layers, hidden 128,
 embedding + LSTM / GRU classifiers (hidden 128; ``lstm-packed`` and
 ``gru-packed`` pack the sequences by their lengths, which differ within and across tasks). One inner SGD
 step, first and second order. "batched" runs all tasks in one vmapped computation
-(``task_chunk=None``); "default" as a user gets it, a fresh model with
+(``task_chunk=None``); "default" as a user gets it, a fresh model with the default
 ``task_chunk="auto"``, whose chunk is a rule of the shapes ("default chose": its choice; the
-calls and seconds columns, from when the default measured, read 0); "tuned" with the chunk ``fm.tune_task_chunk`` chose on the workload (its
-cost is printed). Medians of ``--repeats`` meta-iterations, the implementations interleaved
-in one process, each round in a rotated order. "agree": the meta-gradients are within 1% of
+calls and seconds columns, from when the default measured, read 0); "tuned" with the fastest
+chunk ``fm.tune_task_chunk`` measured on the workload, passed as ``task_chunk`` (its cost is
+printed). Each query pass runs on its inner loop's chunk (``task_chunk=result.chunk``).
+Medians of ``--repeats`` meta-iterations, the implementations interleaved in one process,
+each round in a rotated order. "agree": the meta-gradients are within 1% of
 each tensor's largest entry (float32; exactness is tested in float64 by
 tests/batching/test_task_intercept.py and tests/batching/test_task_recurrent.py). Then the peak memory of the
 loop and of the batched run: the most tensor memory allocated at once above the start of the
@@ -42,6 +44,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,12 +199,19 @@ def loop_meta(fmodel, support, query, first_order: bool):
     return total
 
 
-def batched_meta(fmodel, support, query, first_order: bool):
+def batched_meta(fmodel, support, query, first_order: bool, task_chunk="auto"):
     opt = fm.optim.sgd(lr=LR)
     r = fm.adapt_tasks(
-        fmodel, fmodel.params, loss_fn, support, opt, steps=1, first_order=first_order
+        fmodel,
+        fmodel.params,
+        loss_fn,
+        support,
+        opt,
+        steps=1,
+        first_order=first_order,
+        task_chunk=task_chunk,
     )
-    return fm.task_losses(fmodel, r.params, loss_fn, query)[0].sum()
+    return fm.task_losses(fmodel, r.params, loss_fn, query, task_chunk=r.chunk)[0].sum()
 
 
 DEVICE = [torch.device("cpu")]  # --device
@@ -215,9 +225,9 @@ def on_device(batch: tuple) -> tuple:
 
 def memory_worker(name: str, impl: str, tasks: int, first_order: bool) -> None:
     torch.manual_seed(0)
-    fmodel = fm.functional_model(build(name), task_chunk=None)
+    fmodel = fm.functional_model(build(name))
     support, query = episodes(tasks)
-    meta = loop_meta if impl == "loop" else batched_meta
+    meta = loop_meta if impl == "loop" else functools.partial(batched_meta, task_chunk=None)
     params = list(fmodel.params.values())
     torch.autograd.grad(meta(fmodel, support, query, first_order), params, allow_unused=True)
     with (
@@ -307,16 +317,17 @@ def main() -> None:
                 net = build(name).to(DEVICE[0])
                 support, query = (on_device(b) for b in episodes(tasks))
                 plain = fm.functional_model(net)
-                impls = {
-                    "loop": plain,
-                    "batched": fm.functional_model(net, task_chunk=None),
-                    "default": fm.functional_model(net),
+                # each implementation's model and the task_chunk of its calls
+                impls: dict[str, tuple[fm.FunctionalModel, Any]] = {
+                    "loop": (plain, None),
+                    "batched": (fm.functional_model(net), None),
+                    "default": (fm.functional_model(net), "auto"),
                 }
                 tune_s, chunk = None, "-"
                 if not args.no_tune:
                     tuned = fm.functional_model(net)
                     start = time.perf_counter()
-                    fm.tune_task_chunk(
+                    times = fm.tune_task_chunk(
                         tuned,
                         tuned.params,
                         loss_fn,
@@ -327,14 +338,17 @@ def main() -> None:
                         repeats=2,
                         first_order=first,
                     )
-                    tune_s, chunk = time.perf_counter() - start, tuned.task_chunk or "all"
-                    impls["tuned"] = tuned
+                    tune_s = time.perf_counter() - start
+                    best = min(times, key=times.__getitem__)
+                    tuned_chunk = None if best >= tasks else best
+                    chunk = tuned_chunk or "all"
+                    impls["tuned"] = (tuned, tuned_chunk)
                 params = list(net.parameters())
                 calls = {
-                    k: functools.partial(
-                        loop_meta if k == "loop" else batched_meta, m, support, query, first
-                    )
-                    for k, m in impls.items()
+                    k: functools.partial(loop_meta, m, support, query, first)
+                    if k == "loop"
+                    else functools.partial(batched_meta, m, support, query, first, c)
+                    for k, (m, c) in impls.items()
                 }
                 timings = {
                     k: functools.partial(_common.timed_grad, c, params, DEVICE[0], True)
@@ -342,15 +356,15 @@ def main() -> None:
                 }
                 # warm-up, and the gradients to compare
                 grads = {k: timing()[1] for k, timing in timings.items()}
-                tuning = _common.until_chosen(timings["default"], impls["default"])
+                tuning = _common.until_chosen(timings["default"], impls["default"][0])
                 med = _common.medians(_common.rounds(timings, args.repeats))
                 ok = all(_common.agree(grads[k], grads["loop"]) for k in impls)
-                mode = "per task" if impls["batched"].per_task else "batched"
+                mode = "per task" if impls["batched"][0].per_task else "batched"
                 tuned_ms = f"{med['tuned']:9.1f}" if "tuned" in med else "        -"
                 tuned_ratio = (
                     f"{med['loop'] / med['tuned']:10.2f}" if "tuned" in med else "         -"
                 )
-                choice = _common.default_choice(impls["default"], tuning, med["default"])
+                choice = _common.default_choice(impls["default"][0], tuning, med["default"])
                 print(
                     f"{name:6} {order:6} {tasks:3}  {'yes' if ok else 'NO ':5} {med['loop']:8.1f} "
                     f"{med['batched']:11.1f} {med['default']:11.1f} {choice:>22} "

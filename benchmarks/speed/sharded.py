@@ -161,7 +161,9 @@ def rank_main(args: argparse.Namespace) -> None:
         result = fm.adapt_tasks(
             fmodel, params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.01), steps=args.steps
         )
-        fm.task_losses(fmodel, result.params, F.mse_loss, (xq, yq)).losses.mean().backward()
+        fm.task_losses(
+            fmodel, result.params, F.mse_loss, (xq, yq), task_chunk=result.chunk
+        ).losses.mean().backward()
         if args.mode == "tasks":
             fm.distributed.average_gradients(list(net.parameters()), count)
 

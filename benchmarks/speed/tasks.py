@@ -3,15 +3,17 @@
 hand-batched ``torch.bmm`` implementation of the same meta-iteration (the eager floor).
 
 Batched runs three times: all tasks in one vmapped computation ("batched", ``task_chunk=None``),
-with the chunk size ``fm.tune_task_chunk`` picks on the workload before timing ("tuned"), and
-as a user gets it, with the default ``task_chunk="auto"`` ("default": a fresh functional model
-per row; its chunk is a rule of the shapes, chosen on its first call). ``--default-chunk
-tune`` times ``task_chunk="tune"`` in that column instead, which measures its candidates on
-its first calls: its measuring calls (the agreement check's call is its warm-up, then the
-trials) run before the timed rounds, so "default ms" is the time per meta-iteration once it
-has chosen. "default chose" gives the choice and what it cost: the number of calls until the
-choice (none for the rule: the agreement check's call chose), and the seconds they took
-beyond as many calls at "default ms".
+with the fastest chunk size ``fm.tune_task_chunk`` measures on the workload before timing
+("tuned", passed as ``task_chunk``), and as a user gets it, with the default
+``task_chunk="auto"`` ("default": a fresh functional model per row; its chunk is a rule of the
+shapes, chosen on its first call). Each query pass runs on its inner loop's chunk
+(``task_chunk=result.chunk``). ``--default-chunk tune`` times ``task_chunk="tune"`` in that
+column instead, which measures its candidates on its first calls: its measuring calls (the
+agreement check's call is its warm-up, then the trials) run before the timed rounds, so
+"default ms" is the time per meta-iteration once it has chosen. "default chose" gives the
+choice and what it cost: the number of calls until the choice (none for the rule: the
+agreement check's call chose), and the seconds they took beyond as many calls at "default
+ms".
 
 Workloads: the sinusoid MLP (1-40-40-1 ReLU, 10-shot support and query, 5 SGD steps) and
 conv4 (4 x conv3x3-64 + BatchNorm + ReLU + max-pool, linear head; 5-way 1-shot 28x28, 5 query
@@ -77,10 +79,14 @@ def loop_meta(fmodel, loss_fn, support, query, steps=STEPS):
     return torch.stack(losses).mean()
 
 
-def batched_meta(fmodel, loss_fn, support, query, steps=STEPS):
+def batched_meta(fmodel, loss_fn, support, query, steps=STEPS, *, task_chunk="auto"):
     opt = fm.optim.sgd(lr=LR)
-    result = fm.adapt_tasks(fmodel, fmodel.params, loss_fn, support, opt, steps=steps)
-    out, _ = fm.apply_tasks(fmodel, result.params, query[0], buffers=result.buffers)
+    result = fm.adapt_tasks(
+        fmodel, fmodel.params, loss_fn, support, opt, steps=steps, task_chunk=task_chunk
+    )
+    out, _ = fm.apply_tasks(
+        fmodel, result.params, query[0], buffers=result.buffers, task_chunk=result.chunk
+    )
     # every task has as many query points: the mean over all is the mean of task means
     return loss_fn(out.flatten(0, 1), query[1].flatten(0, 1))
 
@@ -115,22 +121,24 @@ def make_data(workload: str, tasks: int, device: torch.device) -> tuple:
     return (xs, ys), (xq, yq), F.cross_entropy
 
 
-def tuned_model(net, loss_fn, support, query, steps) -> fm.FunctionalModel:
-    """A functional model whose ``task_chunk`` ``fm.tune_task_chunk`` chose on this workload."""
+def tuned_model(net, loss_fn, support, query, steps) -> tuple[fm.FunctionalModel, int | None]:
+    """A functional model and the chunk ``fm.tune_task_chunk`` measured fastest on this
+    workload for it (``None``: all tasks at once), to pass as ``task_chunk``."""
     fmodel = fm.functional_model(net)
     opt = fm.optim.sgd(lr=LR)
-    fm.tune_task_chunk(
+    times = fm.tune_task_chunk(
         fmodel, fmodel.params, loss_fn, support, opt, steps=steps, query=query, repeats=3
     )
-    return fmodel
+    best = min(times, key=times.__getitem__)
+    return fmodel, None if best >= support[0].shape[0] else best
 
 
 def memory_worker(impl: str, tasks: int, steps: int, chunk: int | None) -> None:
     torch.manual_seed(0)
     net = conv4()
     support, query, loss_fn = make_data("conv4", tasks, torch.device("cpu"))
-    fmodel = fm.functional_model(net, task_chunk=chunk)
-    meta = loop_meta if impl == "loop" else batched_meta
+    fmodel = fm.functional_model(net)
+    meta = loop_meta if impl == "loop" else functools.partial(batched_meta, task_chunk=chunk)
     params = list(net.parameters())
     torch.autograd.grad(meta(fmodel, loss_fn, support, query, 1), params)  # warm-up
     meter = _common.Meter(torch.device("cpu"))
@@ -187,7 +195,7 @@ def main() -> None:
     )
     print(f"second-order MAML meta-iteration, SGD steps K; median ms of {args.repeats}")
     print("agree: meta-gradients within 1% of each tensor's largest entry (float32)")
-    print("chunk: the task_chunk fm.tune_task_chunk chose (all: every task at once)")
+    print("chunk: the task_chunk fm.tune_task_chunk measured fastest (all: every task at once)")
     print(
         f'default: task_chunk="{args.default_chunk}"; default chose: its chunk (its calls '
         "until the choice, and the seconds they took beyond as many at its speed)"
@@ -201,30 +209,33 @@ def main() -> None:
     for workload in args.workloads:
         torch.manual_seed(0)
         net = (sinusoid_mlp() if workload == "sinusoid" else conv4()).to(device)
-        fmodel = fm.functional_model(net, task_chunk=None)
+        fmodel = fm.functional_model(net)
         params = list(net.parameters())
         for steps in args.conv_steps if workload == "conv4" else [STEPS]:
             for tasks in args.meta_batch:
                 support, query, loss_fn = make_data(workload, tasks, device)
-                tuned = (
-                    fm.functional_model(net, task_chunk=None)
+                tuned, tuned_chunk = (
+                    (fm.functional_model(net), None)
                     if args.skip_tuned
                     else tuned_model(net, loss_fn, support, query, steps)
                 )
-                chunks[(tasks, steps)] = tuned.task_chunk
+                chunks[(tasks, steps)] = tuned_chunk
                 impls = {
                     "loop": functools.partial(loop_meta, fmodel, loss_fn, support, query, steps),
                     "batched": functools.partial(
-                        batched_meta, fmodel, loss_fn, support, query, steps
+                        batched_meta, fmodel, loss_fn, support, query, steps, task_chunk=None
                     ),
-                    "tuned": functools.partial(batched_meta, tuned, loss_fn, support, query, steps),
+                    "tuned": functools.partial(
+                        batched_meta, tuned, loss_fn, support, query, steps, task_chunk=tuned_chunk
+                    ),
                     "default": functools.partial(
                         batched_meta,
-                        fm.functional_model(net, task_chunk=args.default_chunk),
+                        fm.functional_model(net),
                         loss_fn,
                         support,
                         query,
                         steps,
+                        task_chunk=args.default_chunk,
                     ),
                 }
                 if args.skip_tuned:
@@ -249,7 +260,7 @@ def main() -> None:
                 med = _common.medians(_common.rounds(calls, args.repeats))
                 bmm = med.get("bmm")
                 ratio_bmm = med["batched"] / bmm if bmm else None
-                chunk = "-" if args.skip_tuned else tuned.task_chunk or "all"
+                chunk = "-" if args.skip_tuned else tuned_chunk or "all"
                 choice = _common.default_choice(default, tuning, med["default"])
                 tuned_ms = med.get("tuned")
                 print(

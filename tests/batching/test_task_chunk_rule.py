@@ -48,35 +48,41 @@ def test_the_rule_is_the_largest_power_of_two_within_the_budget():
         assert rule_chunk(64, inputs_per_task=10**6, parameters=10**6, device=device) is None
 
 
-def test_a_model_takes_the_rules_chunk_and_reports_it():
+def test_a_model_takes_the_rules_chunk_and_reports_it(monkeypatch):
     """conv4 5-way 1-shot at 16 tasks: chunks of 4, for the inner loop and the query pass
-    after it, as docs/tasks.md says; the choice names what the rule read."""
+    given its chunk (``task_chunk=result.chunk``), as docs/tasks.md says; the choice names
+    what the rule read, and a pinned call chooses nothing."""
+    from helpers import chunks_run  # here: the subprocesses below import this module alone
+
     net = fm.models.conv4(5)
     fmodel = fm.functional_model(net)
-    assert fmodel.task_chunk == "auto" and fmodel.chunk_now() is None
+    assert fmodel.task_chunk_choices == {}  # nothing chosen before the first call
     support = (torch.randn(16, 5, 1, 28, 28), torch.arange(5).repeat(16, 1))
+    query = (torch.randn(16, 5, 1, 28, 28), torch.arange(5).repeat(16, 1))
+    seen = chunks_run(monkeypatch)
+    opt = fm.optim.sgd(lr=0.1)
     with torch.no_grad():
-        result = fm.adapt_tasks(
-            fmodel, fmodel.params, F.cross_entropy, support, fm.optim.sgd(lr=0.1), steps=1
-        )
-    assert fmodel.chunk_now() == 4
+        result = fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1)
+        assert result.chunk.chunk == 4 and repr(result.chunk) == "TaskChunk(4)"
+        fm.task_losses(fmodel, result.params, F.cross_entropy, query, task_chunk=result.chunk)
+    assert seen == [4, 4]  # the inner step, then the query pass on the inner loop's chunk
     (label,) = fmodel.task_chunk_choices
     assert label == "16 tasks, inputs (16, 5, 1, 28, 28), cpu"
-    assert fmodel.task_chunk_choices[label] == {
-        "chunk": 4,
-        "parameters": 112_261,
-        "inputs_per_task": 3920,
-    }
+    chosen = {"chunk": 4, "parameters": 112_261, "inputs_per_task": 3920}
+    assert fmodel.task_chunk_choices[label] == chosen
     assert result.losses.shape == (1, 16)
-    fmodel.task_chunk = None  # a pinned chunk: nothing chosen
-    assert fmodel.task_chunk_choices == {} and fmodel.chunk_now() is None
+    seen.clear()
+    with torch.no_grad():  # a pinned chunk: nothing chosen, the report stays as it was
+        pinned = fm.adapt_tasks(
+            fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, task_chunk=None
+        )
+    assert pinned.chunk.chunk is None and seen == [None]
+    assert fmodel.task_chunk_choices == {label: chosen}
 
 
-def _mlp_problem(
-    dtype: torch.dtype = torch.float32, **kwargs: object
-) -> tuple[fm.FunctionalModel, tuple, tuple]:
+def _mlp_problem(dtype: torch.dtype = torch.float32) -> tuple[fm.FunctionalModel, tuple, tuple]:
     """An MLP the rule runs in chunks of 4 of its 8 tasks (75,268 parameters, 6,400 input
-    elements per task), seeded; ``kwargs`` go to ``fm.functional_model``."""
+    elements per task), seeded."""
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Linear(32, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)
@@ -88,16 +94,28 @@ def _mlp_problem(
 
     support = (data(8, 200, 32), data(8, 200, 4))
     query = (data(8, 100, 32), data(8, 100, 4))
-    return fm.functional_model(net, **kwargs), support, query
+    return fm.functional_model(net), support, query
 
 
-def _meta_gradients(fmodel: fm.FunctionalModel, support: tuple, query: tuple) -> list:
-    """Second-order MAML, 2 steps, the defaults otherwise: the meta-gradients."""
+def _meta_gradients(
+    fmodel: fm.FunctionalModel, support: tuple, query: tuple, task_chunk: object = "auto"
+) -> tuple[list, int | None]:
+    """Second-order MAML, 2 steps, the defaults otherwise (the query pass on the inner loop's
+    chunk, as the recipes run it): the meta-gradients, and the chunk the inner loop took."""
     result = fm.adapt_tasks(
-        fmodel, fmodel.params, F.mse_loss, support, fm.optim.sgd(lr=0.1), steps=2
+        fmodel,
+        fmodel.params,
+        F.mse_loss,
+        support,
+        fm.optim.sgd(lr=0.1),
+        steps=2,
+        task_chunk=task_chunk,
     )
-    losses = fm.task_losses(fmodel, result.params, F.mse_loss, query, buffers=result.buffers).losses
-    return list(torch.autograd.grad(losses.mean(), list(fmodel.params.values())))
+    losses = fm.task_losses(
+        fmodel, result.params, F.mse_loss, query, buffers=result.buffers, task_chunk=result.chunk
+    ).losses
+    grads = list(torch.autograd.grad(losses.mean(), list(fmodel.params.values())))
+    return grads, result.chunk.chunk
 
 
 _RUN = """
@@ -107,8 +125,10 @@ sys.path.insert(0, sys.argv[1])
 from test_task_chunk_rule import _meta_gradients, _mlp_problem
 
 fmodel, support, query = _mlp_problem()
-grads = [_meta_gradients(fmodel, support, query) for _ in range(9)]
-torch.save({"grads": grads, "chunk": fmodel.chunk_now()}, sys.argv[2])
+runs = [_meta_gradients(fmodel, support, query) for _ in range(9)]
+grads, chunks = [g for g, _ in runs], {c for _, c in runs}
+(chunk,) = chunks
+torch.save({"grads": grads, "chunk": chunk}, sys.argv[2])
 """
 
 
@@ -149,22 +169,21 @@ def test_the_default_never_reads_a_clock(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(chunks.time, "perf_counter", no_clock)
         assert time.perf_counter is no_clock  # the module the tuner times with
-        grads = [_meta_gradients(fmodel, support, query) for _ in range(9)]
-    assert fmodel.chunk_now() == 4 and len(grads) == 9
+        runs = [_meta_gradients(fmodel, support, query) for _ in range(9)]
+    assert [chunk for _, chunk in runs] == [4] * 9
     # the measuring mode does read it, so the patch would have caught it
-    fmodel.task_chunk = "tune"
     with monkeypatch.context() as m:
         m.setattr(chunks.time, "perf_counter", no_clock)
         with pytest.raises(AssertionError, match="read the clock"):
             for _ in range(3):
-                _meta_gradients(fmodel, support, query)
+                _meta_gradients(fmodel, support, query, task_chunk="tune")
 
 
 def test_the_rule_and_a_pinned_chunk_give_the_same_results():
     """float64: the rule's chunks of 4 against all tasks at once."""
     fmodel, support, query = _mlp_problem(torch.float64)
-    pinned, _, _ = _mlp_problem(torch.float64, task_chunk=None)
-    ours = _meta_gradients(fmodel, support, query)
-    assert fmodel.chunk_now() == 4 and pinned.chunk_now() is None
-    for g, r in zip(ours, _meta_gradients(pinned, support, query), strict=True):
+    ours, chunk = _meta_gradients(fmodel, support, query)
+    theirs, pinned_chunk = _meta_gradients(fmodel, support, query, task_chunk=None)
+    assert chunk == 4 and pinned_chunk is None
+    for g, r in zip(ours, theirs, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)

@@ -126,18 +126,30 @@ def make(name, seed=0):
     return net, (xs, ys), (xq, yq)
 
 
-def run(net, support, query, *, tasks, steps=2, params=None, **options):
+def run(net, support, query, *, tasks, steps=2, params=None, task_chunk="auto", **options):
     """Outer loss, meta-gradients (to the module and the learned rates) and buffers, of
-    ``adapt_tasks`` (``tasks=True``) or of a per-task loop of ``adapt``."""
+    ``adapt_tasks`` (``tasks=True``, ``task_chunk`` tasks at a time, the query pass on the
+    inner loop's chunk) or of a per-task loop of ``adapt``."""
     fmodel = fm.functional_model(net)
     params = fmodel.params if params is None else params
     rates = fm.hyper.per_layer(fmodel.params, 0.05, parameterization="softplus")
     opt = fm.optim.sgd(lr=rates, momentum=0.5)
     if tasks:
         result = fm.adapt_tasks(
-            fmodel, params, F.cross_entropy, support, opt, steps=steps, **options
+            fmodel,
+            params,
+            F.cross_entropy,
+            support,
+            opt,
+            steps=steps,
+            task_chunk=task_chunk,
+            **options,
         )
-        out, buffers = fm.apply_tasks(fmodel, result.params, query[0], buffers=result.buffers)
+        if task_chunk != "auto":
+            assert result.chunk.chunk == task_chunk
+        out, buffers = fm.apply_tasks(
+            fmodel, result.params, query[0], buffers=result.buffers, task_chunk=result.chunk
+        )
         losses = [F.cross_entropy(out[t], query[1][t]) for t in range(T)]
     else:
         losses, per_task = [], []
@@ -393,54 +405,75 @@ def test_normalisations_keep_the_loops_dtypes(norm, dtype, fast_calls):
 
 
 @pytest.mark.parametrize("chunk", [1, 2, T, None])
-def test_task_chunks_equal_the_loop(chunk, monkeypatch):
+def test_task_chunks_equal_the_loop(chunk):
     net, support, query = make("conv2d")
     reference = run(net, support, query, tasks=False)
-    made = fm.functional_model
-    monkeypatch.setattr(fm, "functional_model", lambda m: made(m, task_chunk=chunk))
-    ours = run(net, support, query, tasks=True)
+    ours = run(net, support, query, tasks=True, task_chunk=chunk)
     assert_same(ours, reference)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
 def test_task_chunk_must_be_a_positive_int(bad):
+    fmodel = fm.functional_model(nn.Linear(1, 1))
+    batch = (torch.randn(2, 3, 1), torch.randn(2, 3, 1))
     with pytest.raises(
         ValueError, match='task_chunk must be "auto", "tune", None or a positive int'
     ):
-        fm.functional_model(nn.Linear(1, 1), task_chunk=bad)
-    fmodel = fm.functional_model(nn.Linear(1, 1))
-    with pytest.raises(ValueError, match="task_chunk"):
-        fmodel.task_chunk = bad
+        fm.adapt_tasks(
+            fmodel, fmodel.params, F.mse_loss, batch, fm.optim.sgd(lr=0.1), steps=1, task_chunk=bad
+        )
+    with pytest.raises(ValueError, match=r"fm\.task_losses: task_chunk must be"):
+        fm.task_losses(fmodel, fmodel.params, F.mse_loss, batch, task_chunk=bad)
+    with pytest.raises(ValueError, match=r"fm\.apply_tasks: task_chunk must be"):
+        fm.apply_tasks(fmodel, fmodel.params, batch[0], task_chunk=bad)
 
 
-def test_tune_task_chunk_times_every_candidate_and_keeps_the_fastest(monkeypatch):
-    net, support, _ = make("conv1d")
+def test_tune_task_chunk_times_every_candidate_and_returns_the_times(monkeypatch):
+    """Each candidate is passed as the calls' task_chunk (nothing is set on the model), and
+    the fastest, passed on, gives the loop's results."""
+    net, support, query = make("conv1d")
     fmodel = fm.functional_model(net)
-    seen = []
-    adapt_tasks = tune_module.adapt_tasks
+    seen, passes = [], []
+    adapt_tasks, task_losses = tune_module.adapt_tasks, tune_module.task_losses
 
     def spy(fmodel, *args, **kwargs):
-        seen.append(fmodel.task_chunk)
-        return adapt_tasks(fmodel, *args, **kwargs)
+        seen.append(kwargs["task_chunk"])
+        result = adapt_tasks(fmodel, *args, **kwargs)
+        assert result.chunk.chunk == kwargs["task_chunk"]
+        return result
+
+    def spy_pass(fmodel, *args, **kwargs):
+        passes.append(kwargs["task_chunk"])
+        return task_losses(fmodel, *args, **kwargs)
 
     monkeypatch.setattr(tune_module, "adapt_tasks", spy)
+    monkeypatch.setattr(tune_module, "task_losses", spy_pass)
     opt = fm.optim.sgd(lr=0.1)
     times = fm.tune_task_chunk(
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=2
     )
     assert sorted(times) == [1, 3]  # the grid task_chunk="tune" measures: 1, 4, ... below T, and T
+    assert all(isinstance(ms, float) and ms > 0 for ms in times.values())
     assert seen == [1, 3, 3, 1, 1, 3]  # a warm-up round, then the repeats, rotated
+    # each query pass follows its inner loop's chunk
+    assert [p.chunk for p in passes] == seen
+    assert fmodel.task_chunk_choices == {}  # pinned calls: nothing chosen on the model
+    assert not hasattr(fmodel, "task_chunk")
     best = min(times, key=times.get)
-    assert fmodel.task_chunk == (None if best == T else best)
-    fm.tune_task_chunk(
+    assert_same(
+        run(net, support, query, tasks=True, task_chunk=best),
+        run(net, support, query, tasks=False),
+    )
+    seen.clear()
+    again = fm.tune_task_chunk(
         fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, candidates=[2], repeats=1
     )
-    assert fmodel.task_chunk == 2
+    assert list(again) == [2] and seen == [2, 2]
 
 
-def test_tune_task_chunk_checks_its_arguments_and_restores_on_error():
+def test_tune_task_chunk_checks_its_arguments():
     net, support, _ = make("conv1d")
-    fmodel = fm.functional_model(net, task_chunk=2)
+    fmodel = fm.functional_model(net)
     opt = fm.optim.sgd(lr=0.1)
     with pytest.raises(ValueError, match="candidates"):
         fm.tune_task_chunk(
@@ -450,7 +483,7 @@ def test_tune_task_chunk_checks_its_arguments_and_restores_on_error():
         fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, repeats=0)
     with pytest.raises(TypeError, match="unknown"):
         fm.tune_task_chunk(fmodel, fmodel.params, F.cross_entropy, support, opt, steps=1, bogus=1)
-    assert fmodel.task_chunk == 2
+    assert fmodel.task_chunk_choices == {}
 
 
 @pytest.mark.parametrize("kind", ["parametrization", "old weight_norm"])

@@ -415,7 +415,7 @@ def test_gru_first_order_peak_memory_near_the_loop(block, monkeypatch):
         monkeypatch.setattr(recurrent, "_BLOCK", block)
     torch.manual_seed(10)
     tasks, n, length = 8, 10, 32
-    fmodel = fm.functional_model(Head(nn.GRU(16, 64, batch_first=True)), task_chunk=None)
+    fmodel = fm.functional_model(Head(nn.GRU(16, 64, batch_first=True)))
     x = torch.randn(tasks, n, length, 16)
     y = torch.randint(0, 2, (tasks, n))
     params = list(fmodel.params.values())
@@ -423,10 +423,17 @@ def test_gru_first_order_peak_memory_near_the_loop(block, monkeypatch):
 
     def batched():
         r = fm.adapt_tasks(
-            fmodel, fmodel.params, F.cross_entropy, (x, y), opt, steps=1, first_order=True
+            fmodel,
+            fmodel.params,
+            F.cross_entropy,
+            (x, y),
+            opt,
+            steps=1,
+            first_order=True,
+            task_chunk=None,
         )
-        loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (x, y))[0].sum()
-        torch.autograd.grad(loss, params)
+        loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (x, y), task_chunk=None)
+        torch.autograd.grad(loss[0].sum(), params)
 
     def loop():
         loss = 0

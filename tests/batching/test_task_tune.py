@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import chunks_run
 from torch import nn
 
 import funcmeta as fm
@@ -32,7 +33,6 @@ def test_the_tuner_warms_up_tries_every_candidate_twice_and_keeps_the_fastest():
     for want, r in [(None, 0), (1, 0), (4, 0), (4, 1), (1, 1), (None, 1)]:
         trial = tuner.start("k", "kind", 16, CPU, True)
         assert trial.chunk == want and tuner.timed(trial)
-        assert tuner.hint == want  # the query passes follow the inner loop's chunk
         finish(trial, 0.5, times[want][r] - 0.5)
     later = tuner.start("k", "kind", 16, CPU, True)
     assert later.chunk == 4 and not tuner.timed(later)
@@ -40,6 +40,32 @@ def test_the_tuner_warms_up_tries_every_candidate_twice_and_keeps_the_fastest():
     assert tuner.choices["kind"]["seconds"] == pytest.approx({None: 2.5, 1: 1.0, 4: 0.8})
     # another kind of call is measured on its own
     assert tuner.start("other", "other kind", 16, CPU, True).chunk is None  # its warm-up
+
+
+def test_a_pass_given_a_measured_loops_chunk_counts_with_that_trial_while_it_is_open():
+    """ChunkTuner.count_with(trial, run): the pass's forward counts with the trial it was given
+    once the loop's forward has finished and until its backward begins; before or after, the
+    pass runs uncounted. Another trial of the same kind is left alone."""
+    tuner = ChunkTuner()
+    tuner.start("k", "kind", 4, CPU, False)  # warm-up
+    trial, other = tuner.start("k", "kind", 4, CPU, False), tuner.start("k", "kind", 4, CPU, False)
+    assert tuner.timed(trial) and tuner.timed(other)
+    ran = []
+
+    def run():
+        ran.append(1)
+        return torch.ones(2), {}
+
+    tuner.count_with(trial, run)  # the loop's forward has not finished: not counted
+    assert trial.query_forward == 0.0 and len(ran) == 1
+    finish(trial, 0.1)
+    out, buffers = tuner.count_with(trial, run)
+    assert torch.equal(out, torch.ones(2)) and buffers == {} and len(ran) == 2
+    assert trial.query_forward > 0 and other.query_forward == 0.0
+    counted = trial.query_forward
+    trial.backward_out = 1.0  # its backward has begun: the trial is closed
+    tuner.count_with(trial, run)
+    assert trial.query_forward == counted and len(ran) == 3
 
 
 @pytest.mark.parametrize(
@@ -121,16 +147,20 @@ def meta_gradients(fmodel, b, **kwargs):
 
 
 @pytest.mark.parametrize("first_order", [False, True])
-def test_every_tune_call_gives_the_pinned_results(first_order):
+def test_every_tune_call_gives_the_pinned_results(first_order, monkeypatch):
     net, b = problem(tasks=8)
-    tuned = fm.functional_model(net, task_chunk="tune")
-    pinned = fm.functional_model(net, task_chunk=None)
-    assert tuned.task_chunk == "tune"
+    tuned = fm.functional_model(net)
+    pinned = fm.functional_model(net)
+    seen = chunks_run(monkeypatch)
     chunks = []
     for _ in range(10):
-        out, grads = meta_gradients(tuned, b, first_order=first_order)
-        chunks.append(tuned.chunk_now())
-        ref, ref_grads = meta_gradients(pinned, b, first_order=first_order)
+        seen.clear()
+        out, grads = meta_gradients(tuned, b, first_order=first_order, task_chunk="tune")
+        chunks.append(out.adapted.chunk.chunk)
+        # the two inner steps and the query pass, which follows the inner loop's chunk
+        assert seen == [chunks[-1]] * 3
+        ref, ref_grads = meta_gradients(pinned, b, first_order=first_order, task_chunk=None)
+        assert ref.adapted.chunk.chunk is None
         torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
         torch.testing.assert_close(out.logits, ref.logits, rtol=1e-12, atol=1e-14)
         for g, r in zip(grads, ref_grads, strict=True):
@@ -148,19 +178,20 @@ def test_every_tune_call_gives_the_pinned_results(first_order):
 
 def test_the_backward_is_timed_when_it_runs():
     net, b = problem()
-    fmodel = fm.functional_model(net, task_chunk="tune")
+    fmodel = fm.functional_model(net)
     tuner = fmodel.executor.tuner
     for _ in range(2):
-        meta_gradients(fmodel, b)
+        meta_gradients(fmodel, b, task_chunk="tune")
     (kind,) = tuner.kinds.values()
     (trial,) = kind.pending  # the all-at-once trial, its times taken at the next call
     assert trial.chunk is None and trial.forward > 0
     assert trial.backward_out is not None and trial.backward_in >= trial.backward_out
-    # the query pass that followed (fm.apply_tasks in the recipe) is timed with it: its
-    # forward, and its backward from the moment the backward reached its outputs
+    # the query pass that followed (fm.task_losses in the recipe, given the inner loop's
+    # chunk) is timed with it: its forward, and its backward from the moment the backward
+    # reached its outputs
     assert trial.query_forward > 0
     assert trial.backward_query is not None and trial.backward_query <= trial.backward_out
-    meta_gradients(fmodel, b)
+    meta_gradients(fmodel, b, task_chunk="tune")
     assert kind.measured[None] == pytest.approx(
         [trial.forward + trial.query_forward + trial.backward_in - trial.backward_query]
     )
@@ -168,7 +199,13 @@ def test_the_backward_is_timed_when_it_runs():
     with torch.no_grad():
         for _ in range(6):  # warm-up, two trials twice, and the call that decides
             fm.adapt_tasks(
-                fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.1), steps=2
+                fmodel,
+                fmodel.params,
+                F.mse_loss,
+                b.support,
+                fm.optim.sgd(lr=0.1),
+                steps=2,
+                task_chunk="tune",
             )
     labels = list(fmodel.task_chunk_choices)
     assert any("without backward" in label for label in labels)
@@ -181,51 +218,61 @@ def test_in_place_changes_to_outputs_and_adapted_parameters_work_through_the_tri
     meta-gradients (float64). An identity ``autograd.Function`` made its outputs views that
     refuse in-place changes, so such code failed only on the measured calls."""
     net, b = problem(tasks=8)
-    tuned, pinned = (
-        fm.functional_model(net, task_chunk="tune"),
-        fm.functional_model(net, task_chunk=None),
-    )
+    tuned, pinned = fm.functional_model(net), fm.functional_model(net)
     opt = fm.optim.sgd(lr=0.1)
 
-    def meta(fmodel):
-        r = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=2)
+    def meta(fmodel, task_chunk):
+        r = fm.adapt_tasks(
+            fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=2, task_chunk=task_chunk
+        )
         r.params["2.bias"].mul_(0.5)  # in place, on an adapted parameter
-        out, _ = fm.apply_tasks(fmodel, r.params, b.query[0])
+        out, _ = fm.apply_tasks(fmodel, r.params, b.query[0], task_chunk=r.chunk)
         out.mul_(2.0)  # in place, on the query outputs
-        losses = fm.task_losses(fmodel, r.params, F.mse_loss, b.query).losses
+        losses = fm.task_losses(fmodel, r.params, F.mse_loss, b.query, task_chunk=r.chunk).losses
         losses.add_(1.0)
         loss = F.mse_loss(out, b.query[1]) + losses.mean()
         return torch.autograd.grad(loss, list(fmodel.params.values()))
 
     for _ in range(10):  # the warm-up, the six trials, and the calls after the choice
-        for g, r in zip(meta(tuned), meta(pinned), strict=True):
+        for g, r in zip(meta(tuned, "tune"), meta(pinned, None), strict=True):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-13)
     (choice,) = tuned.task_chunk_choices.values()
     assert all(s > 0 for s in choice["seconds"].values())
 
 
-def test_pinning_the_chunk_stops_the_measuring():
+def test_pinned_calls_between_tuned_ones_neither_measure_nor_disturb_the_measuring():
+    """The chunk is each call's own: calls of one model with ``task_chunk=2`` between its
+    ``"tune"`` calls run on 2, are not measured, and leave the tuned calls' sequence (the
+    warm-up, each of the 4 tasks' candidates twice, then the choice) as it is alone."""
     net, b = problem()
-    fmodel = fm.functional_model(net, task_chunk="tune")
-    for _ in range(6):
-        meta_gradients(fmodel, b)
-    assert fmodel.task_chunk_choices
-    fmodel.task_chunk = 2
-    assert fmodel.task_chunk_choices == {} and fmodel.chunk_now() == 2
-    meta_gradients(fmodel, b)
-    assert fmodel.executor.tuner.kinds == {}
-    fmodel.task_chunk = "tune"  # measured afresh
-    meta_gradients(fmodel, b)
-    assert len(fmodel.executor.tuner.kinds) == 1
+    alone, mixed = fm.functional_model(net), fm.functional_model(net)
+    tuner = mixed.executor.tuner
+    chunks, alone_chunks = [], []
+    for _ in range(7):
+        alone_chunks.append(meta_gradients(alone, b, task_chunk="tune")[0].adapted.chunk.chunk)
+        chunks.append(meta_gradients(mixed, b, task_chunk="tune")[0].adapted.chunk.chunk)
+        measured = {c: list(t) for kind in tuner.kinds.values() for c, t in kind.measured.items()}
+        out, _ = meta_gradients(mixed, b, task_chunk=2)
+        assert out.adapted.chunk.chunk == 2
+        assert len(tuner.kinds) == 1  # the pinned calls are no kind of their own
+        (kind,) = tuner.kinds.values()
+        assert kind.measured == measured and all(t.chunk != 2 for t in kind.pending)
+    assert chunks[:5] == [None, None, 1, 1, None]
+    (choice,) = mixed.task_chunk_choices.values()
+    assert sorted(choice["seconds"], key=str) == sorted([None, 1], key=str)
+    assert chunks[5:] == [choice["chunk"]] * 2
+    assert alone_chunks[:5] == chunks[:5]
 
 
 def test_inside_a_torch_func_transform_all_tasks_run_at_once_untimed():
     net, b = problem()
-    fmodel = fm.functional_model(net, task_chunk="tune")
+    fmodel = fm.functional_model(net)
     params = fmodel.params
 
     def meta_loss(p):
-        out = fm.recipes.maml(fmodel, p, F.mse_loss, b.support, b.query, steps=1, lr=0.1)
+        out = fm.recipes.maml(
+            fmodel, p, F.mse_loss, b.support, b.query, steps=1, lr=0.1, task_chunk="tune"
+        )
         return out.loss
 
     for _ in range(3):
@@ -267,16 +314,20 @@ def test_real_models_give_the_pinned_results_through_the_trials(build, width):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(8, 6, 5, width, generator=g, dtype=DTYPE)  # 8 tasks of 6 sequences
     y = torch.randint(0, 3, (8, 6), generator=g)
-    tuned, pinned = (
-        fm.functional_model(net, task_chunk="tune"),
-        fm.functional_model(net, task_chunk=None),
-    )
+    tuned, pinned = fm.functional_model(net), fm.functional_model(net)
     support, query = (x[:, :3], y[:, :3]), (x[:, 3:], y[:, 3:])
     for _ in range(8):
         grads = []
-        for fmodel in (tuned, pinned):
+        for fmodel, task_chunk in ((tuned, "tune"), (pinned, None)):
             out = fm.recipes.maml(
-                fmodel, fmodel.params, F.cross_entropy, support, query, steps=2, lr=0.1
+                fmodel,
+                fmodel.params,
+                F.cross_entropy,
+                support,
+                query,
+                steps=2,
+                lr=0.1,
+                task_chunk=task_chunk,
             )
             grads.append(torch.autograd.grad(out.loss, list(fmodel.params.values())))
         for a, p in zip(*grads, strict=True):
@@ -288,16 +339,17 @@ def test_a_trial_call_that_raises_is_not_taken_for_a_fast_one():
     """A call that fails (here a non-finite inner loss, refused) leaves its trial unfinished:
     it must not count as zero seconds and win."""
     net, b = problem()
-    fmodel = fm.functional_model(net, task_chunk="tune")
+    fmodel = fm.functional_model(net)
     bad = (b.support[0], torch.full_like(b.support[1], float("nan")))
     opt = fm.optim.sgd(lr=0.1)
+    tune = {"steps": 1, "task_chunk": "tune"}
     with torch.no_grad():
-        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=1)  # warm-up
+        fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, **tune)  # warm-up
         with pytest.raises(fm.NonFiniteError):
             fm.adapt_tasks(
-                fmodel, fmodel.params, F.mse_loss, bad, opt, steps=1, on_nonfinite="raise"
+                fmodel, fmodel.params, F.mse_loss, bad, opt, on_nonfinite="raise", **tune
             )
         for _ in range(12):
-            fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, steps=1)
+            fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, opt, **tune)
     (choice,) = fmodel.task_chunk_choices.values()
     assert all(s > 0 for s in choice["seconds"].values())

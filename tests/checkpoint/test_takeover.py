@@ -108,13 +108,15 @@ def meta_gradients(
 ) -> list[torch.Tensor]:
     """Two SGD steps on each task and the mean query loss's gradient in every parameter:
     ``fm.adapt`` per task, or ``fm.adapt_tasks`` and ``fm.task_losses``."""
-    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers, task_chunk=None)
+    fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
     x, y, xq, yq = task_data()
     params, opt = fmodel.params, fm.optim.sgd(lr=0.5)
     torch.manual_seed(seed)  # the dropout masks
     if batched:
-        r = fm.adapt_tasks(fmodel, params, loss, (x, y), opt, steps=2, first_order=first_order)
-        query = fm.task_losses(fmodel, r.params, loss, (xq, yq))[0].mean()
+        r = fm.adapt_tasks(
+            fmodel, params, loss, (x, y), opt, steps=2, first_order=first_order, task_chunk=None
+        )
+        query = fm.task_losses(fmodel, r.params, loss, (xq, yq), task_chunk=None)[0].mean()
     else:
         query = 0
         for t in range(T):
@@ -272,12 +274,14 @@ def _hf_loss(out, y):
 
 
 def hf_meta_gradients(model: nn.Module, batched: bool, first_order: bool = False) -> list:
-    fmodel = fm.functional_model(model, task_chunk=None)
+    fmodel = fm.functional_model(model)
     (x, y), (xq, yq) = _hf_data(1), _hf_data(2)
     params, opt = fmodel.params, fm.optim.sgd(lr=0.3)
     if batched:
-        r = fm.adapt_tasks(fmodel, params, _hf_loss, (x, y), opt, steps=2, first_order=first_order)
-        query = fm.task_losses(fmodel, r.params, _hf_loss, (xq, yq))[0].mean()
+        r = fm.adapt_tasks(
+            fmodel, params, _hf_loss, (x, y), opt, steps=2, first_order=first_order, task_chunk=None
+        )
+        query = fm.task_losses(fmodel, r.params, _hf_loss, (xq, yq), task_chunk=None)[0].mean()
     else:
         query = 0
         for t in range(T):
@@ -333,11 +337,12 @@ def test_embedding_with_padding_and_a_hook_under_task_batching():
     y = torch.randn(T, 5, 2, generator=g, dtype=DTYPE)
     grads = []
     for batched in (False, True):
-        fmodel = fm.functional_model(make(), task_chunk=None)
+        fmodel = fm.functional_model(make())
         params = fmodel.params
         if batched:
-            r = fm.adapt_tasks(fmodel, params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.5), steps=1)
-            loss = fm.task_losses(fmodel, r.params, F.mse_loss, (x, y))[0].sum()
+            opt = fm.optim.sgd(lr=0.5)
+            r = fm.adapt_tasks(fmodel, params, F.mse_loss, (x, y), opt, steps=1, task_chunk=None)
+            loss = fm.task_losses(fmodel, r.params, F.mse_loss, (x, y), task_chunk=None)[0].sum()
         else:
             loss = 0
             for t in range(T):
@@ -359,12 +364,19 @@ def test_maml_recipe_and_apply_tasks_on_a_self_checkpointed_model():
     out = []
     for how in ("none", "non-reentrant"):
         net = build(how)
-        fmodel = fm.functional_model(net, task_chunk=None)
+        fmodel = fm.functional_model(net)
         r = fm.recipes.maml(
-            fmodel, fmodel.params, F.cross_entropy, (x, y), (xq, yq), steps=2, lr=0.5
+            fmodel,
+            fmodel.params,
+            F.cross_entropy,
+            (x, y),
+            (xq, yq),
+            steps=2,
+            lr=0.5,
+            task_chunk=None,
         )
         grads = torch.autograd.grad(r.loss, list(fmodel.params.values()))
-        logits, _ = fm.apply_tasks(fmodel, fmodel.params, xq)
+        logits, _ = fm.apply_tasks(fmodel, fmodel.params, xq, task_chunk=None)
         (g_apply,) = torch.autograd.grad(logits.square().sum(), [net.blocks[0].lin.weight])
         out.append([*grads, g_apply])
     assert relative(out[1], out[0]) < 1e-10

@@ -380,7 +380,7 @@ class Branching(nn.Module):
 def test_what_cannot_be_compiled_runs_eagerly_with_the_same_numbers_and_says_why():
     torch.manual_seed(0)
     net = Branching().to(DTYPE)
-    fmodel = fm.functional_model(net, task_chunk=None)
+    fmodel = fm.functional_model(net)
     support, query = sinusoid()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # task batching's own note that the model runs per task

@@ -66,18 +66,75 @@ def test_the_inner_loop_takes_a_runtime_and_no_traced_flag():
 
 
 def test_the_chunk_of_a_call_is_chosen_at_its_entry_point_not_read_off_the_model():
-    """The chunk state is per call: the inner loop, the forward and the runtimes get the
-    chunk handed down with the call; none of them asks the model for one (``chunk_now``),
-    only the entry points of ``inner/tasks.py`` ask the model's executor, once per call."""
+    """The chunk of tasks is an argument of each call (``task_chunk=``), never state of the
+    model: no class that runs task-batched calls keeps a chunk for later calls to read (a
+    ``task_chunk`` setting, ``chunk_now``, the ``hint`` or ``latest`` call a pass followed),
+    nothing reads a chunk off a model or its executor, and the executor's and runtimes'
+    methods that choose or run on a chunk take the call's ``task_chunk``."""
     import ast
 
+    stateful = {"task_chunk", "_task_chunk", "chunk_now", "hint", "latest"}
+    holders = {
+        "module/functional.py": {"FunctionalModel"},
+        "module/task_protocol.py": {"Executor"},
+        "batching/executor.py": {"TaskExecutor"},
+        "batching/chunks.py": {"ChunkRule", "ChunkTuner"},
+    }
+    takes_it = {
+        "module/task_protocol.py": {"Executor": {"chunk_for", "run_following"}},
+        "batching/executor.py": {"TaskExecutor": {"chunk_for", "run_following"}},
+        "runtime/base.py": {"Runtime": {"chunk_for", "following"}},
+        "runtime/eager.py": {"EagerRuntime": {"chunk_for", "following"}},
+    }
     found = []
-    for folder in ("inner", "runtime", "compiled"):
-        for path in sorted((ROOT / "funcmeta/_src" / folder).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Attribute) and node.attr == "chunk_now":
-                    found.append(f"{folder}/{path.name}:{node.lineno} reads .{node.attr}")
+    for path in sorted((ROOT / "funcmeta/_src").rglob("*.py")):
+        where = path.relative_to(ROOT / "funcmeta/_src").as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in (
+                "chunk_now",
+                "count_with_inner_loop",
+            ):
+                found.append(f"{where}:{node.lineno} reads .{node.attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in ("task_chunk", "_task_chunk")
+                and (
+                    (isinstance(node.value, ast.Name) and node.value.id in ("fmodel", "executor"))
+                    or (
+                        isinstance(node.value, ast.Attribute)
+                        and node.value.attr in ("fmodel", "executor")
+                    )
+                )
+            ):
+                found.append(f"{where}:{node.lineno} reads a chunk off a model")
+            if not isinstance(node, ast.ClassDef):
+                continue
+            if node.name in holders.get(where, ()):
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.FunctionDef) and inner.name in stateful:
+                        found.append(f"{where}:{inner.lineno} {node.name}.{inner.name}")
+                    if (
+                        isinstance(inner, ast.Attribute)
+                        and isinstance(inner.value, ast.Name)
+                        and inner.value.id == "self"
+                        and inner.attr in stateful
+                    ):
+                        found.append(f"{where}:{inner.lineno} {node.name} keeps .{inner.attr}")
+            for name in takes_it.get(where, {}).get(node.name, ()):
+                (method,) = [
+                    f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == name
+                ]
+                if "task_chunk" not in [a.arg for a in method.args.args]:
+                    found.append(f"{where}:{method.lineno} {node.name}.{name} takes no task_chunk")
     assert found == []
+    # the classes named are where they were looked for
+    from funcmeta._src.batching.chunks import ChunkRule, ChunkTuner
+    from funcmeta._src.batching.executor import TaskExecutor
+    from funcmeta._src.module.functional import FunctionalModel
+    from funcmeta._src.module.task_protocol import Executor
+
+    for cls in (ChunkRule, ChunkTuner, TaskExecutor, FunctionalModel, Executor):
+        assert not stateful & set(vars(cls)), cls
 
 
 def _code_nodes(path: Path) -> list:

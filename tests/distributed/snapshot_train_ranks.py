@@ -30,7 +30,7 @@ def main(rank: int, rendezvous: str, folder: Path, steps: int, kill_at: int | No
     init_gloo(rank, rendezvous)
     torch.manual_seed(0)  # the same initialisation on every rank
     net = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
-    fmodel = fm.functional_model(net, task_chunk=None)  # pinned: a resumed run repeats bit for bit
+    fmodel = fm.functional_model(net)
     rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(1))
     outer = torch.optim.Adam([*net.parameters(), *rates.parameters()], lr=1e-3)
     tasks_rng = torch.Generator().manual_seed(2)  # the same meta-batches on every rank
@@ -58,7 +58,14 @@ def main(rank: int, rendezvous: str, folder: Path, steps: int, kill_at: int | No
         ys = ys + 0.05 * torch.randn_like(ys)  # the global random state, per rank
         outer.zero_grad()
         fm.recipes.metasgd(
-            fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=1, lr=rates
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            (xs, ys),
+            (xq, yq),
+            steps=1,
+            lr=rates,
+            task_chunk=None,  # pinned: a resumed run repeats bit for bit
         ).loss.backward()
         if kill_at is not None and step == kill_at and rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)

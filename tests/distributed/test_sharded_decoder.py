@@ -70,9 +70,7 @@ def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None, own_tasks=False)
     if mesh is not None:
         fm.distributed.shard_model(model, mesh, mesh_dim=mesh_dim)
     fmodel = fm.functional_model(
-        model,
-        checkpoint_layers=BLOCKS if mode == "checkpoint_layers" else None,
-        task_chunk=1,
+        model, checkpoint_layers=BLOCKS if mode == "checkpoint_layers" else None
     )
     rates = None
     if mode in ("rates", "mamlpp"):
@@ -89,10 +87,20 @@ def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None, own_tasks=False)
         support, query = (xs, ys), (xq, yq)
         params = fm.distributed.gather_params(fmodel.params, count) if own_tasks else fmodel.params
         if mode == "maml":
-            out = fm.recipes.maml(fmodel, params, _loss, support, query, steps=2, lr=0.1)
+            out = fm.recipes.maml(
+                fmodel, params, _loss, support, query, steps=2, lr=0.1, task_chunk=1
+            )
         elif mode == "anil":
             out = fm.recipes.anil(
-                fmodel, fmodel.params, _loss, support, query, steps=2, lr=0.1, trainable="lm_head"
+                fmodel,
+                fmodel.params,
+                _loss,
+                support,
+                query,
+                steps=2,
+                lr=0.1,
+                trainable="lm_head",
+                task_chunk=1,
             )
         else:
             weights = fm.recipes.mamlpp_step_weights(2, epoch=1, msl_epochs=4)
@@ -105,6 +113,7 @@ def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None, own_tasks=False)
                 steps=2,
                 lr=rates,
                 step_weights=weights,
+                task_chunk=1,
             )
         out.loss.backward()
         if task_group is not None:

@@ -283,10 +283,20 @@ CASES = {
         ValueError,
         "holds no tensors: nothing gives the task axis",
     ),
-    "functional_model task_chunk 0": (
+    "functional_model task_chunk moved": (
         lambda: fm.functional_model(NET, task_chunk=0),
+        TypeError,
+        r"takes no task_chunk.*fm\.adapt_tasks\(\.\.\., task_chunk=0\)",
+    ),
+    "adapt_tasks task_chunk 0": (
+        lambda: adapt_tasks(task_chunk=0),
         ValueError,
-        'task_chunk must be "auto", "tune", None or a positive int, got 0',
+        'fm.adapt_tasks: task_chunk must be "auto", "tune", None or a positive int, got 0',
+    ),
+    "task_losses task_chunk tune": (
+        lambda: fm.task_losses(FMODEL, P, F.cross_entropy, SUPPORT, task_chunk="tune"),
+        ValueError,
+        r'fm\.task_losses takes no task_chunk="tune".*task_chunk=result\.chunk',
     ),
     "functional_model checkpoint name": (
         lambda: fm.functional_model(NET, checkpoint_layers=["x"]),

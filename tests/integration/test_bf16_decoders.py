@@ -67,7 +67,7 @@ def test_standard_bf16_decoders_run_in_every_mode(kind, mode):
     if kind != "gpt2":
         assert mixed and set(mixed.values()) == {torch.float32}  # the rotary frequencies
     layers = "sequential" if mode == "checkpoint_layers" else None
-    fmodel = fm.functional_model(model, checkpoint_layers=layers, task_chunk=None)
+    fmodel = fm.functional_model(model, checkpoint_layers=layers)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (T, N, L), generator=g)
     opt = fm.optim.sgd(lr=0.1)
@@ -81,10 +81,12 @@ def test_standard_bf16_decoders_run_in_every_mode(kind, mode):
             ({"input_ids": ids}, ids),
             steps=2,
             lr=0.1,
+            task_chunk=None,
         ).loss
     elif mode == "adapt_tasks" or mode == "checkpoint_layers":
-        r = fm.adapt_tasks(fmodel, params, next_token_loss, ({"input_ids": ids}, ids), opt, steps=2)
-        loss = fm.task_losses(fmodel, r.params, next_token_loss, ({"input_ids": ids}, ids))[0]
+        batch = ({"input_ids": ids}, ids)
+        r = fm.adapt_tasks(fmodel, params, next_token_loss, batch, opt, steps=2, task_chunk=None)
+        loss = fm.task_losses(fmodel, r.params, next_token_loss, batch, task_chunk=None)[0]
         loss = loss.mean()
     else:
         r = fm.adapt(
@@ -129,7 +131,7 @@ def test_float64_copies_give_the_hand_unrolled_meta_gradients(kind):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = decoder(kind).double()
-    fmodel = fm.functional_model(model, task_chunk=None)
+    fmodel = fm.functional_model(model)
     params = fmodel.params
     g = torch.Generator().manual_seed(2)
     ids, query = (torch.randint(0, V, (T, N, L), generator=g) for _ in range(2))
@@ -154,7 +156,11 @@ def test_float64_copies_give_the_hand_unrolled_meta_gradients(kind):
         want = torch.autograd.grad(reference, list(params.values()))
     flat = [torch.cat([x.flatten() for x in gs]) for gs in (ours, want)]
     assert float((flat[0] - flat[1]).norm() / flat[1].norm()) < 1e-10
-    r = fm.adapt_tasks(fmodel, params, next_token_loss, ({"input_ids": ids}, ids), opt, steps=2)
-    batched = fm.task_losses(fmodel, r.params, next_token_loss, ({"input_ids": query}, query))[0]
+    r = fm.adapt_tasks(
+        fmodel, params, next_token_loss, ({"input_ids": ids}, ids), opt, steps=2, task_chunk=None
+    )
+    batched = fm.task_losses(
+        fmodel, r.params, next_token_loss, ({"input_ids": query}, query), task_chunk=None
+    )[0]
     b = torch.cat([x.flatten() for x in torch.autograd.grad(batched.mean(), list(params.values()))])
     assert float((b - flat[0]).norm() / flat[0].norm()) < 1e-7

@@ -157,12 +157,15 @@ def test_exact_float32_makes_second_order_conv_repeatable(device):
     y = torch.arange(5).repeat(4, 1).to(device)
 
     def grads(model, batched):
-        fmodel = fm.functional_model(model, task_chunk=None)
+        fmodel = fm.functional_model(model)
         opt = fm.optim.sgd(lr=0.4)
         xs = x.to(next(model.parameters()).dtype)
         if batched:
-            r = fm.adapt_tasks(fmodel, fmodel.params, F.cross_entropy, (xs, y), opt, steps=3)
-            loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (xs, y))[0].mean()
+            r = fm.adapt_tasks(
+                fmodel, fmodel.params, F.cross_entropy, (xs, y), opt, steps=3, task_chunk=None
+            )
+            loss = fm.task_losses(fmodel, r.params, F.cross_entropy, (xs, y), task_chunk=None)
+            loss = loss[0].mean()
         else:
             loss = 0
             for t in range(4):

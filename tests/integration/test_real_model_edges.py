@@ -21,14 +21,26 @@ import funcmeta as fm
 D = torch.float64
 
 
-def _meta(fmodel, support, query, *, tasks, steps=2, lr=0.5, first_order=False):
-    """(adapted params, meta-gradients) of the mean query loss, task-batched or single."""
+def _meta(fmodel, support, query, *, tasks, steps=2, lr=0.5, first_order=False, task_chunk="auto"):
+    """(adapted params, meta-gradients) of the mean query loss, task-batched (``task_chunk``
+    tasks at a time, the query pass on the inner loop's chunk) or single."""
     opt = fm.optim.sgd(lr=lr)
     if tasks:
         r = fm.adapt_tasks(
-            fmodel, fmodel.params, F.mse_loss, support, opt, steps=steps, first_order=first_order
+            fmodel,
+            fmodel.params,
+            F.mse_loss,
+            support,
+            opt,
+            steps=steps,
+            first_order=first_order,
+            task_chunk=task_chunk,
         )
-        loss = fm.task_losses(fmodel, r.params, F.mse_loss, query, buffers=r.buffers)[0].mean()
+        if task_chunk != "auto":
+            assert r.chunk.chunk == task_chunk
+        loss = fm.task_losses(
+            fmodel, r.params, F.mse_loss, query, buffers=r.buffers, task_chunk=r.chunk
+        )[0].mean()
     else:
         r = fm.adapt(fmodel, fmodel.params, F.mse_loss, support, opt, steps=steps)
         loss = F.mse_loss(fmodel.run(r.params, r.buffers, query[0])[0], query[1])
@@ -73,8 +85,8 @@ def test_embedding_padding_row_stays_fixed_under_task_batching(chunk, freq):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Embedding(7, 3, padding_idx=2, scale_grad_by_freq=freq), nn.Tanh()).to(D)
     support, query = _token_tasks(7, 2)
-    fmodel = fm.functional_model(net, task_chunk=chunk)
-    adapted, grads = _meta(fmodel, support, query, tasks=True)
+    fmodel = fm.functional_model(net)
+    adapted, grads = _meta(fmodel, support, query, tasks=True, task_chunk=chunk)
     want_params, want_grads = _hand_loop(net, support, query)
     # the padding row is never adapted, and the meta-gradients are the loop's
     assert torch.equal(adapted["0.weight"][:, 2], net[0].weight[2].expand(3, 3))
@@ -121,8 +133,10 @@ def test_embedding_bag_first_order_matches_the_loop():
     y = torch.randn(2, 2, 3, dtype=D)
     results = []
     for chunk in (None, 1):
-        fmodel = fm.functional_model(net, task_chunk=chunk)
-        results.append(_meta(fmodel, (ids, y), (ids, y), tasks=True, first_order=True))
+        fmodel = fm.functional_model(net)
+        results.append(
+            _meta(fmodel, (ids, y), (ids, y), tasks=True, first_order=True, task_chunk=chunk)
+        )
     (p0, g0), (p1, g1) = results
     torch.testing.assert_close(p0["0.weight"], p1["0.weight"], rtol=1e-12, atol=0)
     torch.testing.assert_close(g0[0], g1[0], rtol=1e-12, atol=1e-14)
@@ -167,14 +181,17 @@ def _own_loss(out, targets):
 def test_none_inputs_and_targets_in_a_task_batch(chunk):
     torch.manual_seed(3)
     net = _OwnLoss().to(D)
-    fmodel = fm.functional_model(net, task_chunk=chunk)
+    fmodel = fm.functional_model(net)
     x, lab = torch.randn(2, 4, 3, dtype=D), torch.randn(2, 4, 2, dtype=D)
     batch = ({"x": x, "labels": lab, "extra": None}, None)
     opt = fm.optim.sgd(lr=0.3)
-    r = fm.adapt_tasks(fmodel, fmodel.params, _own_loss, batch, opt, steps=2)
-    losses = fm.task_losses(fmodel, r.params, _own_loss, batch).losses
+    r = fm.adapt_tasks(fmodel, fmodel.params, _own_loss, batch, opt, steps=2, task_chunk=chunk)
+    assert r.chunk.chunk == chunk
+    losses = fm.task_losses(fmodel, r.params, _own_loss, batch, task_chunk=r.chunk).losses
     got = torch.autograd.grad(losses.mean(), list(fmodel.params.values()))
-    outs, _ = fm.apply_tasks(fmodel, r.params, {"x": x, "labels": lab, "extra": None})
+    outs, _ = fm.apply_tasks(
+        fmodel, r.params, {"x": x, "labels": lab, "extra": None}, task_chunk=chunk
+    )
     torch.testing.assert_close(outs[1], losses)
     base = dict(net.named_parameters())
     total = 0.0

@@ -44,11 +44,11 @@ def meta_gradients():
     torch.manual_seed(0)
     grads = []
     for net, shape in [(fm.models.conv4(5, hidden=8), (1, 28, 28)), (Sequence(), (12, 16))]:
-        fmodel = fm.functional_model(net, task_chunk=None)
+        fmodel = fm.functional_model(net)
         support = (torch.randn(4, 5, *shape), torch.arange(5).repeat(4, 1))
         query = (torch.randn(4, 5, *shape), torch.arange(5).repeat(4, 1))
         loss = fm.recipes.maml(fmodel, fmodel.params, F.cross_entropy, support, query,
-                               steps=2, lr=0.4).loss
+                               steps=2, lr=0.4, task_chunk=None).loss
         grads += torch.autograd.grad(loss, list(fmodel.params.values()))
     return grads
 

@@ -20,7 +20,7 @@ def main(state: Path, out: Path, steps: int, slow: bool) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(1, 32), nn.ReLU(), nn.Linear(32, 1))
-    fmodel = fm.functional_model(net, task_chunk=None)  # pinned: a resumed run repeats bit for bit
+    fmodel = fm.functional_model(net)
     rates = fm.recipes.metasgd_rates(fmodel.params, generator=torch.Generator().manual_seed(1))
     outer = torch.optim.Adam([*net.parameters(), *rates.parameters()], lr=1e-3)
     tasks_rng = torch.Generator().manual_seed(2)
@@ -41,6 +41,7 @@ def main(state: Path, out: Path, steps: int, slow: bool) -> None:
             (b.x_query, b.y_query),
             lr=rates,
             steps=1,
+            task_chunk=None,  # pinned: a resumed run repeats bit for bit
         ).loss
         outer.zero_grad()
         loss.backward()

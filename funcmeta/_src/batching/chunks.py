@@ -39,18 +39,18 @@ measured: on an accelerator all tasks run at once (timing there would need synch
 The choice depends on timing, so two float32 runs may take different chunks and differ by
 rounding.
 
-Under either, :func:`funcmeta.apply_tasks` and :func:`funcmeta.task_losses` run with the
-chunk of the model's latest :func:`funcmeta.adapt_tasks` call (all tasks at once before
-there is one), and a call inside a ``torch.func`` transform runs all tasks at once.
+A pass that follows an inner loop (:func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`)
+runs on that loop's chunk when it is given it (``task_chunk=result.chunk``, as the recipes
+do), and its time then counts with the loop's trial; under ``"auto"`` it takes the rule on
+its own shapes. A call inside a ``torch.func`` transform runs all tasks at once.
 
 Example:
     >>> rule_chunk(32, inputs_per_task=5 * 28 * 28, parameters=112_261, device="cpu")  # conv4
     4
     >>> rule_chunk(32, inputs_per_task=10, parameters=1_761, device="cpu") is None  # an MLP
     True
-    >>> tuner = ChunkTuner()
-    >>> tuner.hint is None     # all tasks at once until a choice is made
-    True
+    >>> ChunkTuner().choices   # nothing chosen before the first calls
+    {}
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import tree
-from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
+from funcmeta._src.module.task_protocol import TaskCall, TaskChunk
 
 __all__ = [
     "CPU_BUDGET",
@@ -121,26 +121,22 @@ class ChunkRule:
     rule (:func:`rule_chunk`) applied to each inner loop, and what it chose, per kind of call.
 
     Attributes:
-        hint: the chunk of the latest task-batched inner loop (``None``: all tasks), which
-            :func:`funcmeta.task_losses` and :func:`funcmeta.apply_tasks` follow.
         choices: per kind of call (the task count, the inputs' shapes, the device), the chunk
             and what the rule read: ``{"chunk": c, "parameters": p, "inputs_per_task": n}``.
     """
 
     def __init__(self) -> None:
-        self.hint: int | None = None
         self.choices: dict[Any, dict[str, Any]] = {}
 
-    def chunk_for(self, call: TaskCall, parameters: int) -> ChunkRun:
-        """The chunk of ``call``, an inner loop of a model with ``parameters`` parameters."""
+    def chunk_for(self, call: TaskCall, parameters: int) -> TaskChunk:
+        """The chunk of ``call``, a call of a model with ``parameters`` parameters."""
         device = _device_of(call)
         inputs = sum(x.numel() for x in call.inputs) // max(call.tasks, 1)
         chunk = rule_chunk(call.tasks, inputs_per_task=inputs, parameters=parameters, device=device)
         shapes = ", ".join(str(tuple(x.shape)) for x in call.inputs)
         label = f"{call.tasks} tasks, inputs {shapes}, {device}"
         self.choices[label] = {"chunk": chunk, "parameters": parameters, "inputs_per_task": inputs}
-        self.hint = chunk
-        return ChunkRun(chunk)
+        return TaskChunk(chunk)
 
 
 @dataclass
@@ -243,17 +239,13 @@ class ChunkTuner:
     """The measured chunk choices of one :class:`funcmeta.FunctionalModel`.
 
     Attributes:
-        hint: the chunk of the latest task-batched call (``None``: all tasks), which
-            :func:`funcmeta.task_losses` and :func:`funcmeta.apply_tasks` follow.
         choices: per kind of call, the chunk chosen and the seconds measured for each
             candidate (see :attr:`funcmeta.FunctionalModel.task_chunk_choices`).
     """
 
     def __init__(self) -> None:
         self.kinds: dict[Any, _Kind] = {}
-        self.hint: int | None = None
         self.choices: dict[Any, dict[str, Any]] = {}
-        self.latest: Trial | None = None  # the latest call's trial, if it was timed
 
     def start(
         self, key: Any, label: str, tasks: int, device: torch.device, expect_backward: bool
@@ -287,11 +279,9 @@ class ChunkTuner:
             else:  # every candidate is measured or on its way: all at once meanwhile
                 trial.chunk = None
                 trial.started = -1.0
-        self.hint = trial.chunk
-        self.latest = trial if self.timed(trial) else None
         return trial
 
-    def chunk_for(self, call: TaskCall) -> ChunkRun:
+    def chunk_for(self, call: TaskCall) -> TaskChunk:
         """The chunk of the inner loop ``call``: a :class:`TimedRun` when the call is a trial."""
         device = _device_of(call)
         tensors = call.inputs + call.targets
@@ -309,17 +299,17 @@ class ChunkTuner:
             f"{'with' if call.expect_backward else 'without'} backward, {device}"
         )
         trial = self.start(key, label, call.tasks, device, call.expect_backward)
-        return TimedRun(self, trial) if self.timed(trial) else ChunkRun(trial.chunk)
+        return TimedRun(self, trial) if self.timed(trial) else TaskChunk(trial.chunk)
 
-    def count_with_inner_loop(
-        self, run: Callable[[], tuple[Any, dict[str, Tensor]]]
+    def count_with(
+        self, trial: Trial, run: Callable[[], tuple[Any, dict[str, Tensor]]]
     ) -> tuple[Any, dict[str, Tensor]]:
         """``run()``, a task-batched pass (:func:`funcmeta.apply_tasks`,
-        :func:`funcmeta.task_losses`), timed as part of the trial it follows, if any (the
-        query pass after a measured inner loop, on the same chunk: :meth:`following`): its
-        forward, and hooks on its outputs that note when the backward begins on them."""
-        trial = self.following()
-        if trial is None:
+        :func:`funcmeta.task_losses`) given the chunk of the measured inner loop ``trial``,
+        timed as part of that trial while it is open (its forward has finished, its backward
+        has not begun): its forward, and hooks on its outputs that note when the backward
+        begins on them."""
+        if not trial.ran or trial.backward_query is not None or trial.backward_out is not None:
             return run()
         started = time.perf_counter()
         out, new_buffers = run()
@@ -344,17 +334,6 @@ class ChunkTuner:
         node, and in-place changes to it remain allowed. ``x`` must require grad and be a
         tensor this call made (a hook stays on its tensor)."""
         x.register_hook(_noting(trial, which))
-
-    def following(self) -> Trial | None:
-        """The trial that a task-batched pass run now belongs to (the query pass after a timed
-        call, on the same chunk): the latest call's, when it was timed, its forward has
-        finished and its backward has not begun; else ``None``."""
-        trial = self.latest
-        if trial is None or not trial.ran:
-            return None
-        if trial.backward_query is not None or trial.backward_out is not None:
-            return None
-        return trial
 
     def finish_forward(self, trial: Trial) -> None:
         trial.forward = time.perf_counter() - trial.started
@@ -387,7 +366,7 @@ class ChunkTuner:
             self.choices[kind.label] = {"chunk": best, "seconds": seconds}
 
 
-class TimedRun(ChunkRun):
+class TimedRun(TaskChunk):
     """A measured inner loop of ``task_chunk="tune"``: its trial's chunk, and gradient hooks
     that note when the backward reaches the tensors the loop shows it (see
     :meth:`ChunkTuner.mark`)."""

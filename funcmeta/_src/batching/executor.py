@@ -10,7 +10,7 @@ per task.
 
 Example:
     >>> import torch, funcmeta as fm
-    >>> fmodel = fm.functional_model(torch.nn.Linear(3, 1), task_chunk=None)
+    >>> fmodel = fm.functional_model(torch.nn.Linear(3, 1))
     >>> type(fmodel.executor).__name__, fmodel.per_task
     ('TaskExecutor', None)
     >>> p = {k: v.expand(4, *v.shape) for k, v in fmodel.params.items()}
@@ -30,26 +30,29 @@ import torch
 from torch import Tensor, nn
 
 from funcmeta._src.batching import packed
-from funcmeta._src.batching.chunks import ChunkRule, ChunkTuner
+from funcmeta._src.batching.chunks import ChunkRule, ChunkTuner, TimedRun
 from funcmeta._src.batching.fallback import describe_refusal
 from funcmeta._src.batching.intercept import TaskMode, task_mode
 from funcmeta._src.batching.layers import task_standins
 from funcmeta._src.batching.recurrent import bind_fallback_report
 from funcmeta._src.core import kernels
-from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.fence import inside_transform, is_vmap_refusal
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.core.vmap import any_batched, call_outside_vmap
 from funcmeta._src.module.functional import Swap, run_in_place
-from funcmeta._src.module.task_protocol import ChunkRun, PlainRunner, TaskCall
+from funcmeta._src.module.task_protocol import (
+    CHOOSERS,
+    ChunkSpec,
+    PlainRunner,
+    TaskCall,
+    TaskChunk,
+)
 
 __all__ = ["TaskExecutor"]
 
 RunnerBuilder = Callable[[dict[str, Any]], tuple[nn.Module, list[tuple[nn.Module, nn.Module]]]]
 """Builds a runner (a shadow of the module) with the given stand-ins in place: what
 per-layer checkpointing adds around them is the builder's business."""
-
-_CHOOSERS = ("auto", "tune")  # the task_chunk values that choose the chunk per call
 
 _FAST_PATH_LAYERS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder)
 
@@ -58,67 +61,62 @@ class TaskExecutor:
     """Runs one model's task-batched calls (see the module docstring).
 
     ``build_runner`` makes the task runner from the task stand-ins (with the model's
-    checkpointed layers around them); ``task_chunk`` is ``"auto"`` (the rule), ``"tune"``
-    (measured), ``None`` (all tasks) or a number.
+    checkpointed layers around them). Each call brings its own ``task_chunk``: ``"auto"``
+    (the rule), ``"tune"`` (measured), ``None`` (all tasks), a number, or the
+    :class:`~funcmeta.TaskChunk` of the inner loop a pass follows; the rule's choices and the
+    tuner's measurements are kept per kind of call.
     """
 
-    def __init__(
-        self, module: nn.Module, build_runner: RunnerBuilder, task_chunk: int | str | None
-    ) -> None:
+    def __init__(self, module: nn.Module, build_runner: RunnerBuilder) -> None:
         self._per_task_layers: dict[str, str] = {}
         self.runner, self.copies = build_runner(
             bind_fallback_report(task_standins(module), self._per_task_layers)
         )
         self.swap = Swap(module, self.runner)
         self.module = module
-        self.task_chunk = task_chunk
+        self.rule = ChunkRule()  # the choices of task_chunk="auto", per kind of call
+        self.tuner = ChunkTuner()  # the measurements of task_chunk="tune", per kind of call
+        self._chooser = "auto"  # the chooser of the latest call that chose, for its report
         self._per_task: bool | None = None
         self._task_mode = False  # run task-batched forwards under a TaskMode
         # layers with torch's inference fast path, which task batching must keep off
         self._fast_path_layers = any(isinstance(m, _FAST_PATH_LAYERS) for m in module.modules())
 
-    @property
-    def task_chunk(self) -> int | str | None:
-        return self._task_chunk
-
-    @task_chunk.setter
-    def task_chunk(self, value: int | str | None) -> None:
-        if value is not None and value not in _CHOOSERS:
-            check_int(value, "task_chunk", low=1, what='"auto", "tune", None or a positive int')
-        self._task_chunk = value
-        self.rule = ChunkRule()  # chosen afresh
-        self.tuner = ChunkTuner()  # measured afresh
-
-    def chunk_for(self, call: TaskCall) -> ChunkRun:
-        if self._task_chunk not in _CHOOSERS:
-            return ChunkRun(self._task_chunk)  # type: ignore[arg-type]
+    def chunk_for(self, call: TaskCall, task_chunk: ChunkSpec) -> TaskChunk:
+        if task_chunk not in CHOOSERS:
+            assert not isinstance(task_chunk, TaskChunk | str)  # checked at the entry point
+            return TaskChunk(task_chunk)
         if inside_transform() is not False:
-            return ChunkRun(None)  # inside a torch.func transform: all at once, not timed
-        if self._task_chunk == "auto":
-            parameters = sum(p.numel() for p in self.module.parameters())
-            return self.rule.chunk_for(call, parameters)
+            return TaskChunk(None)  # inside a torch.func transform: all at once, not timed
+        self._chooser = task_chunk
+        if task_chunk == "auto":
+            return self.rule.chunk_for(call, self._parameter_count())
         return self.tuner.chunk_for(call)
 
-    def chunk_now(self) -> int | None:
-        if self._task_chunk == "auto":
-            return self.rule.hint
-        if self._task_chunk == "tune":
-            return self.tuner.hint
-        return self._task_chunk  # type: ignore[return-value]
-
     def run_following(
-        self, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
+        self,
+        run: Callable[[int | None], tuple[Any, dict[str, Tensor]]],
+        task_chunk: ChunkSpec,
+        describe: Callable[[], TaskCall],
     ) -> tuple[Any, dict[str, Tensor]]:
+        if isinstance(task_chunk, TimedRun):
+            return self.tuner.count_with(task_chunk.trial, lambda: run(task_chunk.chunk))
+        if isinstance(task_chunk, TaskChunk):
+            return run(task_chunk.chunk)
+        if task_chunk != "auto":
+            assert not isinstance(task_chunk, str)  # checked at the entry point
+            return run(task_chunk)
         if inside_transform() is not False:
-            return run(None)  # inside a torch.func transform: all at once, not timed
-        chunk = self.chunk_now()
-        if self._task_chunk != "tune":
-            return run(chunk)
-        return self.tuner.count_with_inner_loop(lambda: run(chunk))
+            return run(None)  # inside a torch.func transform: all at once
+        self._chooser = "auto"
+        return run(self.rule.chunk_for(describe(), self._parameter_count()).chunk)
+
+    def _parameter_count(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
 
     @property
     def choices(self) -> dict[Any, dict[str, Any]]:
-        chooser = self.rule if self._task_chunk == "auto" else self.tuner
+        chooser = self.rule if self._chooser == "auto" else self.tuner
         return {k: dict(v) for k, v in chooser.choices.items()}
 
     @property

@@ -448,7 +448,8 @@ class MetaStep:
         params: dict[str, Tensor],
         hyper: list[dict[str, Tensor]],
     ) -> Tensor:
-        """The plain path: :func:`funcmeta.adapt_tasks`, the query losses, ``backward``."""
+        """The plain path: :func:`funcmeta.adapt_tasks` on the step's chunk (the rule of
+        ``"auto"`` where the plan chose the rule), the query losses, ``backward``."""
         result = adapt_tasks(
             self.fmodel,
             params,
@@ -456,11 +457,17 @@ class MetaStep:
             support,
             self.opt,
             steps=self.steps,
+            task_chunk="auto" if self.plan.task_chunk == "rule" else self.plan.task_chunk,
             **vars(self.options),
         )
         with at("the query batch"):
             losses, _, _ = task_losses(
-                self.fmodel, result.params, self.loss_fn, query, buffers=result.buffers
+                self.fmodel,
+                result.params,
+                self.loss_fn,
+                query,
+                buffers=result.buffers,
+                task_chunk=result.chunk,
             )
         loss = losses.mean()
         groups = [{k: t for k, t in g.items() if t.requires_grad} for g in (params, *hyper)]

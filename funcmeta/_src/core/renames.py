@@ -3,8 +3,8 @@
 :data:`GONE` is the one table of them (``CHANGELOG.md`` lists the same names, with their
 commits). :func:`install` turns it into errors that name the replacement: an
 ``AttributeError`` from the owning module (a module ``__getattr__``, PEP 562) or class
-(``FunctionalModel.__getattr__``, on instances), and an import error for ``import
-funcmeta.remat`` and for a package's from-imports (``from funcmeta import remat``,
+(``FunctionalModel.__getattr__``, on instances; setting such an attribute raises the same),
+and an import error for ``import funcmeta.remat`` and for a package's from-imports (``from funcmeta import remat``,
 ``from funcmeta.optim import trace``), from a finder at the end of ``sys.meta_path`` that
 answers only for the old names, after every other finder has found nothing. A from-import of
 an old name from a plain module (``from funcmeta.tree import map``) says only "cannot import
@@ -341,6 +341,19 @@ GONE: tuple[Gone, ...] = (
         ("funcmeta.FunctionalModel.per_task_layers",),
         renamed=True,
     ),
+    # TASKCHUNK_COMMIT, 2026-11-28: the chunk of tasks is an argument of each call
+    Gone(
+        "funcmeta.FunctionalModel.task_chunk",
+        "TASKCHUNK_COMMIT",
+        how="pass task_chunk= to each task-batched call (fm.adapt_tasks, fm.task_losses, "
+        "fm.apply_tasks, the recipes, fm.evaluate)",
+    ),
+    Gone(
+        "funcmeta.FunctionalModel.chunk_now",
+        "TASKCHUNK_COMMIT",
+        ("funcmeta.AdaptResult.chunk",),
+        how="the chunk an inner loop took; pass it on as task_chunk=result.chunk",
+    ),
     # 5b32348: every implementation in funcmeta/_src; the public packages re-export it
     *(
         Gone(f"funcmeta.{package}.{name}", "5b32348", (f"funcmeta.{package}",), module=True)
@@ -380,6 +393,21 @@ def _class_getattr(gone: dict[str, Gone]) -> Callable[[Any, str], NoReturn]:
         raise AttributeError(entry.message, name=name)
 
     return __getattr__
+
+
+def _class_setattr(
+    gone: dict[str, Gone], base: Callable[[Any, str, Any], None]
+) -> Callable[[Any, str, Any], None]:
+    """Setting an old name of the class raises its pointer too: it would otherwise make a
+    plain attribute that nothing reads (``fmodel.task_chunk = 4``)."""
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        entry = gone.get(name)
+        if entry is not None:
+            raise AttributeError(entry.message, name=name)
+        base(self, name, value)
+
+    return __setattr__
 
 
 class _OldImports:
@@ -432,6 +460,11 @@ def install() -> None:
             getattr_fn: Any = _module_getattr(owner, gone)
         elif isinstance(owner, type):
             getattr_fn = _class_getattr(gone)
+            if not getattr(vars(owner).get("__setattr__"), "funcmeta_renames", False):
+                base: Any = owner.__setattr__
+                setattr_fn: Any = _class_setattr(gone, base)
+                setattr_fn.funcmeta_renames = True
+                setattr(owner, "__setattr__", setattr_fn)  # noqa: B010
         else:
             raise TypeError(f"{owner_path} is neither a module nor a class")
         current = vars(owner).get("__getattr__")

@@ -19,6 +19,7 @@ from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.options import AdaptKeywords
 from funcmeta._src.inner.tasks import adapt_tasks, apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.task_protocol import check_task_chunk
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.recipes.protonet import embed_episodes, prototype_logits
 
@@ -109,13 +110,24 @@ def _adapted_logits(
     steps: int,
     buffers: Mapping[str, Tensor] | None,
     batched: bool,
+    task_chunk: int | str | None,
     options: Mapping[str, Any],
 ) -> Tensor:
     if batched:
         result = adapt_tasks(
-            fmodel, params, loss_fn, batch.support, opt, steps=steps, buffers=buffers, **options
+            fmodel,
+            params,
+            loss_fn,
+            batch.support,
+            opt,
+            steps=steps,
+            buffers=buffers,
+            task_chunk=task_chunk,
+            **options,
         )
-        out, _ = apply_tasks(fmodel, result.params, batch.x_query, buffers=result.buffers)
+        out, _ = apply_tasks(
+            fmodel, result.params, batch.x_query, buffers=result.buffers, task_chunk=result.chunk
+        )
         return out
     outs = []
     for t in range(batch.x_support.shape[0]):
@@ -147,6 +159,7 @@ def evaluate(
     batch_tasks: int = 32,
     seed: int = 0,
     buffers: Mapping[str, Tensor] | None = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> Evaluation:
     """Few-shot classification accuracy over episodes, with its 95% confidence interval.
@@ -168,11 +181,14 @@ def evaluate(
     trained 20-way, scored on 5-way episodes) is adapted and scored on its first ``ways``
     columns. Episodes go ``batch_tasks`` at a time through the task-batched calls;
     ``batch_tasks=1`` runs them one by one through :func:`funcmeta.adapt` (models that
-    cannot be batched). No graph is kept: everything runs under ``torch.no_grad``, the inner
+    cannot be batched); ``task_chunk`` is how many of a batch's tasks run at once, as
+    :func:`funcmeta.adapt_tasks` takes it (``"tune"``: for the inner loop, whose chunk the
+    query pass then takes). No graph is kept: everything runs under ``torch.no_grad``, the inner
     steps first order (as they are under ``no_grad`` anyway). Non-finite query logits raise
     :class:`funcmeta.NonFiniteError`: an argmax of NaN would score as chance.
     """
     check_model(fmodel)
+    check_task_chunk(task_chunk, "fm.evaluate", inner_loop=method == "adapt", follows=False)
     head = method if callable(method) else None
     if head is None and method not in METHODS:
         raise ValueError(f"method must be one of {METHODS} or a head, got {method!r}")
@@ -195,7 +211,14 @@ def evaluate(
         for batch in _chunks(episodes, num_episodes, batch_tasks, seed):
             ways = batch.classes.shape[1]
             if method != "adapt":
-                z_s, z_q = embed_episodes(fmodel, params, batch.x_support, batch.x_query, buffers)
+                z_s, z_q = embed_episodes(
+                    fmodel,
+                    params,
+                    batch.x_support,
+                    batch.x_query,
+                    buffers,
+                    task_chunk,
+                )
                 logits = (head or prototype_logits)(z_s, batch.y_support, z_q, ways)
             else:
                 assert opt is not None and steps is not None  # checked above for "adapt"
@@ -208,6 +231,7 @@ def evaluate(
                     steps,
                     buffers,
                     batch_tasks > 1,
+                    task_chunk,
                     options,
                 )[..., :ways]
             if not bool(torch.isfinite(logits).all()):

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from torch import nn
 
@@ -31,12 +32,15 @@ assert (
 )  # checkpoints a model takes itself go to funcmeta (see the module)
 
 
+_MOVED: Any = object()  # functional_model's task_chunk= moved to the task-batched calls
+
+
 @exposed_in("funcmeta")
 def functional_model(
     module: nn.Module,
     *,
     checkpoint_layers: CheckpointSpec = None,
-    task_chunk: int | str | None = "auto",
+    task_chunk: Any = _MOVED,
 ) -> FunctionalModel:
     """Turn ``module`` into a :class:`FunctionalModel`: a pure function of a parameter dict.
 
@@ -51,20 +55,9 @@ def functional_model(
     matches nothing, raise ``ValueError``. (Step-level checkpointing is the inner-loop option
     ``checkpoint_steps``: :class:`funcmeta.AdaptOptions`.)
 
-    ``task_chunk`` sets how many tasks the task-batched functions (:func:`funcmeta.adapt_tasks`,
-    :func:`funcmeta.apply_tasks`, :func:`funcmeta.task_losses`) run in one vmapped call:
-    ``"auto"`` (the default: a rule of the shapes, the model's size and the device, never a
-    timing), ``"tune"`` (measured on the first calls of each kind, on the CPU), ``None``
-    (all), or ``c``, for chunks of ``c`` tasks one after another (``1``: each task on its own,
-    without vmap). The rule: on a CPU, the largest power of two ``c`` with ``c x parameters x
-    input elements per task <= 2**31`` (at least 1; all tasks at once where ``c`` reaches
-    their number), and all tasks at once on CUDA; :func:`funcmeta.apply_tasks` and
-    :func:`funcmeta.task_losses` take the chunk of the latest :func:`funcmeta.adapt_tasks`
-    call (see :func:`funcmeta.tune_task_chunk` and ``docs/tasks.md``). The results are
-    the same up to float rounding (random draws such as dropout masks aside); only speed and
-    the size of the largest intermediate tensors change. Every setting but ``"tune"``
-    repeats float32 runs bit for bit. :func:`funcmeta.tune_task_chunk` measures the choices
-    up front.
+    How many tasks a task-batched call runs at once is an argument of that call
+    (``task_chunk=`` of :func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses`,
+    :func:`funcmeta.apply_tasks` and the recipes), never a setting of the model.
 
     A module sharded by :func:`funcmeta.distributed.shard_model` is sharded first, then
     made functional: the model takes that sharding's runtime (its gathers, checks and
@@ -76,14 +69,14 @@ def functional_model(
         >>> params = {k: torch.zeros_like(v) for k, v in fmodel.params.items()}
         >>> fmodel(params, torch.ones(1, 2)).item()
         0.0
-        >>> conv = fm.functional_model(fm.models.conv4(5))  # 112,261 parameters
-        >>> support = (torch.randn(16, 5, 1, 28, 28), torch.arange(5).repeat(16, 1))
-        >>> with torch.no_grad():  # 16 tasks of 5 images, 3,920 input elements each
-        ...     _ = fm.adapt_tasks(conv, conv.params, torch.nn.functional.cross_entropy,
-        ...                        support, fm.optim.sgd(lr=0.1), steps=1)
-        >>> conv.chunk_now()  # 4 x 112,261 x 3,920 <= 2**31 < 8 x 112,261 x 3,920
-        4
     """
+    if task_chunk is not _MOVED:
+        raise TypeError(
+            "fm.functional_model takes no task_chunk: the chunk of tasks is an argument of each "
+            f"task-batched call now: fm.adapt_tasks(..., task_chunk={task_chunk!r}), "
+            "fm.task_losses and fm.apply_tasks (task_chunk=result.chunk to follow the inner "
+            "loop), and the recipes (see CHANGELOG.md)"
+        )
     if not isinstance(module, nn.Module):
         raise TypeError(f"functional_model expects an nn.Module, got {type(module).__name__}")
     check_layers(module)
@@ -98,7 +91,7 @@ def functional_model(
         runner=runner,
         copies=copies,
         checkpointed=checkpointed,
-        executor=TaskExecutor(module, build, task_chunk),
+        executor=TaskExecutor(module, build),
         runtime=EAGER if sharding is None else sharding,
         sharded=sharding is not None,
     )

@@ -55,7 +55,7 @@ from funcmeta._src.inner.inputs import (
 from funcmeta._src.inner.loop import inner_loop, split_adapted
 from funcmeta._src.inner.options import AdaptKeywords, AdaptOptions, takes_options
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.module.task_protocol import TaskCall
+from funcmeta._src.module.task_protocol import ChunkSpec, TaskCall, check_task_chunk
 from funcmeta._src.optim.base import GradientTransformation
 from funcmeta._src.runtime import Runtime
 from funcmeta._src.runtime.place import unless_set
@@ -70,6 +70,7 @@ def apply_tasks(
     inputs: Any,
     *,
     buffers: Mapping[str, Tensor] | None = None,
+    task_chunk: ChunkSpec = "auto",
 ) -> tuple[Any, dict[str, Tensor]]:
     """``fmodel.run`` for T tasks at once: ``(outputs, new_buffers)``, both with a task axis.
 
@@ -77,7 +78,12 @@ def apply_tasks(
     a dict is keywords, ``fm.Args`` is both, anything else is the one argument); their
     tensors carry a leading task axis. ``params`` and ``buffers`` (default: the module's) may
     be shared or per task. Per-task buffers come back new; nothing passed in is mutated.
+    ``task_chunk`` is how many tasks run at once: ``"auto"`` (the rule of
+    :func:`funcmeta.adapt_tasks` on these inputs), ``None`` (all), a number, or the
+    ``result.chunk`` of the inner loop these parameters come from (the same chunk; under
+    ``"tune"`` this pass is timed with that loop).
     """
+    task_chunk = check_task_chunk(task_chunk, "fm.apply_tasks", inner_loop=False)
     checked = check_batch_call(
         fmodel, params, inputs, buffers=buffers, task_batched=True, targets=False
     )
@@ -88,8 +94,11 @@ def apply_tasks(
     run = functools.partial(
         task_outputs_of, fmodel, call, checked.param_dims, params, checked.buffers, runtime=runtime
     )
+    describe = functools.partial(_pass_call, checked, params)
     with unless_set("the inputs given to fm.apply_tasks"), runtime.entry():
-        out, new_buffers = runtime.following(fmodel, lambda chunk: run(chunk=chunk))
+        out, new_buffers = runtime.following(
+            fmodel, task_chunk, describe, lambda chunk: run(chunk=chunk)
+        )
     # the user computes a loss from the outputs with targets the runtime never saw
     return runtime.outputs(out), new_buffers
 
@@ -104,6 +113,7 @@ def task_losses(
     *,
     buffers: Mapping[str, Tensor] | None = None,
     return_outputs: bool = False,
+    task_chunk: ChunkSpec = "auto",
 ) -> TaskLosses:
     """``loss_fn`` of each task's outputs and targets, shape ``(T,)``, with the buffers after
     the forward: a :class:`~funcmeta.TaskLosses` ``(losses, buffers, outputs)``.
@@ -113,7 +123,8 @@ def task_losses(
     ``buffers`` (default: the module's) shared or per task, as in :func:`apply_tasks`.
     With ``return_outputs=True``, ``outputs`` holds the model's outputs that the losses were
     computed from, with a task axis (the query logits, for accuracy), from the same forward
-    pass; else it is ``None``.
+    pass; else it is ``None``. ``task_chunk`` is as in :func:`apply_tasks`: pass the inner
+    loop's ``result.chunk`` to run the query pass on its chunk.
 
     Example:
         >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -129,6 +140,7 @@ def task_losses(
     """
     if not isinstance(return_outputs, bool):
         raise TypeError(f"return_outputs must be True or False, got {return_outputs!r}")
+    task_chunk = check_task_chunk(task_chunk, "fm.task_losses", inner_loop=False)
     checked = check_batch_call(fmodel, params, batch, buffers=buffers, task_batched=True)
     assert checked.param_dims is not None  # task-batched: one entry per parameter
     runtime = fmodel.runtime.for_params(params)
@@ -144,8 +156,11 @@ def task_losses(
         outputs=return_outputs,
         runtime=runtime,
     )
+    describe = functools.partial(_pass_call, checked, params)
     with unless_set("the batch given to fm.task_losses"), runtime.entry():
-        found, new_buffers = runtime.following(fmodel, lambda chunk: run(chunk=chunk))
+        found, new_buffers = runtime.following(
+            fmodel, task_chunk, describe, lambda chunk: run(chunk=chunk)
+        )
     if not return_outputs:
         return TaskLosses(found, new_buffers)
     losses, outputs = found
@@ -165,6 +180,7 @@ def adapt_tasks(
     steps: int,
     buffers: Mapping[str, Tensor] | None = None,
     state: Any = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> AdaptResult:
     """:func:`funcmeta.adapt` for T tasks at once; the batch carries a leading task axis.
@@ -176,11 +192,37 @@ def adapt_tasks(
     with a leading task axis. ``on_nonfinite="skip"`` is not available: the tasks share the
     optimizer's step count, so one task cannot skip a step alone.
 
+    ``task_chunk`` is how many tasks run in one vmapped computation, chosen for this call (as
+    ``vmap``'s ``chunk_size``): ``"auto"`` (the default: a rule of the shapes, the model's
+    size and the device, never a timing), ``"tune"`` (measured on the first calls of each
+    kind, on the CPU), ``None`` (all), or ``c``, for chunks of ``c`` tasks one after another
+    (``1``: each task on its own, without vmap). The rule: on a CPU, the largest power of two
+    ``c`` with ``c x parameters x input elements per task <= 2**31`` (at least 1; all tasks
+    at once where ``c`` reaches their number), and all tasks at once on CUDA. The results
+    are the same up to float rounding (random draws such as dropout masks aside); every
+    setting but ``"tune"`` repeats float32 runs bit for bit. The chunk taken comes back as
+    ``result.chunk``: pass it as the ``task_chunk`` of the query pass
+    (:func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`), as the recipes do.
+    :attr:`funcmeta.FunctionalModel.task_chunk_choices` says what ``"auto"`` and ``"tune"``
+    chose; :func:`funcmeta.tune_task_chunk` measures the choices up front.
+
     Returns:
         :class:`funcmeta.AdaptResult` with task axes: adapted parameters, optimizer state and
         buffers ``(T, ...)`` (parameters held fixed by ``trainable`` are passed through as
-        given), losses ``(steps, T)``. The meta-gradients equal those of a loop over the tasks.
+        given), losses ``(steps, T)``, and the chunk taken. The meta-gradients equal those of
+        a loop over the tasks.
+
+    Example:
+        >>> import torch, funcmeta as fm
+        >>> conv = fm.functional_model(fm.models.conv4(5))  # 112,261 parameters
+        >>> support = (torch.randn(16, 5, 1, 28, 28), torch.arange(5).repeat(16, 1))
+        >>> with torch.no_grad():  # 16 tasks of 5 images, 3,920 input elements each
+        ...     r = fm.adapt_tasks(conv, conv.params, torch.nn.functional.cross_entropy,
+        ...                        support, fm.optim.sgd(lr=0.1), steps=1)
+        >>> r.chunk  # 4 x 112,261 x 3,920 <= 2**31 < 8 x 112,261 x 3,920
+        TaskChunk(4)
     """
+    chunk_spec = check_task_chunk(task_chunk, "fm.adapt_tasks", inner_loop=True)
     opts = AdaptOptions.of(options)
     checked = check_adapt_call(
         fmodel, params, opt, batch, steps, opts, task_batched=True, buffers=buffers
@@ -192,7 +234,7 @@ def adapt_tasks(
     runtime.check_batch(checked.batch, "fm.adapt_tasks")
     runtime.check_options(opts, "fm.adapt_tasks")
     chunking = runtime.chunk_for(
-        fmodel, functools.partial(_task_call, checked, params, steps, opts)
+        fmodel, chunk_spec, functools.partial(_task_call, checked, params, steps, opts)
     )
     with runtime.entry():
         result, _ = task_inner_loop(
@@ -212,7 +254,7 @@ def adapt_tasks(
             runtime=runtime,
         )
     chunking.watch_adapted(result.params)
-    return result
+    return result._replace(chunk=chunking)
 
 
 def task_inner_loop(
@@ -271,6 +313,24 @@ def task_inner_loop(
         runtime=runtime,
     )
     return result, step_dims
+
+
+def _pass_call(checked: CheckedCall, params: Mapping[str, Tensor]) -> TaskCall:
+    """A task-batched pass (:func:`task_losses`, :func:`apply_tasks`) described for the rule of
+    ``task_chunk="auto"``: its own inputs, no steps."""
+    assert checked.tasks is not None  # task-batched
+    inputs, targets = (
+        tuple(x for x in tree.leaves(part) if isinstance(x, Tensor)) for part in checked.batch
+    )
+    return TaskCall(
+        tasks=checked.tasks,
+        steps=0,
+        inputs=inputs,
+        targets=targets,
+        details=("pass",),
+        expect_backward=torch.is_grad_enabled()
+        and any(isinstance(v, Tensor) and v.requires_grad for v in params.values()),
+    )
 
 
 def _task_call(

@@ -3,11 +3,11 @@
 Task batching runs the tasks' forward and backward as one computation. That pays where one
 task leaves the hardware idle (small models; GPUs), and can lose where one task's
 activations already keep the device busy and the batched ones are too large for its caches
-(conv nets on a CPU): see docs/tasks.md. A :class:`funcmeta.FunctionalModel`'s
-``task_chunk`` runs the tasks in chunks; its default, ``"auto"``, is a rule of the shapes
-(no timing). This function times a second-order meta-iteration for each candidate chunk
-size on the caller's own workload up front and pins the fastest (``task_chunk="tune"``
-measures the same way on the first calls instead).
+(conv nets on a CPU): see docs/tasks.md. The ``task_chunk`` of a task-batched call runs its
+tasks in chunks; its default, ``"auto"``, is a rule of the shapes (no timing). This function
+times a second-order meta-iteration for each candidate chunk size on the caller's own
+workload up front, for the caller to pass the fastest as ``task_chunk``
+(``task_chunk="tune"`` measures the same way on the first calls instead).
 
 Example:
     >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -16,8 +16,9 @@ Example:
     >>> times = fm.tune_task_chunk(fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.01), steps=2, query=b.query, repeats=1)
     >>> sorted(times)
     [1, 4, 8]
-    >>> fmodel.task_chunk in (1, 4, None)   # the fastest; None: all 8 at once
-    True
+    >>> best = min(times, key=times.__getitem__)   # the fastest
+    >>> r = fm.adapt_tasks(fmodel, fmodel.params, F.mse_loss, b.support, fm.optim.sgd(lr=0.01),
+    ...                    steps=2, task_chunk=best)
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def tune_task_chunk(
     buffers: Mapping[str, Tensor] | None = None,
     **options: Unpack[AdaptKeywords],
 ) -> dict[int, float]:
-    """Time a meta-iteration for each chunk size and set ``fmodel.task_chunk`` to the fastest.
+    """Time a meta-iteration for each chunk size: pass the fastest as ``task_chunk``.
 
     The meta-iteration is :func:`funcmeta.adapt_tasks` on ``batch`` (the support sets) with
     ``opt``, ``steps`` and ``options``, then the gradient of the adapted parameters' summed
@@ -71,8 +72,9 @@ def tune_task_chunk(
     rotated order, ``repeats`` times each after one warm-up run, on the device and data given.
 
     Returns:
-        The median milliseconds per meta-iteration, by chunk size. ``fmodel.task_chunk`` is
-        left at the fastest (``None`` when that is all T tasks at once).
+        The median milliseconds per meta-iteration, by chunk size (T: all tasks at once).
+        Nothing is set: the chunk is an argument of each call (``task_chunk=`` of
+        :func:`funcmeta.adapt_tasks`, :func:`funcmeta.task_losses` and the recipes).
     """
     tasks = task_count(split_batch(batch))
     sizes = (
@@ -98,33 +100,34 @@ def tune_task_chunk(
             if d.type == "cuda":
                 torch.cuda.synchronize(d)
 
-    def iteration() -> float:
+    def iteration(chunk: int) -> float:
         sync()
         start = time.perf_counter()
         result = adapt_tasks(
-            fmodel, params, loss_fn, batch, opt, steps=steps, buffers=buffers, **options
+            fmodel,
+            params,
+            loss_fn,
+            batch,
+            opt,
+            steps=steps,
+            buffers=buffers,
+            task_chunk=chunk,
+            **options,
         )
         target = batch if query is None else query
-        losses = task_losses(fmodel, result.params, loss_fn, target, buffers=result.buffers).losses
+        losses = task_losses(
+            fmodel, result.params, loss_fn, target, buffers=result.buffers, task_chunk=result.chunk
+        ).losses
         if leaves and losses.requires_grad:
             torch.autograd.grad(losses.sum(), leaves, allow_unused=True)
         sync()
         return (time.perf_counter() - start) * 1e3
 
     times: dict[int, list[float]] = {c: [] for c in sizes}
-    saved = fmodel.task_chunk
-    try:
-        for round_ in range(repeats + 1):
-            for i in range(len(sizes)):
-                c = sizes[(i + round_) % len(sizes)]  # rotated: no size always runs first
-                fmodel.task_chunk = c
-                ms = iteration()
-                if round_:
-                    times[c].append(ms)
-    except BaseException:
-        fmodel.task_chunk = saved
-        raise
-    medians = {c: statistics.median(v) for c, v in times.items()}
-    best = min(medians, key=medians.__getitem__)
-    fmodel.task_chunk = None if best >= tasks else best
-    return medians
+    for round_ in range(repeats + 1):
+        for i in range(len(sizes)):
+            c = sizes[(i + round_) % len(sizes)]  # rotated: no size always runs first
+            ms = iteration(c)
+            if round_:
+                times[c].append(ms)
+    return {c: statistics.median(v) for c, v in times.items()}

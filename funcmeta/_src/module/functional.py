@@ -122,36 +122,14 @@ class FunctionalModel:
         self._epoch = sharding_epoch()
 
     @property
-    def task_chunk(self) -> int | str | None:
-        """How many tasks a task-batched call runs at once (see
-        :func:`funcmeta.functional_model`); settable: ``"auto"`` (a rule of the shapes),
-        ``"tune"`` (measured), ``None`` for all of them, or a number."""
-        return None if self.executor is None else self.executor.task_chunk
-
-    @task_chunk.setter
-    def task_chunk(self, value: int | str | None) -> None:
-        if self.executor is None:
-            raise ValueError(
-                "this FunctionalModel has no task executor; build it with fm.functional_model"
-            )
-        self.executor.task_chunk = value
-
-    @property
     def task_chunk_choices(self) -> dict[Any, dict[str, Any]]:
-        """The chunk chosen for each kind of call, and why.
+        """What ``task_chunk="auto"`` or ``"tune"`` chose per kind of task-batched call, with
+        what it read or measured (the report of the latest call's chooser).
 
-        Under ``task_chunk="auto"``, ``{"chunk": c, "parameters": p, "inputs_per_task": n}``
-        (what the rule read); under ``"tune"``, ``{"chunk": c, "seconds": {candidate:
-        seconds}}``, a candidate's seconds the least of its two trials. Empty for a pinned
-        chunk."""
+        Under ``"auto"``, ``{"chunk": c, "parameters": p, "inputs_per_task": n}`` (what the
+        rule read); under ``"tune"``, ``{"chunk": c, "seconds": {candidate: seconds}}``, a
+        candidate's seconds the least of its two trials. Empty before such a call."""
         return {} if self.executor is None else self.executor.choices
-
-    def chunk_now(self) -> int | None:
-        """The chunk a task-batched pass that follows an inner loop (:func:`funcmeta.task_losses`,
-        :func:`funcmeta.apply_tasks`) runs with: ``task_chunk``, or under ``"auto"`` and
-        ``"tune"`` the chunk of the latest task-batched inner loop (all tasks until there is
-        one). Each call takes its chunk once, at its start."""
-        return None if self.executor is None else self.executor.chunk_now()
 
     @property
     def param_shapes(self) -> dict[str, torch.Size]:

@@ -7,18 +7,20 @@ inputs are batched over tasks and it was given an executor, it hands the call ov
 executor of ``funcmeta._src.batching.executor`` is the one :func:`funcmeta.functional_model`
 gives it; without one, a model under ``vmap`` runs on vmap's own rules.
 
-The chunk of a task-batched call is the executor's to choose, once per call at the entry
-point, and is handed down with the call: :func:`funcmeta.adapt_tasks` describes its inner
-loop (:class:`TaskCall`) and runs on the :class:`ChunkRun` it gets back; a pass that follows
-(:func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`) runs on the chunk
-``run_following`` gives it. Nothing below the entry point reads a chunk off the model.
+The chunk of a task-batched call is an argument of that call (``task_chunk=``, as
+``vmap``'s ``chunk_size`` is), never a setting of the model: the entry point hands it to the
+executor with a description of the call (:class:`TaskCall`), which chooses under ``"auto"``
+and ``"tune"`` and returns the :class:`TaskChunk` the call runs on. :func:`funcmeta.adapt_tasks`
+returns its chunk (``AdaptResult.chunk``), and the pass that follows
+(:func:`funcmeta.task_losses`, :func:`funcmeta.apply_tasks`) runs on it when given it as its
+``task_chunk``. Nothing below the entry point reads a chunk off the model.
 
 Example:
-    >>> from funcmeta._src.module.task_protocol import ChunkRun, Executor
+    >>> from funcmeta._src.module.task_protocol import TaskChunk, Executor
     >>> sorted(name for name in vars(Executor) if not name.startswith("_"))
-    ['choices', 'chunk_for', 'chunk_now', 'per_task', 'per_task_layers', 'run', 'run_following', 'task_chunk']
-    >>> ChunkRun(4).chunk
-    4
+    ['choices', 'chunk_for', 'per_task', 'per_task_layers', 'run', 'run_following']
+    >>> TaskChunk(4).chunk, TaskChunk(None)
+    (4, TaskChunk(None))
 """
 
 from __future__ import annotations
@@ -29,7 +31,20 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-__all__ = ["ChunkRun", "Executor", "PlainRunner", "TaskCall"]
+from funcmeta._src.core.types import TaskChunk
+
+__all__ = [
+    "CHOOSERS",
+    "ChunkSpec",
+    "Executor",
+    "PlainRunner",
+    "TaskCall",
+    "TaskChunk",
+    "check_task_chunk",
+]
+
+CHOOSERS = ("auto", "tune")
+"""The ``task_chunk`` values that choose the chunk per call."""
 
 
 class PlainRunner(Protocol):
@@ -63,54 +78,66 @@ class TaskCall:
     require grad)."""
 
 
-class ChunkRun:
-    """The chunk one task-batched inner loop runs with (``None``: all tasks at once).
+ChunkSpec = int | str | TaskChunk | None
+"""A call's ``task_chunk``: ``"auto"``, ``"tune"`` (inner loops only), ``None`` (all tasks at
+once), a positive int, or the :class:`TaskChunk` of the inner loop a pass follows."""
 
-    A measured call (``task_chunk="tune"``) overrides the two ``watch`` methods to note when
-    the backward reaches the tensors it is shown; here they change nothing.
-    """
 
-    def __init__(self, chunk: int | None) -> None:
-        self.chunk = chunk
-
-    def watch_initial(self, adapted: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
-        """The initial parameters the loop adapts (with their task axis), made under grad
-        mode; returns what the loop should start from (the same tensors, or views of them)."""
-        return adapted
-
-    def watch_adapted(self, adapted: Mapping[str, Tensor]) -> None:
-        """Called with the adapted parameters once the loop's forward has finished."""
-        return None
+def check_task_chunk(
+    value: Any, where: str, *, inner_loop: bool, follows: bool = True
+) -> ChunkSpec:
+    """``value`` if it is a ``task_chunk`` that ``where`` takes (``inner_loop``: an inner loop,
+    which takes ``"tune"``; else a pass, which takes a :class:`TaskChunk`; ``follows``: a
+    pass that can follow an inner loop, whose refusal of ``"tune"`` points to
+    ``result.chunk``), else a precise error."""
+    if (
+        value is None
+        or value == "auto"
+        or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+    ):
+        return value
+    if isinstance(value, TaskChunk) and not inner_loop:
+        return value
+    if value == "tune" and inner_loop:
+        return value
+    if value == "tune" and not follows:
+        raise ValueError(
+            f'{where} takes no task_chunk="tune": it has no inner loop to measure; pass '
+            '"auto", None or a number of tasks'
+        )
+    if value == "tune":
+        raise ValueError(
+            f'{where} takes no task_chunk="tune": "tune" measures inner loops. Pass the chunk '
+            "of the inner loop this pass follows (task_chunk=result.chunk, from "
+            "fm.adapt_tasks), which also counts this pass's time with that measured loop"
+        )
+    what = (
+        '"auto", "tune", None or a positive int'
+        if inner_loop
+        else ('"auto", None, a positive int or the TaskChunk of an inner loop (result.chunk)')
+    )
+    raise ValueError(f"{where}: task_chunk must be {what}, got {value!r}")
 
 
 class Executor(Protocol):
     """Runs task-batched calls of one model (see the module docstring)."""
 
-    @property
-    def task_chunk(self) -> int | str | None:
-        """How many tasks a call runs at once: ``"auto"``, ``"tune"``, ``None`` (all) or a
-        number."""
-        ...
-
-    @task_chunk.setter
-    def task_chunk(self, value: int | str | None) -> None: ...
-
-    def chunk_for(self, call: TaskCall) -> ChunkRun:
-        """The chunk of a task-batched inner loop, chosen under ``"auto"`` or ``"tune"``."""
-        ...
-
-    def chunk_now(self) -> int | None:
-        """The chunk a pass that follows an inner loop runs with: ``task_chunk``, or the
-        latest inner loop's chunk under ``"auto"`` and ``"tune"``."""
+    def chunk_for(self, call: TaskCall, task_chunk: ChunkSpec) -> TaskChunk:
+        """The chunk of a task-batched inner loop given ``task_chunk`` (checked), chosen here
+        under ``"auto"`` or ``"tune"``."""
         ...
 
     def run_following(
-        self, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
+        self,
+        run: Callable[[int | None], tuple[Any, dict[str, Tensor]]],
+        task_chunk: ChunkSpec,
+        describe: Callable[[], TaskCall],
     ) -> tuple[Any, dict[str, Tensor]]:
-        """``run(chunk)``, a task-batched pass after an inner loop (:func:`funcmeta.apply_tasks`,
-        :func:`funcmeta.task_losses`), on the chunk chosen for it once, here (that of the
-        latest inner loop under ``"auto"`` and ``"tune"``); under ``"tune"``, its time counts
-        with the measured inner loop it follows."""
+        """``run(chunk)``, a task-batched pass (:func:`funcmeta.apply_tasks`,
+        :func:`funcmeta.task_losses`; ``describe()`` says the call) on the chunk
+        ``task_chunk`` gives: the rule on this pass's own shapes under ``"auto"``; the
+        :class:`TaskChunk` of an inner loop, whose time this pass's counts with when it is a
+        measured one."""
         ...
 
     @property

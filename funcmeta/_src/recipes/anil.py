@@ -57,6 +57,7 @@ def anil(
     body_params: Mapping[str, Tensor] | None = None,
     lr: Any = None,
     opt: GradientTransformation | None = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[HeadKeywords],
 ) -> RecipeResult:
     """ANIL: :func:`funcmeta.recipes.maml` adapting only the head.
@@ -69,7 +70,8 @@ def anil(
     ``body_params``, default ``body.params``): ``fmodel`` is the head, and all of its
     parameters are adapted on the body's features, computed once per task from the support
     and query inputs in one batch (its output flattened after the example axis). Give
-    exactly one of the two.
+    exactly one of the two. ``task_chunk`` is :func:`funcmeta.adapt_tasks`'; the body's pass
+    runs on the rule of ``"auto"`` unless it is a number or ``None``.
 
     Example:
         >>> import torch, torch.nn.functional as F, funcmeta as fm
@@ -92,7 +94,12 @@ def anil(
     if body is not None:
         check_model(body)
         z_s, z_q = embed_episodes(
-            body, body.params if body_params is None else body_params, support[0], query[0], None
+            body,
+            body.params if body_params is None else body_params,
+            support[0],
+            query[0],
+            None,
+            "auto" if task_chunk == "tune" else task_chunk,
         )
         support, query = (z_s, support[1]), (z_q, query[1])
     chosen = None if body is not None else trainable
@@ -106,5 +113,6 @@ def anil(
         lr=lr,
         opt=opt,
         trainable=chosen,
+        task_chunk=task_chunk,
         **options,
     )

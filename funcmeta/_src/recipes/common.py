@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from funcmeta._src.core.types import LossFn
+from funcmeta._src.core.types import LossFn, TaskChunk
 from funcmeta._src.inner.inputs import check_model, split_batch, task_count
 from funcmeta._src.inner.tasks import task_losses
 from funcmeta._src.module.functional import FunctionalModel
@@ -56,11 +56,19 @@ def query_loss(
     loss_fn: LossFn,
     query: tuple[Any, Any],
     buffers: Mapping[str, Tensor] | None,
+    chunk: TaskChunk | None,
 ) -> tuple[Tensor, Any]:
     """The mean over tasks of each task's query loss, and the query outputs it was computed
-    from (with a task axis)."""
+    from (with a task axis), on ``chunk``, the chunk of the inner loop that adapted
+    ``params``."""
     with at("the query batch"):
         losses, _, outputs = task_losses(
-            fmodel, params, loss_fn, query, buffers=buffers, return_outputs=True
+            fmodel,
+            params,
+            loss_fn,
+            query,
+            buffers=buffers,
+            return_outputs=True,
+            task_chunk="auto" if chunk is None else chunk,
         )
     return losses.mean(), outputs

@@ -75,6 +75,7 @@ def imaml(
     damping: float = DAMPING,
     lam_damping: float = LAM_DAMPING,
     max_residual: float = 1e-2,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> ImamlResult:
     """The iMAML meta-gradient for a batch of tasks, as a surrogate for ``.backward()``.
@@ -88,7 +89,8 @@ def imaml(
     (the option ``trainable`` is refused); the other options of
     :class:`funcmeta.AdaptOptions` apply to the inner loop. Buffers (BatchNorm) are used as
     the module holds them. ``result.residual`` and ``result.curvature_stop`` report on the
-    solve.
+    solve. ``task_chunk`` is :func:`funcmeta.adapt_tasks`'; the query and support passes run
+    on the inner loop's chunk.
 
     A :class:`funcmeta.implicit.ConvergenceWarning` names the tasks whose returned solution has a relative
     residual above ``max_residual`` (or a non-finite one), and the tasks whose inner loop
@@ -116,7 +118,9 @@ def imaml(
     theta = {k: v.detach() for k, v in params.items()}
     inner = chain(add_proximal(lam, theta), resolve_opt(opt, lr))
     with torch.no_grad():
-        adapted = adapt_tasks(fmodel, theta, loss_fn, support, inner, steps=steps, **options)
+        adapted = adapt_tasks(
+            fmodel, theta, loss_fn, support, inner, steps=steps, task_chunk=task_chunk, **options
+        )
     # the adapted parameters (frozen ones are held fixed and get no meta-gradient)
     frozen = set(fmodel.frozen)
     phi = {
@@ -126,12 +130,16 @@ def imaml(
     free = {k: v for k, v in phi.items() if k not in frozen}
     with torch.enable_grad():
         with at("the query batch"):
-            q_losses, _, logits = task_losses(fmodel, phi, loss_fn, query, return_outputs=True)
+            q_losses, _, logits = task_losses(
+                fmodel, phi, loss_fn, query, return_outputs=True, task_chunk=adapted.chunk
+            )
         rhs = dict(zip(free, torch.autograd.grad(q_losses.sum(), list(free.values())), strict=True))
         # differentiated again by every Hessian-vector product: kernels that allow it
         with kernels.twice_differentiable():
             with at("the support batch"):
-                s_losses = task_losses(fmodel, phi, loss_fn, support).losses
+                s_losses = task_losses(
+                    fmodel, phi, loss_fn, support, task_chunk=adapted.chunk
+                ).losses
             grads = torch.autograd.grad(s_losses.sum(), list(free.values()), create_graph=True)
 
     def operator(v: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -41,6 +41,7 @@ def maml(
     steps: int,
     lr: Any = None,
     opt: GradientTransformation | None = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """MAML: ``loss`` is the mean over tasks of the query loss after ``steps`` inner steps on
@@ -51,12 +52,23 @@ def maml(
     tree; one of the two is required). ``options`` are the inner-loop options of
     :class:`funcmeta.AdaptOptions` (``first_order``, ``trainable``, ``checkpoint_steps``, ...).
     Call ``.backward()`` on ``result.loss``: the meta-gradients land in the module's ``.grad``.
+    ``task_chunk`` is :func:`funcmeta.adapt_tasks`'; the query pass runs on the inner loop's
+    chunk.
     """
     check_recipe(fmodel, support, query)
     adapted = adapt_tasks(
-        fmodel, params, loss_fn, support, resolve_opt(opt, lr), steps=steps, **options
+        fmodel,
+        params,
+        loss_fn,
+        support,
+        resolve_opt(opt, lr),
+        steps=steps,
+        task_chunk=task_chunk,
+        **options,
     )
-    loss, logits = query_loss(fmodel, adapted.params, loss_fn, query, adapted.buffers)
+    loss, logits = query_loss(
+        fmodel, adapted.params, loss_fn, query, adapted.buffers, adapted.chunk
+    )
     return RecipeResult(loss, loss.detach(), adapted, logits=logits)
 
 
@@ -71,6 +83,7 @@ def fomaml(
     steps: int,
     lr: Any = None,
     opt: GradientTransformation | None = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[FirstOrderKeywords],
 ) -> RecipeResult:
     """First-order MAML: :func:`maml` with ``first_order=True`` (the inner gradients treated
@@ -86,6 +99,7 @@ def fomaml(
         steps=steps,
         lr=lr,
         opt=opt,
+        task_chunk=task_chunk,
         first_order=True,
         **options,
     )

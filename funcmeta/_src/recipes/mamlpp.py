@@ -71,6 +71,7 @@ def mamlpp(
     lr: Tree,
     step_weights: Tensor,
     step_buffers: list[dict[str, Tensor]] | None = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> MamlppResult:
     """MAML++: ``loss`` is ``sum_k step_weights[k] * query_loss(after step k+1)``.
@@ -82,7 +83,8 @@ def mamlpp(
     Step ``k`` runs with its own BatchNorm running statistics, ``step_buffers[k]`` (default:
     the module's), returned updated as ``result.step_buffers`` (BNRS). ``options`` are the
     inner-loop options of :class:`funcmeta.AdaptOptions`; ``result.query_loss`` is the last
-    step's query loss.
+    step's query loss. ``task_chunk`` is :func:`funcmeta.adapt_tasks`'; each query pass runs
+    on its step's chunk.
     """
     check_recipe(fmodel, support, query)
     check_int(steps, "steps", low=1, what="an int >= 1 for MAML++")
@@ -109,11 +111,14 @@ def mamlpp(
             steps=1,
             buffers=step_buffers[k],
             state=state,
+            task_chunk=task_chunk,
             **options,
         )
         params, state = adapted.params, adapted.state
         new_buffers.append(_across_tasks(adapted.buffers))
-        step_loss, logits = query_loss(fmodel, params, loss_fn, query, adapted.buffers)
+        step_loss, logits = query_loss(
+            fmodel, params, loss_fn, query, adapted.buffers, adapted.chunk
+        )
         total = total + weights[k].to(step_loss.dtype) * step_loss
     loss = cast(Tensor, total)  # a tensor: steps >= 1 (checked above)
     return MamlppResult(loss, step_loss.detach(), adapted, logits=logits, step_buffers=new_buffers)

@@ -66,6 +66,7 @@ def metasgd(
     *,
     steps: int,
     lr: HyperTree | Tree,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """Meta-SGD: :func:`funcmeta.recipes.maml` with the inner step ``p - lr * grad``, where
@@ -84,4 +85,14 @@ def metasgd(
             "Meta-SGD rates lr= must be tensors (a HyperTree or a tree of tensors), one per "
             f"element, learned by the outer optimizer; got {type(lr).__name__}. Use{hint}"
         )
-    return maml(fmodel, params, loss_fn, support, query, steps=steps, lr=lr, **options)
+    return maml(
+        fmodel,
+        params,
+        loss_fn,
+        support,
+        query,
+        steps=steps,
+        lr=lr,
+        task_chunk=task_chunk,
+        **options,
+    )

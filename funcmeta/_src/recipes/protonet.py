@@ -32,6 +32,7 @@ from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.inputs import check_model
 from funcmeta._src.inner.tasks import apply_tasks
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.task_protocol import check_task_chunk
 from funcmeta._src.recipes.results import RecipeResult
 from funcmeta._src.runtime.place import at
 
@@ -66,16 +67,18 @@ def embed_episodes(
     x_support: Tensor,
     x_query: Tensor,
     buffers: Mapping[str, Tensor] | None,
+    task_chunk: int | str | None = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Support and query embeddings ``(T, S, D)``, ``(T, Q, D)``: one task-batched forward of
-    both, flattened after the example axis."""
+    both (``task_chunk`` tasks at a time, as :func:`funcmeta.apply_tasks` takes it), flattened
+    after the example axis."""
     if not (isinstance(x_support, Tensor) and isinstance(x_query, Tensor)):
         raise TypeError("protonet takes tensor inputs: (T, examples, ...) for support and query")
     if x_support.shape[0] != x_query.shape[0]:
         raise ValueError(f"support has {x_support.shape[0]} tasks but query has {x_query.shape[0]}")
     both = torch.cat([x_support, x_query], dim=1)
     with at("the support and query batches (concatenated along the example axis)"):
-        out, _ = apply_tasks(fmodel, params, both, buffers=buffers)
+        out, _ = apply_tasks(fmodel, params, both, buffers=buffers, task_chunk=task_chunk)
     out = out.flatten(2)
     return out[:, : x_support.shape[1]], out[:, x_support.shape[1] :]
 
@@ -90,6 +93,7 @@ def protonet(
     *,
     ways: int | None = None,
     buffers: Mapping[str, Tensor] | None = None,
+    task_chunk: int | str | None = "auto",
 ) -> RecipeResult:
     """Prototypical Networks on a batch of tasks: ``loss`` is the mean over tasks of
     ``loss_fn(logits, y_query)`` (use ``F.cross_entropy``), with ``logits`` the negative
@@ -99,10 +103,13 @@ def protonet(
     ``support`` and ``query`` are ``(inputs, labels)`` with a leading task axis and labels in
     ``0 .. ways-1`` (``ways`` defaults to the largest support label plus one). There are no
     inner steps, so the recipe takes no ``steps`` and no inner-loop options; ``result.logits``
-    holds the query logits, ``result.adapted`` is ``None``.
+    holds the query logits, ``result.adapted`` is ``None``. ``task_chunk`` is how many tasks
+    the embedding pass runs at once (``"auto"``, ``None`` or a number, as
+    :func:`funcmeta.apply_tasks` takes it).
     """
+    check_task_chunk(task_chunk, "fm.recipes.protonet", inner_loop=False, follows=False)
     return classify_embeddings(
-        prototype_logits, fmodel, params, loss_fn, support, query, ways, buffers
+        prototype_logits, fmodel, params, loss_fn, support, query, ways, buffers, task_chunk
     )
 
 
@@ -115,6 +122,7 @@ def classify_embeddings(
     query: tuple[Any, Any],
     ways: int | None,
     buffers: Mapping[str, Tensor] | None,
+    task_chunk: int | str | None,
 ) -> RecipeResult:
     """The recipes without an inner loop: embed the episodes, classify the queries with
     ``head(z_support, y_support, z_query, ways) -> logits``, and average ``loss_fn`` over
@@ -139,7 +147,7 @@ def classify_embeddings(
                 f"{int(y.max())}: relabel each task's classes 0 .. ways-1 (fm.data.Episodes "
                 "does), or pass ways="
             )
-    z_s, z_q = embed_episodes(fmodel, params, support[0], query[0], buffers)
+    z_s, z_q = embed_episodes(fmodel, params, support[0], query[0], buffers, task_chunk)
     logits = head(z_s, y_s, z_q, ways)
     loss = torch.stack([loss_fn(lg, y) for lg, y in zip(logits, y_q, strict=True)]).mean()
     return RecipeResult(loss, loss.detach(), None, logits=logits)

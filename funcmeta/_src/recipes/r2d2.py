@@ -33,6 +33,7 @@ from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.heads.ridge import RidgeHead
 from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.task_protocol import check_task_chunk
 from funcmeta._src.recipes.protonet import classify_embeddings
 from funcmeta._src.recipes.results import RecipeResult
 
@@ -50,6 +51,7 @@ def r2d2(
     head: RidgeHead,
     ways: int | None = None,
     buffers: Mapping[str, Tensor] | None = None,
+    task_chunk: int | str | None = "auto",
 ) -> RecipeResult:
     """R2D2 on a batch of tasks: ``loss`` is the mean over tasks of ``loss_fn(logits,
     y_query)`` (use ``F.cross_entropy``), with ``logits = head(z_support, y_support, z_query,
@@ -61,8 +63,12 @@ def r2d2(
     ``(inputs, labels)`` with a leading task axis and labels in ``0 .. ways-1`` (``ways``
     defaults to the largest support label plus one). Like Prototypical Networks, it takes no
     ``steps`` and no inner-loop options; ``result.logits`` holds the query logits and
-    ``result.adapted`` is ``None``.
+    ``result.adapted`` is ``None``. ``task_chunk`` is as in
+    :func:`funcmeta.recipes.protonet`.
     """
     if not isinstance(head, RidgeHead):
         raise TypeError(f"head must be a funcmeta.heads.RidgeHead, got {type(head).__name__}")
-    return classify_embeddings(head, fmodel, params, loss_fn, support, query, ways, buffers)
+    check_task_chunk(task_chunk, "fm.recipes.r2d2", inner_loop=False, follows=False)
+    return classify_embeddings(
+        head, fmodel, params, loss_fn, support, query, ways, buffers, task_chunk
+    )

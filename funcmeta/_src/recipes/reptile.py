@@ -51,6 +51,7 @@ def reptile(
     opt: GradientTransformation | None = None,
     inner_batch: int | None = None,
     generator: torch.Generator | None = None,
+    task_chunk: int | str | None = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> RecipeResult:
     """Reptile: ``loss`` is a surrogate with gradient ``theta - mean_t(phi_t)`` for every
@@ -59,7 +60,8 @@ def reptile(
     ``phi_t`` is the result of ``steps`` steps of ``opt`` (or SGD with ``lr``; one of them is required) on task
     ``t``'s ``support`` batch, taken without a graph. Reptile trains on the support set
     alone; a ``query`` set, if given, is only evaluated (``result.query_loss``). ``options``
-    are the inner-loop options of :class:`funcmeta.AdaptOptions`.
+    are the inner-loop options of :class:`funcmeta.AdaptOptions`, and ``task_chunk``
+    :func:`funcmeta.adapt_tasks`'.
 
     With ``inner_batch=b``, each step takes a mini-batch of ``b`` support examples instead
     of the whole set, as Nichol et al. do: each task's examples in a random order (drawn
@@ -70,10 +72,28 @@ def reptile(
     opt = resolve_opt(opt, lr)
     with torch.no_grad():
         if inner_batch is None:
-            adapted = adapt_tasks(fmodel, params, loss_fn, support, opt, steps=steps, **options)
+            adapted = adapt_tasks(
+                fmodel,
+                params,
+                loss_fn,
+                support,
+                opt,
+                steps=steps,
+                task_chunk=task_chunk,
+                **options,
+            )
         else:
             adapted = _minibatch_steps(
-                fmodel, params, loss_fn, support, opt, steps, inner_batch, generator, options
+                fmodel,
+                params,
+                loss_fn,
+                support,
+                opt,
+                steps,
+                inner_batch,
+                generator,
+                task_chunk,
+                options,
             )
         phi = adapted.params
         displacement = {
@@ -82,7 +102,7 @@ def reptile(
         evaluated, logits = (
             (None, None)
             if query is None
-            else query_loss(fmodel, phi, loss_fn, query, adapted.buffers)
+            else query_loss(fmodel, phi, loss_fn, query, adapted.buffers, adapted.chunk)
         )
     # a tensor: adapt_tasks refuses a call without parameters to adapt, so the sum has a term
     surrogate = cast(Tensor, sum((params[k] * d).sum() for k, d in displacement.items()))
@@ -98,6 +118,7 @@ def _minibatch_steps(
     steps: int,
     inner_batch: int,
     generator: torch.Generator | None,
+    task_chunk: int | str | None,
     options: AdaptKeywords,
 ) -> Any:
     """``steps`` steps, each on the next ``inner_batch`` examples of every task's support set
@@ -126,7 +147,17 @@ def _minibatch_steps(
             order = torch.cat([order, fresh], 1)
         take, order = order[:, :inner_batch], order[:, inner_batch:]
         batch = (x[rows, take], y[rows, take])
-        adapted = adapt_tasks(fmodel, params, loss_fn, batch, opt, steps=1, state=state, **options)
+        adapted = adapt_tasks(
+            fmodel,
+            params,
+            loss_fn,
+            batch,
+            opt,
+            steps=1,
+            state=state,
+            task_chunk=task_chunk,
+            **options,
+        )
         params, state = adapted.params, adapted.state
         losses.append(adapted.losses)
     assert adapted is not None  # steps >= 1 (checked above): the loop ran

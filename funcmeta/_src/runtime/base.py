@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from funcmeta._src.module.functional import FunctionalModel
-from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
+from funcmeta._src.module.task_protocol import ChunkSpec, TaskCall, TaskChunk
 
 __all__ = ["Objective", "Runtime"]
 
@@ -70,16 +70,22 @@ class Runtime(abc.ABC):
         from them this runtime does not see: as they are here."""
         return out
 
-    def chunk_for(self, fmodel: FunctionalModel, describe: Callable[[], TaskCall]) -> ChunkRun:
-        """The chunk of tasks of a task-batched inner loop (``describe()`` says the call):
-        all tasks at once here."""
-        return ChunkRun(None)
+    def chunk_for(
+        self, fmodel: FunctionalModel, task_chunk: ChunkSpec, describe: Callable[[], TaskCall]
+    ) -> TaskChunk:
+        """The chunk of tasks of a task-batched inner loop given the call's ``task_chunk``
+        (``describe()`` says the call): all tasks at once here."""
+        return TaskChunk(None)
 
     def following(
-        self, fmodel: FunctionalModel, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
+        self,
+        fmodel: FunctionalModel,
+        task_chunk: ChunkSpec,
+        describe: Callable[[], TaskCall],
+        run: Callable[[int | None], tuple[Any, dict[str, Tensor]]],
     ) -> tuple[Any, dict[str, Tensor]]:
-        """``run(chunk)``, a task-batched pass that follows an inner loop
-        (``fm.task_losses``, ``fm.apply_tasks``), on its chunk: all tasks here."""
+        """``run(chunk)``, a task-batched pass (``fm.task_losses``, ``fm.apply_tasks``) on the
+        chunk its ``task_chunk`` gives (``describe()`` says the call): all tasks here."""
         return run(None)
 
     @abc.abstractmethod

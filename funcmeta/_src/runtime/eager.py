@@ -36,7 +36,7 @@ from funcmeta._src.core.sharding import rewrite_mixed
 from funcmeta._src.core.vmap import any_batched, vmap_flat
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.shadow import Standin
-from funcmeta._src.module.task_protocol import ChunkRun, TaskCall
+from funcmeta._src.module.task_protocol import ChunkSpec, TaskCall, TaskChunk
 from funcmeta._src.runtime.base import Objective, Runtime
 from funcmeta._src.runtime.place import at, current
 
@@ -87,21 +87,27 @@ class EagerRuntime(Runtime):
     ) -> Any:
         return vmap_flat(one_task, trees, in_dims, chunk)
 
-    def chunk_for(self, fmodel: FunctionalModel, describe: Callable[[], TaskCall]) -> ChunkRun:
-        """The chunk the model's task executor chooses for the call (``task_chunk``)."""
+    def chunk_for(
+        self, fmodel: FunctionalModel, task_chunk: ChunkSpec, describe: Callable[[], TaskCall]
+    ) -> TaskChunk:
+        """The chunk the model's task executor gives the call for its ``task_chunk``."""
         if fmodel.executor is None:
-            return ChunkRun(None)
-        return fmodel.executor.chunk_for(describe())
+            return TaskChunk(None)
+        return fmodel.executor.chunk_for(describe(), task_chunk)
 
     def following(
-        self, fmodel: FunctionalModel, run: Callable[[int | None], tuple[Any, dict[str, Tensor]]]
+        self,
+        fmodel: FunctionalModel,
+        task_chunk: ChunkSpec,
+        describe: Callable[[], TaskCall],
+        run: Callable[[int | None], tuple[Any, dict[str, Tensor]]],
     ) -> tuple[Any, dict[str, Tensor]]:
-        """On the chunk the model's executor chooses, once for this call: that of the inner
-        loop it follows; under ``task_chunk="tune"`` its time counts with that measured inner
-        loop."""
+        """On the chunk the model's executor gives the pass for its ``task_chunk``: that of
+        the inner loop whose :class:`~funcmeta.TaskChunk` it was given (its time counted with
+        that loop's when measured), or the rule on its own shapes under ``"auto"``."""
         if fmodel.executor is None:
             return run(None)
-        return fmodel.executor.run_following(run)
+        return fmodel.executor.run_following(run, task_chunk, describe)
 
     def gradient(
         self,
