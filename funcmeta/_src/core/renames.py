@@ -341,16 +341,16 @@ GONE: tuple[Gone, ...] = (
         ("funcmeta.FunctionalModel.per_task_layers",),
         renamed=True,
     ),
-    # TASKCHUNK_COMMIT, 2026-11-28: the chunk of tasks is an argument of each call
+    # 57c9d66, 2026-11-28: the chunk of tasks is an argument of each call
     Gone(
         "funcmeta.FunctionalModel.task_chunk",
-        "TASKCHUNK_COMMIT",
+        "57c9d66",
         how="pass task_chunk= to each task-batched call (fm.adapt_tasks, fm.task_losses, "
         "fm.apply_tasks, the recipes, fm.evaluate)",
     ),
     Gone(
         "funcmeta.FunctionalModel.chunk_now",
-        "TASKCHUNK_COMMIT",
+        "57c9d66",
         ("funcmeta.AdaptResult.chunk",),
         how="the chunk an inner loop took; pass it on as task_chunk=result.chunk",
     ),
