@@ -14,6 +14,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import funcmeta as fm
+from funcmeta._src.compiled.eager_reasons import autograd_untraceable
 from funcmeta._src.inner.inputs import split_batch
 
 DTYPE = torch.float64
@@ -97,13 +98,16 @@ def relative(a, b) -> float:
     )
 
 
-def falls_back_exactly(net, fmodel, loss_fn, support, query, steps: int) -> None:
-    """The step on a model it cannot compile: it says once that it runs eagerly, keeps why,
-    and gives the plain path's meta-gradients exactly."""
+def falls_back_exactly(
+    net, fmodel, loss_fn, support, query, steps: int, graph: str = "torch.func"
+) -> None:
+    """The step on a model it cannot compile (on the ``torch.func`` graph unless ``graph``
+    says otherwise): it says once that it runs eagerly, keeps why, and gives the plain path's
+    meta-gradients exactly."""
     opt = fm.optim.sgd(lr=0.1)
     reference = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, compile=False)
     _, plain = meta_grads(net, [], lambda: reference(support, query))
-    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps)
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=steps, graph=graph)
     with pytest.warns(UserWarning, match="compile_meta_step runs eagerly"):
         _, ours = meta_grads(net, [], lambda: step(support, query))
     assert step.eager_reason is not None
@@ -124,6 +128,8 @@ def traced(step, support, query):
     return loss
 
 
+GRAPHS = ["autograd", "torch.func"] if autograd_untraceable() is None else ["torch.func"]
+
 CONFIGS = [
     "sgd",
     "first-order",
@@ -138,16 +144,27 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("chunk", [None, 1, 3])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_the_graphs_computation_gives_the_plain_paths_meta_gradients(name, chunk):
+def test_the_graphs_computation_gives_the_plain_paths_meta_gradients(name, chunk, graph):
     """Every configuration, all tasks in one graph or ``task_chunk`` at a time (with 4
-    tasks and chunks of 3: chunks of two sizes)."""
+    tasks and chunks of 3: chunks of two sizes), for both graphs: the eager step's own
+    (``torch.autograd.grad``) and the ``torch.func`` one."""
     net, fmodel, opt, hyper, options, loss_fn, (support, query) = setup(name)
     steps = 3
     step = fm.compile_meta_step(
-        fmodel, loss_fn, opt, steps=steps, hyper=hyper, compile=False, task_chunk=chunk, **options
+        fmodel,
+        loss_fn,
+        opt,
+        steps=steps,
+        hyper=hyper,
+        compile=False,
+        task_chunk=chunk,
+        graph=graph,
+        **options,
     )
+    assert step.graph == graph
     tasks = support[0].shape[0]
     assert len(step.chunks(tasks)) == -(-tasks // (chunk or tasks))
     plain_loss, plain = meta_grads(net, hyper, lambda: step(support, query))
@@ -496,11 +513,11 @@ def test_an_option_the_graph_cannot_hold_runs_eagerly_naming_it(option):
 
 
 @pytest.mark.parametrize("order", ["second", "first"])
-def test_a_model_with_checkpointed_layers_runs_eagerly_naming_them(order):
-    """compile_meta_step on a model built with checkpoint_layers= runs fm.adapt_tasks on the
-    checkpointed layers (the traced step would run the module without them): the warning and
-    eager_reason name the layers and what is missing; the meta-gradients are those of
-    fm.adapt_tasks on the same checkpointed model, exactly, in float64."""
+def test_the_torch_func_graph_runs_a_checkpointed_model_eagerly_naming_its_layers(order):
+    """compile_meta_step(graph="torch.func") on a model built with checkpoint_layers= runs
+    fm.adapt_tasks on the checkpointed layers (that graph would run the module without them):
+    the warning and eager_reason name the layers and what is missing; the meta-gradients are
+    those of fm.adapt_tasks on the same checkpointed model, exactly, in float64."""
     torch.manual_seed(0)
     net = mlp().double()
     fmodel = fm.functional_model(net, checkpoint_layers="sequential")
@@ -518,7 +535,9 @@ def test_a_model_with_checkpointed_layers_runs_eagerly_naming_them(order):
 
     _, theirs = meta_grads(net, [], plain)
     with pytest.warns(UserWarning, match=r"runs eagerly: checkpoint_layers=\['0', '2', '4'\]"):
-        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, first_order=first)
+        step = fm.compile_meta_step(
+            fmodel, F.mse_loss, opt, steps=2, first_order=first, graph="torch.func"
+        )
     assert "torch.func.functional_call, without funcmeta's checkpointed layers" in (
         step.eager_reason or ""
     )
@@ -695,6 +714,7 @@ def test_torch_compile_still_traces_no_checkpoint_inside_torch_func_grad():
             F.mse_loss,
             fm.optim.sgd(lr=0.1),
             steps=1,
+            graph="torch.func",
         ).eager_reason
         or ""
     )

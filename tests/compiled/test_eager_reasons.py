@@ -88,13 +88,17 @@ MODELS = {
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_models_that_cannot_be_one_graph_say_why_in_their_terms(name):
+    """On the torch.func graph (the autograd graph compiles some of them:
+    tests/compiled/test_compiled_autograd.py)."""
     build, said = MODELS[name]
     torch.manual_seed(0)
     net = build()
     fmodel = fm.functional_model(net)
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(2, 4, 5, 8, generator=g), torch.randint(0, 3, (2, 4)))
-    step = fm.compile_meta_step(fmodel, F.cross_entropy, fm.optim.sgd(lr=0.1), steps=1)
+    step = fm.compile_meta_step(
+        fmodel, F.cross_entropy, fm.optim.sgd(lr=0.1), steps=1, graph="torch.func"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step(batch, batch)

@@ -14,10 +14,13 @@ Example:
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
+from funcmeta._src.core.fence import autograd_tracing, can_mark_backward
 from funcmeta._src.inner.options import AdaptOptions
 
 __all__ = [
@@ -105,13 +108,38 @@ RULES: list[Rule] = [
 ]
 
 
-def checkpointed_layers(names: list[str]) -> str:
+AUTOGRAD_GRAPH_TORCH = (2, 13)
+"""The first torch release on which the compiled step traces ``torch.autograd.grad`` (the
+autograd graph): the one its tests ran on (``docs/decisions/compiled-autograd-step.md``)."""
+
+
+def autograd_untraceable() -> str | None:
+    """``None`` where :func:`funcmeta.compile_meta_step` compiles the eager step's own
+    computation (``torch.autograd.grad`` in the graph), else why it compiles the
+    ``torch.func`` graph instead."""
+    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
+    if version < AUTOGRAD_GRAPH_TORCH:
+        return (
+            f"torch {torch.__version__}: the graph of torch.autograd.grad (dynamo's "
+            "trace_autograd_ops) is tested from torch "
+            f"{'.'.join(map(str, AUTOGRAD_GRAPH_TORCH))} on"
+        )
+    if autograd_tracing() is None:
+        return f"torch {torch.__version__}'s dynamo has no trace_autograd_ops"
+    if not can_mark_backward():
+        return f"torch {torch.__version__} has no torch.fx.traceback.annotate"
+    return None
+
+
+def checkpointed_layers(names: list[str], graph_reason: str | None = None) -> str:
     """Why a model built with ``checkpoint_layers=`` keeps :func:`funcmeta.compile_meta_step`
-    eager: the traced step runs the module itself through ``torch.func.functional_call``
-    (``funcmeta._src.runtime.traced.TracedRuntime.run``), not the checkpointed runner, whose layers
-    are the checkpoint engine's autograd Functions."""
+    eager where the step compiles the ``torch.func`` graph (``graph_reason`` says why it
+    does): that graph runs the module itself through ``torch.func.functional_call``
+    (``funcmeta._src.runtime.traced.TracedRuntime.run``), not the checkpointed runner, whose
+    layers are the checkpoint engine's autograd Functions."""
+    why = "" if graph_reason is None else f" (the torch.func graph: {graph_reason})"
     return (
-        f"checkpoint_layers={names} is not compiled: the traced step runs the module itself "
+        f"checkpoint_layers={names} is not compiled{why}: the traced step runs the module itself "
         "through torch.func.functional_call, without funcmeta's checkpointed layers (autograd "
         "Functions that keep each layer's inputs and recompute it), so a graph would hold "
         "every activation, and torch.compile traces no checkpoint inside torch.func.grad "
@@ -119,6 +147,19 @@ def checkpointed_layers(names: list[str]) -> str:
         "hooks; an autograd.Function with setup_context is a graph break); the step runs "
         "fm.adapt_tasks on the checkpointed layers instead (their memory, the same "
         "meta-gradients); build the model without checkpoint_layers to compile"
+    )
+
+
+def checkpointed_layers_keep_memory(names: list[str]) -> str:
+    """Why a model built with ``checkpoint_layers=`` runs eagerly unless the autograd graph is
+    asked for by name: compiled, it holds more memory than the eager checkpointed step
+    (``docs/decisions/compiled-autograd-step.md``)."""
+    return (
+        f"checkpoint_layers={names} run eagerly (fm.adapt_tasks on the checkpointed layers: "
+        "their memory, the same meta-gradients): in the compiled graph torch recomputes the "
+        "layers for the outer gradient only, and the inner gradients keep the activations "
+        "they read, so the compiled step holds more memory than the eager checkpointed one; "
+        "pass graph='autograd' to compile it anyway (the same meta-gradients, faster)"
     )
 
 

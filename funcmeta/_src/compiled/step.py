@@ -2,8 +2,22 @@
 
 One meta-iteration of MAML and its relatives is the inner loop of ``steps`` optimizer steps
 for every task, the query loss, and the outer gradient with respect to the initial
-parameters and every learnable hyperparameter. :func:`funcmeta.compile_meta_step` writes it as one
-pure function of ``torch.func`` transforms and hands it to ``torch.compile``:
+parameters and every learnable hyperparameter. :func:`funcmeta.compile_meta_step` hands one
+of two graphs of it to ``torch.compile`` (``MetaStep.graph`` says which, ``graph_reason``
+why not the first):
+
+- ``"autograd"``, where the installed torch traces ``torch.autograd.grad`` (dynamo's
+  ``trace_autograd_ops``, from torch 2.13): the eager step's own computation, every inner
+  gradient ``torch.autograd.grad(create_graph=True)`` of the summed task losses and the outer
+  gradient ``torch.autograd.grad`` of the mean query loss, marked as the graph's backward
+  region (``funcmeta._src.runtime.autograd_traced``). A model built with
+  ``checkpoint_layers=`` compiles on it with ``graph="autograd"``: each checkpointed layer
+  is a torch activation checkpoint region, whose forward the outer gradient recomputes; the
+  inner gradients still keep what they read, so such a step holds more than the eager
+  checkpointed one, which is the default for it
+  (``docs/decisions/compiled-autograd-step.md``).
+- ``"torch.func"``, the graph of older torches (and ``graph="torch.func"``), written as one
+  pure function of ``torch.func`` transforms:
 
 - the tasks run together under ``torch.func.vmap`` (the forward only);
 - each inner gradient is ``torch.func.grad`` of the *sum* of the per-task losses, taken
@@ -53,6 +67,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -66,16 +81,20 @@ from typing_extensions import Unpack
 from funcmeta._src.batching.chunks import rule_chunk
 from funcmeta._src.compiled.eager_reasons import (
     COMPILE_FALSE,
+    autograd_untraceable,
     checkpointed_layers,
+    checkpointed_layers_keep_memory,
     explain,
     first_line,
     untraced,
 )
 from funcmeta._src.compiled.plan import CompilePlan, compile_plan
-from funcmeta._src.core import tree
+from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import (
+    autograd_tracing,
+    backward_region,
     cudagraph_skips,
     reparametrized,
     saved_tensor_hooks_state,
@@ -97,7 +116,8 @@ from funcmeta._src.inner.tasks import adapt_tasks, task_inner_loop, task_losses
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.guard import guard_of
 from funcmeta._src.optim.base import GradientTransformation
-from funcmeta._src.runtime import TRACED
+from funcmeta._src.runtime import TRACED, Runtime
+from funcmeta._src.runtime.autograd_traced import AutogradTracedRuntime, traced_runner
 from funcmeta._src.runtime.place import at
 
 __all__ = ["MetaStep", "compile_meta_step"]
@@ -113,6 +133,9 @@ class MetaStep:
             running once; on CUDA until the GPU is done). With CUDA graphs, the graph is
             captured on the second call of a kind, which this does not count.
         eager_reason: why the step runs eagerly (``None`` while it runs compiled).
+        graph: which graph it compiles: ``"autograd"`` (the eager step's own computation,
+            ``torch.autograd.grad`` traced) or ``"torch.func"`` (see the module docstring).
+        graph_reason: why ``graph`` is ``"torch.func"`` (``None`` on the autograd graph).
         task_chunk: how many tasks one graph call takes (``None``: all of them), as given or
             as ``"auto"`` chose (under the rule: for the latest call).
         plan: how the graph is compiled (``CompilePlan``: mode, inductor options, task
@@ -137,6 +160,7 @@ class MetaStep:
         options: AdaptOptions,
         compile: bool,
         plan: CompilePlan,
+        graph: str = "auto",
     ) -> None:
         self.fmodel, self.loss_fn, self.opt, self.steps = fmodel, loss_fn, opt, steps
         self.plan = plan
@@ -148,27 +172,44 @@ class MetaStep:
         self.compile_seconds: dict[tuple[Any, ...], float] = {}
         self._checked = False  # the plain path's check before the first graph call
         self.eager_reason: str | None = None if compile else COMPILE_FALSE
+        # which graph: the eager step's own (torch.autograd.grad), where this torch traces it
+        untraceable = autograd_untraceable()
+        if graph == "autograd" and untraceable is not None:
+            raise ValueError(f"compile_meta_step(graph='autograd') needs {untraceable}")
+        self.graph_reason = (
+            "graph='torch.func' was asked for" if graph == "torch.func" else untraceable
+        )
+        self.graph = "torch.func" if self.graph_reason is not None else "autograd"
+        self._runtime: Runtime = (
+            TRACED if self.graph == "torch.func" else AutogradTracedRuntime(traced_runner(fmodel))
+        )
         reason = untraced(options) if compile else None
-        if reason is None and compile and fmodel.checkpointed:
-            reason = checkpointed_layers(fmodel.checkpointed)
+        if reason is None and compile and fmodel.checkpointed and self.graph == "torch.func":
+            reason = checkpointed_layers(fmodel.checkpointed, self.graph_reason)
+        elif reason is None and compile and fmodel.checkpointed and graph == "auto":
+            reason = checkpointed_layers_keep_memory(fmodel.checkpointed)
         if reason is not None:
             self.eager_reason = reason
             compile = False
             warnings.warn(f"compile_meta_step runs eagerly: {self.eager_reason}", stacklevel=3)
         self._buffer_names = list(fmodel.buffers)
-        grad_fn = torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
+        grad_fn: Callable[..., Any] = (
+            torch.func.grad_and_value(self._meta_loss, argnums=(0, 1))
+            if self.graph == "torch.func"
+            else self._autograd_meta_loss
+        )
         self._uncompiled = grad_fn  # the graph's computation, run eagerly (tests compare it)
         self._compiled: Callable[..., Any] | None = None
         self.options_note: str | None = plan.note if compile else None
         self.graph_note: str | None = None
         if compile:
-            graph = with_own_code_object(grad_fn)
+            own = with_own_code_object(grad_fn)
             how = plan.compile_kwargs()
             try:
-                self._compiled = torch.compile(graph, fullgraph=True, dynamic=False, **how)
+                self._compiled = torch.compile(own, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
                 self.options_note = f"{how}: {type(error).__name__}: {first_line(error)}"
-                self._compiled = torch.compile(graph, fullgraph=True, dynamic=False)
+                self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
                 self.plan = dataclasses.replace(
                     plan, mode=None, options=None, cuda_graphs=False, graph_passes=False
                 )
@@ -205,6 +246,32 @@ class MetaStep:
     ) -> Tensor:
         return self._with_hyper(0, hyper, params, buffers, support, query, tasks)
 
+    def _autograd_meta_loss(
+        self,
+        params: dict[str, Tensor],
+        hyper: list[dict[str, Tensor]],
+        buffers: dict[str, Tensor],
+        support: Any,
+        query: Any,
+        tasks: int,
+    ) -> tuple[tuple[dict[str, Tensor], list[dict[str, Tensor]]], Tensor]:
+        """The meta-loss and its gradients as the eager step takes them: the inner loop
+        with ``torch.autograd.grad(create_graph=True)``, then ``torch.autograd.grad`` of the
+        query loss with respect to ``params`` and ``hyper`` (leaves that require grad), as
+        ``torch.func.grad_and_value(argnums=(0, 1))`` returns them (zeros where unused).
+        The outer gradient is marked as the graph's backward region, where torch's
+        activation checkpointing recomputes the checkpointed layers."""
+        with torch.enable_grad():
+            loss = self._with_hyper(0, hyper, params, buffers, support, query, tasks)
+            wrt = [*params.values(), *(v for h in hyper for v in h.values())]
+            with backward_region():
+                found = torch.autograd.grad(loss, wrt, allow_unused=True)
+        grads = [torch.zeros_like(w) if g is None else g for w, g in zip(wrt, found, strict=True)]
+        it = iter(grads)
+        g_params = {k: next(it) for k in params}
+        g_hyper = [{k: next(it) for k in h} for h in hyper]
+        return (g_params, g_hyper), loss.detach()
+
     def _with_hyper(self, i: int, hyper: list[dict[str, Tensor]], *args: Any) -> Tensor:
         """The meta-loss with the ``hyper`` modules' parameters from ``i`` on put in place."""
         if i == len(self.hyper):
@@ -237,7 +304,7 @@ class MetaStep:
             self.steps,
             self.options,
             tasks=tasks,
-            runtime=TRACED,
+            runtime=self._runtime,
         )
         losses, _ = vmapped_losses(
             self.fmodel,
@@ -247,7 +314,7 @@ class MetaStep:
             result.params,
             result.buffers,
             chunk=None,
-            runtime=TRACED,
+            runtime=self._runtime,
         )
         return losses.mean()
 
@@ -328,8 +395,15 @@ class MetaStep:
         tasks in :meth:`chunks`: the meta-gradients and the mean query loss of all tasks,
         each chunk's weighted by its share of the tasks. The tasks are independent, so this
         is the gradient of the mean over all of them."""
-        detached = {k: v.detach() for k, v in params.items()}
-        raw = [{k: v.detach() for k, v in h.items()} for h in hyper]
+        # leaves of the graph's own: the autograd graph differentiates them with
+        # torch.autograd.grad (they require grad), the torch.func graph with torch.func.grad
+        leaf = (
+            (lambda v: v.detach().requires_grad_())
+            if self.graph == "autograd"
+            else (lambda v: v.detach())
+        )
+        detached = {k: leaf(v) for k, v in params.items()}
+        raw = [{k: leaf(v) for k, v in h.items()} for h in hyper]
         buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
         inputs = 0
         if self.plan.task_chunk == "rule":  # the rule reads the inputs' size
@@ -416,7 +490,12 @@ class MetaStep:
         assert self._compiled is not None
         hooks = saved_tensor_hooks_state()
         try:
-            with self.plan.lowering() as lowered:
+            tracing = contextlib.ExitStack()
+            if self.graph == "autograd":  # autograd.grad traced; kernels with a second derivative
+                tracing.enter_context(autograd_tracing() or contextlib.nullcontext())
+                if not self.options.first_order:
+                    tracing.enter_context(kernels.twice_differentiable())
+            with self.plan.lowering() as lowered, tracing:
                 (g_params, g_hyper), loss = self.run_graph(
                     self._compiled, params, hyper, support, query, tasks
                 )
@@ -575,6 +654,7 @@ def compile_meta_step(
     compile: bool = True,
     mode: str | None = None,
     task_chunk: int | Literal["auto"] | None = "auto",
+    graph: Literal["auto", "autograd", "torch.func"] = "auto",
     **options: Unpack[AdaptKeywords],
 ) -> MetaStep:
     """A meta-iteration of :func:`funcmeta.adapt_tasks` compiled into one graph (see
@@ -589,7 +669,11 @@ def compile_meta_step(
     ``offload_activations`` decide on the host at every step or use autograd machinery that
     torch.compile does not trace: given, the step runs :func:`funcmeta.adapt_tasks` with them
     and says so once, naming the option (``MetaStep.eager_reason``); so does a model built
-    with ``checkpoint_layers=``, whose checkpointed layers the traced step cannot run. Before
+    with ``checkpoint_layers=`` where the step compiles the ``torch.func`` graph, whose
+    checkpointed layers that graph cannot run; on the autograd graph they compile when asked
+    for by name (``graph="autograd"``: the same meta-gradients, but torch's recomputation
+    leaves the inner gradients' activations in memory, so the eager checkpointed step holds
+    less; ``docs/decisions/compiled-autograd-step.md``), and run eagerly by default. Before
     its first
     graph call the step runs the plain path's inner loop once, first order and without a
     graph, and raises its errors, which ``torch.func.grad`` in the graph would not (an inner
@@ -612,11 +696,17 @@ def compile_meta_step(
     ``task_chunk="auto"`` on each call's shapes, which is all tasks at once for a small model
     and on CUDA (``MetaStep.task_chunk`` says which).
 
+    ``graph`` picks the graph: ``"auto"`` (the default: ``"autograd"`` where this torch
+    traces ``torch.autograd.grad``, else ``"torch.func"``), ``"autograd"`` (an error on a
+    torch that cannot) or ``"torch.func"``. The two give the same meta-gradients.
+
     Returns a :class:`funcmeta.MetaStep`: ``step(support, query)`` adds the meta-gradients of the mean
     query loss to ``.grad`` and returns that loss. The support and query batches carry the
     task axis, as for :func:`funcmeta.adapt_tasks`.
     """
     check_int(steps, "steps", low=1, what="a positive int")
+    if graph not in ("auto", "autograd", "torch.func"):
+        raise ValueError(f"graph must be 'auto', 'autograd' or 'torch.func', got {graph!r}")
     if task_chunk is not None and task_chunk != "auto":
         check_int(task_chunk, "task_chunk", low=1, what="a positive int, 'auto' or None")
     # an unknown option or a bad value raises here, naming it, as fm.adapt_tasks would
@@ -650,4 +740,5 @@ def compile_meta_step(
         options=checked,
         compile=compile,
         plan=plan,
+        graph=graph,
     )

@@ -8,7 +8,9 @@ pass it down, a required argument below them. Here: :data:`EAGER` (``fm.adapt``,
 ``fm.adapt_tasks``, the recipes: the model's own tensor swap and task executor, ``vmap`` in
 chunks, ``torch.autograd.grad``, the error reports and the kernel choice) and :data:`TRACED`
 (what ``fm.compile_meta_step`` traces: ``torch.func.functional_call``, one
-``torch.func.vmap``, ``torch.func.grad``). A model sharded by ``fm.distributed.shard_model``
+``torch.func.vmap``, ``torch.func.grad``), and, per compiled step on torch 2.13 and newer,
+``autograd_traced.AutogradTracedRuntime`` (``TRACED``'s forward with ``torch.autograd.grad``,
+and checkpointed layers as torch checkpoint regions). A model sharded by ``fm.distributed.shard_model``
 gets that call's runtime (``funcmeta._src.distributed.runtime``). The inner loop
 (``funcmeta._src.inner``) asks its runtime and branches on nothing. ``place`` says which
 batch the model runs on now.

@@ -85,6 +85,9 @@ from funcmeta._src.core.fence.functorch import (
 )
 from funcmeta._src.core.fence.inductor import (
     UNNAMED_CUDAGRAPH_SKIP,
+    autograd_tracing,
+    backward_region,
+    can_mark_backward,
     compiling,
     cudagraph_skips,
     inductor_aten_max_pool_backward,
@@ -121,8 +124,11 @@ __all__ = [
     "UNNAMED_CUDAGRAPH_SKIP",
     "add_batch_dim",
     "autocast_enabled",
+    "autograd_tracing",
+    "backward_region",
     "buffer_dict",
     "caller_frame",
+    "can_mark_backward",
     "checkpoint_redirected",
     "compiling",
     "conv_forward",

@@ -17,6 +17,9 @@ from funcmeta._src.core.fence.registry import ACCESSES
 
 __all__ = [
     "UNNAMED_CUDAGRAPH_SKIP",
+    "autograd_tracing",
+    "backward_region",
+    "can_mark_backward",
     "compiling",
     "cudagraph_skips",
     "inductor_aten_max_pool_backward",
@@ -109,6 +112,33 @@ def with_own_code_object(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     code = graph.__code__.replace()  # equal, but a new object: a cache of its own
     return types.FunctionType(code, graph.__globals__, "graph", None, graph.__closure__)
+
+
+def autograd_tracing() -> contextlib.AbstractContextManager[Any] | None:
+    """A block in which dynamo traces ``torch.autograd.grad`` into the graph (its
+    ``trace_autograd_ops``, off by default), or ``None`` where this torch's dynamo lacks the
+    switch. An optional access: it is not in :data:`ACCESSES`."""
+    import torch._dynamo.config as dynamo_config  # imported only when a compiled step is built
+
+    if not hasattr(dynamo_config, "trace_autograd_ops"):
+        return None
+    return dynamo_config.patch(trace_autograd_ops=True)
+
+
+def backward_region() -> contextlib.AbstractContextManager[Any]:
+    """A block whose operations a traced graph marks as its backward region
+    (``torch.fx.traceback.annotate({"phase": "backward"})``): where torch's activation
+    checkpointing recomputes checkpointed regions of a forward-loss-backward graph. A plain
+    block where this torch lacks the annotation (see :func:`can_mark_backward`)."""
+    annotate = getattr(torch.fx.traceback, "annotate", None)
+    if annotate is None:
+        return contextlib.nullcontext()
+    return annotate({"phase": "backward"})
+
+
+def can_mark_backward() -> bool:
+    """Whether this torch has ``torch.fx.traceback.annotate`` (:func:`backward_region`)."""
+    return callable(getattr(torch.fx.traceback, "annotate", None))
 
 
 def compiling() -> bool:
