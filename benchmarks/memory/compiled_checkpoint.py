@@ -11,8 +11,14 @@ memory returned to the system), float32:
 - ``eager checkpointed``: the same on the model built with ``checkpoint_layers="sequential"``
   (each block);
 - ``compiled``: :func:`funcmeta.compile_meta_step` on the model without checkpointing;
-- ``compiled checkpointed``: :func:`funcmeta.compile_meta_step` on the checkpointed model (its
-  ``eager_reason`` is printed when it does not compile).
+- ``compiled checkpointed``: :func:`funcmeta.compile_meta_step` on the checkpointed model,
+  ``graph="autograd"`` (a checkpointed model runs eagerly by default; its ``eager_reason`` is
+  printed when it does not compile).
+
+``--backend aot_eager`` compiles with torch's ``aot_eager`` backend instead of the step's
+plan (the graph as AOTAutograd partitions it, activation checkpointing's recomputation
+included, without inductor's C++ build: minutes less on a small CPU, the same memory
+decisions).
 
 Each row: the peak resident memory of one meta-iteration above its start (after a first
 call, which compiles), the median seconds of ``--repeats`` calls, and the largest difference
@@ -25,7 +31,7 @@ median time at most ``eager checkpointed``'s (a 5% allowance). The last line is 
 PASS`` or ``RESULT FAIL`` (exit status 1), naming each target missed.
 
     python benchmarks/memory/compiled_checkpoint.py [--tasks 1] [--repeats 5]
-        [--device cpu|cuda] [--threads 1]
+        [--device cpu|cuda] [--threads 1] [--backend plan|aot_eager]
 """
 
 from __future__ import annotations
@@ -102,7 +108,19 @@ def meta_iteration(way: str, dtype: torch.dtype, device: str, tasks: int) -> tup
     if way.startswith("compiled"):
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")
-            step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=STEPS)
+            if os.environ.get("COMPILED_CHECKPOINT_BACKEND", "plan") != "plan":
+                backend = os.environ["COMPILED_CHECKPOINT_BACKEND"]
+                compile_ = torch.compile
+                torch.compile = lambda fn, **kw: compile_(  # type: ignore[assignment]
+                    fn, fullgraph=True, dynamic=False, backend=backend
+                )
+            step = fm.compile_meta_step(
+                fmodel,
+                F.mse_loss,
+                opt,
+                steps=STEPS,
+                graph="autograd" if checkpointed else "auto",
+            )
         return net, (lambda: step(support, query)), step.eager_reason
 
     def run() -> torch.Tensor:
@@ -154,6 +172,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backend", choices=("plan", "aot_eager"), default="plan")
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # a row's own process
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -172,6 +191,10 @@ def main() -> int:
     rows: dict[str, dict[str, Any]] = {}
     grads: dict[str, dict[str, torch.Tensor]] = {}
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": str(args.threads)}
+    env["COMPILED_CHECKPOINT_BACKEND"] = args.backend
+    print(
+        f"compiled with: {'the step plan (inductor)' if args.backend == 'plan' else args.backend}"
+    )
     folder = Path(os.environ.get("TMPDIR", "/tmp"))
     for way in WAYS:
         path = folder / f"compiled_checkpoint_{os.getpid()}_{way.replace(' ', '_')}.pt"
