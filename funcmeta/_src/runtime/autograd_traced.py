@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,17 +73,8 @@ class AutogradTracedRuntime(TracedRuntime):
     def __init__(self, runner: nn.Module) -> None:
         self.runner = runner
 
-    def run(
-        self,
-        fmodel: FunctionalModel,
-        params: Mapping[str, Tensor],
-        buffers: Mapping[str, Tensor],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, dict[str, Tensor]]:
-        new_buffers = {k: b.clone() for k, b in buffers.items()}
-        out = torch.func.functional_call(self.runner, (dict(params), new_buffers), args, kwargs)
-        return out, new_buffers
+    def module_of(self, fmodel: FunctionalModel) -> nn.Module:
+        return self.runner
 
     def gradient(
         self,

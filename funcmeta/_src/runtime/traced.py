@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.runtime.base import Objective, Runtime
@@ -44,8 +44,13 @@ class TracedRuntime(Runtime):
         kwargs: dict[str, Any],
     ) -> tuple[Any, dict[str, Tensor]]:
         new_buffers = {k: b.clone() for k, b in buffers.items()}
-        out = torch.func.functional_call(fmodel.module, (dict(params), new_buffers), args, kwargs)
+        module = self.module_of(fmodel)
+        out = torch.func.functional_call(module, (dict(params), new_buffers), args, kwargs)
         return out, new_buffers
+
+    def module_of(self, fmodel: FunctionalModel) -> nn.Module:
+        """The module the traced step runs for ``fmodel``: its own module here."""
+        return fmodel.module
 
     def over_tasks(
         self,
