@@ -9,6 +9,8 @@ minutes on a small CPU); ``benchmarks/memory/compiled_checkpoint.py`` compiles w
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -208,19 +210,122 @@ def test_models_the_torch_func_graph_cannot_hold_compile_on_the_autograd_graph(a
     assert compiled_equals_plain(net, fmodel, F.cross_entropy, batch, batch) < 1e-10
 
 
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> list[torch.fx.GraphModule]:
+    """torch.compile through AOTAutograd (its rematerialization included) with the graphs it
+    hands the backend recorded and run as they are."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm, example_inputs):  # type: ignore[no-untyped-def]
+        graphs.append(gm)
+        return gm.forward
+
+    compile_ = torch.compile
+    backend = aot_autograd(fw_compiler=record)
+
+    def compile_recorded(fn, **kwargs):  # type: ignore[no-untyped-def]
+        return compile_(fn, fullgraph=True, dynamic=False, backend=backend)
+
+    monkeypatch.setattr(torch, "compile", compile_recorded)
+    return graphs
+
+
+def kept_bytes(gm: torch.fx.GraphModule) -> int:
+    """The bytes the graph computes before its backward region (the outer gradient, marked
+    ``phase: backward``) and reads in it: what it keeps in memory for the outer gradient."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    start = next(
+        i for i, n in enumerate(nodes) if (n.meta.get("custom") or {}).get("phase") == "backward"
+    )
+    total = 0
+    for n in nodes[:start]:
+        value = n.meta.get("val")
+        if isinstance(value, torch.Tensor) and any(index[u] >= start for u in n.users):
+            total += value.numel() * value.element_size()
+    return total
+
+
 @needs_autograd_graph
-def test_a_checkpointed_model_runs_eagerly_by_default_saying_how_to_compile_it():
-    """Compiled, a checkpointed model holds more memory than the eager checkpointed step (the
-    inner gradients keep their activations): by default it runs eagerly, exactly, and says
-    so; graph='autograd' compiles it (the tests above)."""
+@pytest.mark.slow
+def test_the_compiled_step_recomputes_the_inner_gradients_and_steps_it_checkpoints(
+    recorded, monkeypatch: pytest.MonkeyPatch
+):
+    """What the compiled graph keeps for its outer gradient. torch's rematerialization
+    recomputes the checkpointed layers' forwards, but the inner gradients read what those
+    forwards computed: without funcmeta's pass the checkpointed graph keeps nearly what the
+    unchecked one does. With it, the layers' inner gradients are recomputed too, and
+    checkpoint_steps recomputes whole steps: each keeps less, with the same meta-gradients."""
+    from funcmeta._src.compiled import step as step_module
+
+    support, query = sinusoid()
+    opt = fm.optim.sgd(lr=0.1)
+
+    def kept(layers, **options):  # type: ignore[no-untyped-def]
+        net = residual_mlp()
+        fmodel = fm.functional_model(net, checkpoint_layers=layers)
+        theirs = meta_grads(
+            net, lambda: plain(fmodel, F.mse_loss, opt, support, query, 3, **options)
+        )
+        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=3, task_chunk=None, **options)
+        ours = meta_grads(net, lambda: step(support, query))
+        assert step.eager_reason is None, step.eager_reason
+        assert relative(ours, theirs) < 1e-10
+        return kept_bytes(recorded[-1])
+
+    unchecked = kept(None)
+    layers = kept(["1", "2", "3"])
+    steps = kept(None, checkpoint_steps=True)
+    both = kept(["1", "2", "3"], checkpoint_steps=True)
+    monkeypatch.setattr(
+        step_module, "recompute_inner_gradients", lambda mode: contextlib.nullcontext()
+    )
+    torch_alone = kept(["1", "2", "3"])
+    assert torch_alone > 0.85 * unchecked  # the inner gradients keep the activations
+    assert layers < 0.6 * torch_alone
+    assert steps < 0.5 * unchecked
+    assert both < layers and both < steps
+
+
+@needs_autograd_graph
+@pytest.mark.parametrize("layers", [None, ["1", "2", "3"]], ids=["plain", "checkpointed"])
+def test_checkpoint_steps_compile_on_the_autograd_graph_with_the_plain_paths_meta_gradients(
+    aot_eager, layers
+):
+    net = residual_mlp()
+    fmodel = fm.functional_model(net, checkpoint_layers=layers)
+    support, query = sinusoid()
+    error = compiled_equals_plain(net, fmodel, F.mse_loss, support, query, checkpoint_steps=True)
+    assert error < 1e-10
+
+
+@needs_autograd_graph
+def test_a_checkpointed_model_compiles_by_default_and_runs_eagerly_where_torch_lacks_the_pass(
+    aot_eager, monkeypatch: pytest.MonkeyPatch
+):
+    """A checkpointed model compiles on the autograd graph by default. Where this torch lacks
+    the rematerialization pass funcmeta extends, the compiled step would hold more memory than
+    the eager checkpointed one: it runs eagerly, exactly, and says how to compile anyway."""
+    from funcmeta._src.compiled import eager_reasons
+    from funcmeta._src.compiled import step as step_module
+
     net = residual_mlp()
     fmodel = fm.functional_model(net, checkpoint_layers=["1", "2", "3"])
     support, query = sinusoid()
     opt = fm.optim.sgd(lr=0.1)
     theirs = meta_grads(net, lambda: plain(fmodel, F.mse_loss, opt, support, query, 2))
+    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, task_chunk=None)
+    assert step.graph == "autograd" and step.eager_reason is None
+    assert relative(meta_grads(net, lambda: step(support, query)), theirs) < 1e-10
+    assert step.eager_reason is None
+
+    monkeypatch.setattr(step_module, "can_recompute_inner_gradients", lambda: False)
+    monkeypatch.setattr(eager_reasons, "can_recompute_inner_gradients", lambda: False)
     with pytest.warns(UserWarning, match=r"runs eagerly: checkpoint_layers=\['1', '2', '3'\]"):
-        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, task_chunk=None)
-    assert step.graph == "autograd"
-    assert "pass graph='autograd' to compile it anyway" in (step.eager_reason or "")
-    ours = meta_grads(net, lambda: step(support, query))
-    assert relative(ours, theirs) == 0.0
+        eager = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, task_chunk=None)
+    assert "pass graph='autograd' to compile it anyway" in (eager.eager_reason or "")
+    assert relative(meta_grads(net, lambda: eager(support, query)), theirs) == 0.0
+    with pytest.warns(UserWarning, match="runs eagerly: checkpoint_steps=True"):
+        fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, checkpoint_steps=True)

@@ -20,7 +20,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from funcmeta._src.core.fence import autograd_tracing, can_mark_backward
+from funcmeta._src.core.fence import (
+    autograd_tracing,
+    can_mark_backward,
+    can_recompute_inner_gradients,
+)
 from funcmeta._src.inner.options import AdaptOptions
 
 __all__ = [
@@ -42,7 +46,8 @@ UNTRACED: dict[str, str] = {
     "loss_scale": "checks every step for an overflow on the host and stops the loop there",
     "on_nonfinite": "checks every step's numbers on the host",
     "checkpoint_steps": "recomputes each step in the backward (torch.utils.checkpoint), "
-    "which torch.compile does not trace inside torch.func",
+    "which torch.compile does not trace inside torch.func (the autograd graph, on torch "
+    "2.13 and newer, recomputes the steps itself)",
     "offload_activations": "moves what autograd saves through saved-tensor hooks, which "
     "torch.compile does not trace inside torch.func",
 }
@@ -152,23 +157,30 @@ def checkpointed_layers(names: list[str], graph_reason: str | None = None) -> st
 
 def checkpointed_layers_keep_memory(names: list[str]) -> str:
     """Why a model built with ``checkpoint_layers=`` runs eagerly unless the autograd graph is
-    asked for by name: compiled, it holds more memory than the eager checkpointed step
+    asked for by name, where this torch lacks the rematerialization pass that funcmeta
+    extends to the inner gradients (:func:`funcmeta._src.core.fence.recompute_inner_gradients`):
+    compiled, it would hold more memory than the eager checkpointed step
     (``docs/decisions/compiled-autograd-step.md``)."""
     return (
         f"checkpoint_layers={names} run eagerly (fm.adapt_tasks on the checkpointed layers: "
-        "their memory, the same meta-gradients): in the compiled graph torch recomputes the "
-        "layers for the outer gradient only, and the inner gradients keep the activations "
-        "they read, so the compiled step holds more memory than the eager checkpointed one; "
-        "pass graph='autograd' to compile it anyway (the same meta-gradients, faster)"
+        "their memory, the same meta-gradients): this torch lacks the rematerialization pass "
+        "(torch._functorch._activation_checkpointing) through which the compiled step "
+        "recomputes the layers' inner gradients, so compiled, the inner gradients would keep "
+        "the activations they read, more memory than the eager checkpointed step; pass "
+        "graph='autograd' to compile it anyway (the same meta-gradients)"
     )
 
 
-def untraced(options: AdaptOptions) -> str | None:
+def untraced(options: AdaptOptions, graph: str = "torch.func") -> str | None:
     """Why the inner-loop ``options`` given to :func:`funcmeta.compile_meta_step` keep its
-    meta-iteration eager, naming the first of them that does (:data:`UNTRACED`), else
-    ``None``; an option at its default value compiles."""
+    meta-iteration eager on ``graph`` (``"torch.func"`` or ``"autograd"``), naming the first
+    of them that does (:data:`UNTRACED`), else ``None``; an option at its default value
+    compiles, and ``checkpoint_steps`` compiles on the autograd graph, which recomputes the
+    steps itself, where this torch has the pass it takes."""
     for name, why in UNTRACED.items():
         value = getattr(options, name)
+        if name == "checkpoint_steps" and graph == "autograd" and can_recompute_inner_gradients():
+            continue
         if value not in (None, False):
             return (
                 f"{name}={value!r} is not compiled: it {why}; use {_PLAIN}, or leave "

@@ -93,9 +93,12 @@ from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.checks import check_int
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import (
+    RematMode,
     autograd_tracing,
     backward_region,
+    can_recompute_inner_gradients,
     cudagraph_skips,
+    recompute_inner_gradients,
     reparametrized,
     saved_tensor_hooks_state,
     set_saved_tensor_hooks_state,
@@ -183,11 +186,25 @@ class MetaStep:
         self._runtime: Runtime = (
             TRACED if self.graph == "torch.func" else AutogradTracedRuntime(traced_runner(fmodel))
         )
-        reason = untraced(options) if compile else None
+        reason = untraced(options, self.graph) if compile else None
         if reason is None and compile and fmodel.checkpointed and self.graph == "torch.func":
             reason = checkpointed_layers(fmodel.checkpointed, self.graph_reason)
-        elif reason is None and compile and fmodel.checkpointed and graph == "auto":
+        elif (
+            reason is None
+            and compile
+            and fmodel.checkpointed
+            and graph == "auto"
+            and not can_recompute_inner_gradients()
+        ):
             reason = checkpointed_layers_keep_memory(fmodel.checkpointed)
+        # what the autograd graph's rematerialization recomputes besides the checkpointed
+        # layers' forwards: their inner gradients, or under checkpoint_steps every step
+        self._remat: RematMode | None = None
+        if self.graph == "autograd" and can_recompute_inner_gradients():
+            if options.checkpoint_steps:
+                self._remat = "steps"
+            elif fmodel.checkpointed:
+                self._remat = "layers"
         if reason is not None:
             self.eager_reason = reason
             compile = False
@@ -495,6 +512,8 @@ class MetaStep:
                 tracing.enter_context(autograd_tracing() or contextlib.nullcontext())
                 if not self.options.first_order:
                     tracing.enter_context(kernels.twice_differentiable())
+                if self._remat is not None:
+                    tracing.enter_context(recompute_inner_gradients(self._remat))
             with self.plan.lowering() as lowered, tracing:
                 (g_params, g_hyper), loss = self.run_graph(
                     self._compiled, params, hyper, support, query, tasks

@@ -268,8 +268,11 @@ def checkpointed_step(
     buffers: dict[str, Tensor],
 ) -> tuple[list[Tensor], Any, dict[str, Tensor], Tensor, bool]:
     """Step ``k`` of the inner loop, under a step checkpoint when ``checkpoint_steps`` is set
-    and an outer graph is being built (``outer``), else as it is."""
-    if not (inner.options.checkpoint_steps and mode.graph and outer):
+    and an outer graph is being built (``outer``), else as it is (also where the runtime
+    recomputes the steps itself: ``Runtime.recomputes_steps``)."""
+    if not (inner.options.checkpoint_steps and mode.graph and outer) or (
+        inner.runtime.recomputes_steps
+    ):
         return inner.unrolled_step(k, mode, state, buffers, *leaves)
     # State and buffers are bound now: the recomputation must see these values, on the
     # kernels of this forward. Offload, if asked, applies to what the checkpoint keeps (inside

@@ -10,7 +10,11 @@ What differs: the inner gradient is ``torch.autograd.grad`` of the summed task l
 checkpointed layers (``checkpoint_layers=``) call ``torch.utils.checkpoint`` (non-reentrant)
 while dynamo traces them. In the graph, a checkpointed layer is torch's activation
 checkpoint region: the compiled step's outer gradient (the backward region of the graph)
-recomputes the layer's forward instead of keeping its activations. Run without tracing (the
+recomputes the layer's forward instead of keeping its activations. Each inner step is a
+region of the graph (:func:`funcmeta._src.core.fence.inner_step_region`), from which the
+compiled step's rematerialization recomputes the checkpointed layers' inner gradients too,
+or under ``checkpoint_steps`` the whole step (:attr:`recomputes_steps`; the pass:
+``funcmeta._src.core.fence.remat``). Run without tracing (the
 step's uncompiled computation, the reference of the tests) a checkpointed layer runs as it
 is: ``torch.utils.checkpoint`` under ``vmap`` recomputes outside the vmap level in eager mode,
 which torch refuses, and checkpointing changes no value.
@@ -28,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from funcmeta._src.core.fence import inner_step_region
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.module.shadow import Standin, shadow
 from funcmeta._src.runtime.base import Objective
@@ -70,11 +76,21 @@ class AutogradTracedRuntime(TracedRuntime):
     """The autograd-traced runtime (see the module docstring), one per compiled step:
     ``runner`` is what the model runs as (:func:`traced_runner`)."""
 
+    recomputes_steps = True
+
     def __init__(self, runner: nn.Module) -> None:
         self.runner = runner
 
     def module_of(self, fmodel: FunctionalModel) -> nn.Module:
         return self.runner
+
+    def step_scope(
+        self, k: int, steps: int, first_order: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        # the step's operations, annotated in the graph while dynamo traces them
+        if not torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return inner_step_region(k)
 
     def gradient(
         self,

@@ -10,8 +10,8 @@ Example:
     True
     >>> sorted(name for name in vars(Runtime) if not name.startswith("_"))  # doctest: +NORMALIZE_WHITESPACE
     ['check_batch', 'check_options', 'chunk_for', 'entry', 'following', 'for_params',
-     'gradient', 'keeps_layer_graphs', 'outputs', 'over_tasks', 'refuse', 'run',
-     'second_order_kernels', 'step_scope']
+     'gradient', 'keeps_layer_graphs', 'outputs', 'over_tasks', 'recomputes_steps', 'refuse',
+     'run', 'second_order_kernels', 'step_scope']
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class Runtime(abc.ABC):
     #: their forward's graph (a sharded model's may not: a kept graph holds its layer's
     #: gathered parameters, every layer's at once).
     keeps_layer_graphs: bool = True
+
+    #: Whether this runtime recomputes the steps of ``checkpoint_steps=True`` itself (the
+    #: compiled autograd graph: torch's rematerialization, each step a region of
+    #: :meth:`step_scope`), so that the loop runs each step as it is, without a step
+    #: checkpoint.
+    recomputes_steps: bool = False
 
     def for_params(self, params: Mapping[str, Any]) -> Runtime:
         """The runtime of a call on ``params``: this one. (A sharded model's runtime answers

@@ -1,7 +1,7 @@
 """The fence around torch's private internals: every access funcmeta makes to a name torch
 does not promise to keep is in this package, wrapped once, and nowhere else. One module per
 torch subsystem (:mod:`.functorch`, :mod:`.autograd`, :mod:`.backends`, :mod:`.modules`,
-:mod:`.inductor`, :mod:`.pytree`, and :mod:`.frames` for Python's own); the package
+:mod:`.inductor`, :mod:`.remat`, :mod:`.pytree`, and :mod:`.frames` for Python's own); the package
 re-exports them all, and code elsewhere imports from the package.
 
 Each access is registered in one registry, :data:`ACCESSES`, with a probe that says whether this torch
@@ -28,6 +28,10 @@ on and fails with the torch version and the missing name. What each is for:
   blocks, run torch's own code.
 - **vmap's refusals**: which ``RuntimeError`` texts mean "vmap cannot batch this" (torch has
   no exception type for it), checked against a real refusal by the test suite.
+- **AOTAutograd's rematerialization pass** (``torch._functorch._activation_checkpointing``):
+  the compiled step wraps it while compiling, to tag its inner steps' operations for
+  recomputation first (:mod:`.remat`); an optional access, like dynamo's
+  ``trace_autograd_ops`` (:mod:`.inductor`).
 
 Example:
     >>> from funcmeta._src.core.fence import missing_accesses
@@ -116,11 +120,21 @@ from funcmeta._src.core.fence.registry import (
     ACCESSES,
     missing_accesses,
 )
+from funcmeta._src.core.fence.remat import (
+    INNER_STEP_KEY,
+    RematMode,
+    can_recompute_inner_gradients,
+    inner_step_region,
+    recompute_inner_gradients,
+    tag_inner_steps,
+)
 
 __all__ = [
     "ACCESSES",
     "AutocastState",
     "FUNCTORCH",
+    "INNER_STEP_KEY",
+    "RematMode",
     "UNNAMED_CUDAGRAPH_SKIP",
     "add_batch_dim",
     "autocast_enabled",
@@ -129,6 +143,7 @@ __all__ = [
     "buffer_dict",
     "caller_frame",
     "can_mark_backward",
+    "can_recompute_inner_gradients",
     "checkpoint_redirected",
     "compiling",
     "conv_forward",
@@ -143,6 +158,7 @@ __all__ = [
     "has_hooks",
     "inductor_aten_max_pool_backward",
     "inductor_graph_pass",
+    "inner_step_region",
     "inside_transform",
     "is_batchedtensor",
     "is_vmap_refusal",
@@ -159,6 +175,7 @@ __all__ = [
     "prepare_vmap",
     "push_dynamic_layer_stack",
     "qkv_same_embed_dim",
+    "recompute_inner_gradients",
     "remove_batch_dim",
     "reparametrized",
     "saved_tensor_hooks_state",
@@ -172,6 +189,7 @@ __all__ = [
     "set_saved_tensor_hooks_state",
     "set_sdp_priority",
     "share_dicts",
+    "tag_inner_steps",
     "take_attributes",
     "torch_pytree",
     "traceback_modules",
