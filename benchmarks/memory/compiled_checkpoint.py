@@ -11,9 +11,10 @@ memory returned to the system), float32:
 - ``eager checkpointed``: the same on the model built with ``checkpoint_layers="sequential"``
   (each block);
 - ``compiled``: :func:`funcmeta.compile_meta_step` on the model without checkpointing;
-- ``compiled checkpointed``: :func:`funcmeta.compile_meta_step` on the checkpointed model,
-  ``graph="autograd"`` (a checkpointed model runs eagerly by default; its ``eager_reason`` is
-  printed when it does not compile).
+- ``compiled checkpointed``: :func:`funcmeta.compile_meta_step` on the checkpointed model, as
+  it chooses (on torch 2.13 and newer the autograd graph, which recomputes the checkpointed
+  layers' forwards and inner gradients; its ``eager_reason`` is printed when it does not
+  compile).
 
 ``--backend aot_eager`` compiles with torch's ``aot_eager`` backend instead of the step's
 plan (the graph as AOTAutograd partitions it, activation checkpointing's recomputation
@@ -114,13 +115,7 @@ def meta_iteration(way: str, dtype: torch.dtype, device: str, tasks: int) -> tup
                 torch.compile = lambda fn, **kw: compile_(  # type: ignore[assignment]
                     fn, fullgraph=True, dynamic=False, backend=backend
                 )
-            step = fm.compile_meta_step(
-                fmodel,
-                F.mse_loss,
-                opt,
-                steps=STEPS,
-                graph="autograd" if checkpointed else "auto",
-            )
+            step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=STEPS)
         return net, (lambda: step(support, query)), step.eager_reason
 
     def run() -> torch.Tensor:

@@ -129,8 +129,9 @@ def test_checkpointed_residual_blocks_compile_with_the_plain_paths_meta_gradient
 
 @needs_autograd_graph
 @pytest.mark.slow
+@pytest.mark.parametrize("steps", [False, True], ids=["layers", "layers and steps"])
 def test_checkpointed_conv4_blocks_with_batchnorm_compile_with_the_plain_paths_meta_gradients(
-    aot_eager,
+    aot_eager, steps
 ):
     torch.manual_seed(0)
     net = fm.models.conv4(3, hidden=4).to(DTYPE)
@@ -141,7 +142,10 @@ def test_checkpointed_conv4_blocks_with_batchnorm_compile_with_the_plain_paths_m
     ys = torch.arange(3).repeat(2, 2)
     support = (torch.randn(2, 6, 1, 28, 28, generator=g, dtype=DTYPE), ys)
     query = (torch.randn(2, 6, 1, 28, 28, generator=g, dtype=DTYPE), ys)
-    assert compiled_equals_plain(net, fmodel, F.cross_entropy, support, query) < 1e-10
+    error = compiled_equals_plain(
+        net, fmodel, F.cross_entropy, support, query, checkpoint_steps=steps
+    )
+    assert error < 1e-10
 
 
 @needs_autograd_graph
@@ -329,3 +333,23 @@ def test_a_checkpointed_model_compiles_by_default_and_runs_eagerly_where_torch_l
     assert relative(meta_grads(net, lambda: eager(support, query)), theirs) == 0.0
     with pytest.warns(UserWarning, match="runs eagerly: checkpoint_steps=True"):
         fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, checkpoint_steps=True)
+
+
+@needs_autograd_graph
+@pytest.mark.parametrize("steps", [False, True], ids=["layers", "steps"])
+def test_dropout_recomputed_in_the_graph_runs_eagerly_naming_the_layer(aot_eager, steps):
+    """torch's rematerialization cannot recompute random operations: a checkpointed layer or
+    step with dropout in training mode runs fm.adapt_tasks, exactly, saying why in the
+    model's terms."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.Tanh())
+    net = nn.Sequential(nn.Linear(1, 16), body, nn.Linear(16, 1)).to(DTYPE)
+    fmodel = fm.functional_model(net, checkpoint_layers=None if steps else ["1"])
+    support, query = sinusoid()
+    opt = fm.optim.sgd(lr=0.1)
+    step = fm.compile_meta_step(
+        fmodel, F.mse_loss, opt, steps=2, task_chunk=None, checkpoint_steps=steps
+    )
+    with pytest.warns(UserWarning, match="draws random numbers"):
+        step(support, query)
+    assert "'1.1' (Dropout)" in (step.eager_reason or "")

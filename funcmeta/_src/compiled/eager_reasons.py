@@ -69,6 +69,15 @@ class Rule(NamedTuple):
 
 RULES: list[Rule] = [
     Rule(
+        "random numbers recomputed",
+        ("rng ops in recompute regions",),
+        "a checkpointed layer or step draws random numbers (dropout in training mode): torch "
+        "cannot recompute random operations in a compiled graph; keep dropout out of the "
+        "checkpointed layers (or in eval mode), leave checkpoint_steps out, or use "
+        f"{_PLAIN}",
+        (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout),
+    ),
+    Rule(
         "recurrent",
         ("wrap rnn, gru, or lstm",),
         "the model has an nn.RNN, nn.LSTM or nn.GRU: torch.compile does not trace those "
