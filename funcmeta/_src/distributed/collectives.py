@@ -254,5 +254,6 @@ def check_same_everywhere(
     """Raise :class:`MismatchError` on every rank of ``group`` unless all ranks hold tensors
     of the same names, shapes and dtypes (``needs`` opens the message); :class:`PeerError`
     when a rank does not answer within ``timeout`` seconds."""
-    device = comm.world_device(named[0][1].device if named else torch.device("cpu"), group)
+    first = named[0][1].device if named else torch.device("cpu")
+    device = comm.world_device(torch.device("cpu") if first.type == "meta" else first, group)
     _check_signature(_signature(named), device, group, timeout, needs)

@@ -167,9 +167,28 @@ def redistribute(tensor: Any, mesh: Any, placements: Sequence[Any], what: str) -
         return tensor.redistribute(mesh, list(placements))
 
 
-def distribute(tensor: Tensor, mesh: Any, placements: Sequence[Any]) -> Any:
-    """``tensor`` (the same on every rank) as a ``DTensor`` placed on ``mesh``."""
-    from torch.distributed.tensor import distribute_tensor
+def distribute(tensor: Tensor, mesh: Any, placements: Sequence[Any], local: bool = False) -> Any:
+    """``tensor`` (the same on every rank) as a ``DTensor`` placed on ``mesh``: rank 0's
+    values scattered, or with ``local`` this rank's own slice of its own ``tensor`` (no
+    communication; where torch cannot, rank 0's scattered). With ``local`` the shard is a
+    copy: nothing of ``tensor`` stays alive through it."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     with collective("distribute", "placing a parameter on the mesh"):
-        return distribute_tensor(tensor, mesh, list(placements))
+        if not local:
+            return distribute_tensor(tensor, mesh, list(placements))
+        try:
+            placed = distribute_tensor(tensor, mesh, list(placements), src_data_rank=None)
+        except TypeError:  # torch < 2.6: no src_data_rank, rank 0's values scattered
+            placed = distribute_tensor(tensor, mesh, list(placements))
+        mine = placed.to_local()
+        if mine.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            mine = mine.clone()  # a view keeps the whole tensor alive
+        return DTensor.from_local(
+            mine,
+            mesh,
+            list(placements),
+            run_check=False,
+            shape=placed.shape,
+            stride=placed.stride(),
+        )

@@ -22,6 +22,7 @@ not the work. ``full_tensor``'s backward sums nothing across ranks, which is exa
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.fence import parameter_dict
+from funcmeta._src.core.fence import buffer_dict, parameter_dict
 from funcmeta._src.core.sharding import (
     DEFAULT_TIMEOUT,
     ShardingError,
@@ -107,6 +108,54 @@ def _own_mesh(mesh: Any, timeout: float) -> Any:
     )
 
 
+#: What ``shard_model(init=...)`` is called with: a tensor's qualified name and the meta
+#: tensor it replaces; it returns that tensor's whole values (the same on every rank).
+Init = Callable[[str, Tensor], Tensor]
+
+
+def _mesh_device(mesh: Any) -> torch.device:
+    """The device a mesh's tensors live on (this process's CUDA device on a CUDA mesh)."""
+    if mesh.device_type == "cuda":  # pragma: no cover - GPU
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _meta_tensors(module: nn.Module) -> list[str]:
+    """The qualified names of ``module``'s parameters and buffers on the meta device."""
+    named = itertools.chain(module.named_parameters(), module.named_buffers())
+    return [n for n, t in named if t is not None and t.is_meta]
+
+
+def _whole(init: Init, name: str, like: Tensor, device: torch.device) -> Tensor:
+    """``init(name, like)``, checked: a tensor of ``like``'s shape and dtype, on ``device``."""
+    value = init(name, like)
+    if not isinstance(value, Tensor) or isinstance(value, nn.Parameter):
+        kind = type(value).__name__
+        if not isinstance(value, Tensor):
+            raise ShardingError(
+                f"init({name!r}, ...) returned {kind}: it must return the whole tensor's values "
+                f"(shape {tuple(like.shape)}, {like.dtype})"
+            )
+        value = value.detach()
+    if value.is_meta or tuple(value.shape) != tuple(like.shape) or value.dtype != like.dtype:
+        where = "on the meta device" if value.is_meta else f"{tuple(value.shape)}, {value.dtype}"
+        raise ShardingError(
+            f"init({name!r}, ...) returned a tensor {where}; {name!r} needs shape "
+            f"{tuple(like.shape)} and {like.dtype}, with its values"
+        )
+    return value.detach().to(device)
+
+
+def _materialize_buffers(module: nn.Module, init: Init, device: torch.device) -> None:
+    """Each buffer on the meta device replaced by ``init``'s whole values (buffers are not
+    sharded: every rank holds them whole)."""
+    for prefix, layer in module.named_modules(remove_duplicate=False):
+        buffers = buffer_dict(layer)
+        for name, b in list(buffers.items()):
+            if b is not None and b.is_meta:
+                buffers[name] = _whole(init, f"{prefix}.{name}" if prefix else name, b, device)
+
+
 @exposed_in("funcmeta.distributed")
 def shard_model(
     module: nn.Module,
@@ -114,6 +163,7 @@ def shard_model(
     *,
     mesh_dim: str | int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    init: Init | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the processes of a ``DeviceMesh``, in place, and
     gather each layer's parameters only while that layer runs; returns ``module``.
@@ -144,6 +194,13 @@ def shard_model(
     :func:`funcmeta.compile_meta_step` raises :class:`ShardingError`. Learnable
     hyperparameters (``fm.hyper`` rates) are placed beside the shards with :func:`shard_hyper`.
 
+    **A model no rank holds whole.** Build it on the meta device (``with
+    torch.device("meta"):``) and pass ``init``: for each parameter and buffer, in order,
+    ``init(name, meta_tensor)`` returns its whole values (the same on every rank: a seeded
+    draw, or the tensor read from a file); the rank keeps its own shard of it (no
+    communication) and drops the rest before asking for the next. A rank's memory during the
+    build is then its shards plus one whole tensor. Buffers are kept whole.
+
     Raises :class:`ShardingError` for a mesh of more than two axes, a 2-D mesh without
     ``mesh_dim``, a module already sharded, and a
     parameter held by two layers (tied weights): each layer gathers its own parameters, so a
@@ -151,7 +208,9 @@ def shard_model(
     first compare their modules' parameters (names, shapes, dtypes): a difference raises
     :class:`MismatchError` on every rank, and a rank that does not answer within ``timeout``
     seconds :class:`PeerError`. A gather that fails later (a peer gone) raises
-    :class:`PeerError` naming the layer.
+    :class:`PeerError` naming the layer. A module with tensors on the meta device and no
+    ``init`` (or ``init`` and none), and an ``init`` that returns anything but a tensor of
+    the meta tensor's shape and dtype, raise :class:`ShardingError` naming the tensor.
 
     Example (one process; under ``torchrun`` every rank runs the same code):
         >>> import tempfile, torch, torch.distributed as dist
@@ -170,6 +229,21 @@ def shard_model(
         raise TypeError(f"shard_model takes an nn.Module, got {type(module).__name__}")
     check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
     axis = _shard_axis(mesh, mesh_dim)
+    if init is not None and not callable(init):
+        raise TypeError(
+            f"init must be a function (name, meta tensor) -> whole tensor, got {type(init).__name__}"
+        )
+    on_meta = _meta_tensors(module)
+    if on_meta and init is None:
+        raise ShardingError(
+            f"{on_meta[0]!r} (and {len(on_meta) - 1} more) is on the meta device: pass "
+            "init=(name, meta tensor) -> its whole values, and each rank keeps its shard"
+        )
+    if init is not None and not on_meta:
+        raise ShardingError(
+            "init= materializes a module built on the meta device, and this one has no tensor "
+            "there: shard it without init (its values are rank 0's)"
+        )
     owners: dict[int, list[str]] = {}
     for prefix, layer in module.named_modules(remove_duplicate=False):
         for name, p in parameter_dict(layer).items():
@@ -197,7 +271,10 @@ def shard_model(
     )
     own = _own_mesh(mesh, timeout)
     runtime = ShardedRuntime(own, axis, timeout)
-    for layer in module.modules():
+    device = _mesh_device(own)
+    if init is not None:
+        _materialize_buffers(module, init, device)
+    for prefix, layer in module.named_modules():
         names = [n for n, p in parameter_dict(layer).items() if p is not None]
         if not names:
             continue
@@ -208,7 +285,13 @@ def shard_model(
             if p.dim() > 0:
                 placements[axis] = Shard(0)
             with torch.no_grad():
-                placed = comm.distribute(p.detach(), own, placements)
+                if p.is_meta:
+                    assert init is not None
+                    whole = _whole(init, f"{prefix}.{name}" if prefix else name, p, device)
+                    placed = comm.distribute(whole, own, placements, local=True)
+                    del whole  # one whole tensor at a time
+                else:
+                    placed = comm.distribute(p.detach(), own, placements)
             parameter_dict(layer)[name] = nn.Parameter(placed, requires_grad=p.requires_grad)
         gather = _LayerGather()
         layer.register_forward_pre_hook(gather.before)
