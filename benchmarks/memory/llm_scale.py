@@ -1,0 +1,559 @@
+"""Second-order MAML on LoRA adapters of a 1.1 B decoder (TinyLlama-1.1B's shape), on one
+process and across ranks: peak memory, time, FLOP/s and bytes against the formula of
+``docs/memory.md`` ("Will it fit?").
+
+The model: a ``transformers`` ``LlamaForCausalLM`` from a config (hidden 2048, 22 layers, 32
+heads, 4 key-value heads, intermediate 5632, vocabulary 32000, untied head: 1.10 B
+parameters), random values (a seeded draw per tensor, nothing downloaded), built on the meta
+device and materialized tensor by tensor; peft LoRA r=8 on the attention projections (q, k,
+v, o), the only parameters adapted and meta-trained; learnable per-layer softplus inner rates.
+The work: 2 tasks of 64 support and 64 query tokens (one sequence each), K inner SGD steps,
+second order, next-token loss, float32 (bf16 is emulated on a CPU without AVX-512 BF16 or
+AMX: ``fm.cpu_has_native_bf16``).
+
+Modes: ``plain``; ``layers`` (``checkpoint_layers`` on the decoder layers); ``layers+head``
+(the LM head too); ``steps`` (``checkpoint_steps=True``); ``both`` (layers, head and steps).
+Runs, each in fresh processes:
+
+- ``one``: one process, every mode;
+- ``shard``: 4 gloo ranks, ``fm.distributed.shard_model`` of the meta-device build
+  (``init=``: no rank holds the model whole), the same two tasks on every rank;
+- ``gather``: 2 gloo ranks, ``fm.distributed.gather_params``, each rank its own task.
+
+Each row: peak RSS per rank (the whole process, its build included; and above the weights
+during the meta-step), seconds per meta-step, FLOP (``torch.utils.flop_counter``) and FLOP/s
+against this CPU's fp32 matrix-product peak measured in the same process, the parameters a
+rank holds and the most gathered at once, and the formula's bytes. The targets of the issue
+are judged at the end: ``RESULT PASS`` or ``RESULT FAIL ...`` (exit status 1).
+
+``--small`` (2 layers, hidden 64, float64) runs the same code in one process and on 4 and 2
+ranks and checks that every mode's meta-gradients (adapters and rates) equal one process's
+unsharded plain run to 1e-10 (relative to the largest entry).
+
+    python benchmarks/memory/llm_scale.py [--small] [--steps 1 3] [--runs one shard gather]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
+
+MODES = ("plain", "layers", "layers+head", "steps", "both")
+TOKENS = 64  # support and query tokens per task
+TASKS = 2
+LORA_RANK = 8
+
+LARGE = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 22,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 5632,
+    "vocab_size": 32000,
+}
+SMALL = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+
+
+def config(small: bool) -> Any:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.LlamaConfig(
+        **(SMALL if small else LARGE),
+        max_position_embeddings=TOKENS,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+def build_meta(small: bool, dtype: Any) -> Any:
+    """The decoder with its LoRA adapters on the meta device (no memory)."""
+    import peft
+    import torch
+    import transformers
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = transformers.LlamaForCausalLM(config(small))
+        lora = peft.LoraConfig(
+            r=LORA_RANK,
+            lora_alpha=2 * LORA_RANK,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            lora_dropout=0.0,
+        )
+        model = peft.get_peft_model(base, lora).to(dtype)
+    exact_norms(model)
+    return model.train()
+
+
+def exact_norms(model: Any) -> None:
+    """Llama's RMS norms computed in the model's dtype: transformers' computes in float32,
+    which in a float64 model rounds the meta-gradients at 1e-8 differently in each mode
+    (docs/decisions/huggingface-models.md). In float32 the two are the same computation."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class ModelDtypeRMSNorm(LlamaRMSNorm):
+        def forward(self, hidden_states: Any) -> Any:
+            variance = hidden_states.pow(2).mean(-1, keepdim=True)
+            return self.weight * (hidden_states * (variance + self.variance_epsilon).rsqrt())
+
+    for module in model.modules():
+        if type(module) is LlamaRMSNorm:
+            module.__class__ = ModelDtypeRMSNorm
+
+
+def values(small: bool, name: str, like: Any) -> Any:
+    """Tensor ``name``'s values: a seeded draw per name (norms at 1), the rotary frequencies
+    as the model computes them. The same on every rank and in every run."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    if name.endswith("inv_freq"):
+        rotary = LlamaRotaryEmbedding(config=config(small))
+        return getattr(rotary, name.rsplit(".", 1)[1]).to(like.dtype)
+    if name.endswith("norm.weight"):
+        return torch.ones(like.shape, dtype=like.dtype)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    scale = 0.2 if small else 0.02
+    return torch.randn(like.shape, generator=g, dtype=like.dtype).mul_(scale)
+
+
+def materialize(model: Any, small: bool) -> None:
+    """One process: the meta-device model made real, tensor by tensor."""
+    import torch
+
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.copy_(values(small, name, t))
+
+
+def layer_names(model: Any, head: bool) -> list[str]:
+    names = [n for n, _ in model.named_modules() if n.rsplit(".", 2)[-2:-1] == ["layers"]]
+    return names + ([n for n, _ in model.named_modules() if n.endswith("lm_head")] if head else [])
+
+
+def loss_fn(out: Any, ids: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2), ids[..., 1:].flatten())
+
+
+def matmul_peak(threads: int) -> float:
+    """This CPU's fp32 matrix-product FLOP/s on ``threads`` threads: the best of 5 products of
+    a 2048 x 2048 by a 2048 x 5632 matrix (the decoder's MLP shape, at full rows)."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 5632)
+    best = float("inf")
+    for _ in range(6):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * 2048 * 2048 * 5632 / best
+
+
+def formula(small: bool, mode: str, steps: int, tasks: int, ranks_sharing: int = 1) -> int:
+    """The bytes a meta-step keeps above the weights (docs/memory.md, "Will it fit?")."""
+    c = SMALL if small else LARGE
+    h, i, v, n_layers = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["vocab_size"],
+        c["num_hidden_layers"],
+    )
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    s, b = TOKENS, 8 if small else 4
+    dkv = kv * h // heads
+    # a decoder layer's forward keeps, per token (values): norms' inputs and outputs (4h), q,
+    # k, v, their rotated copies and the attention output (3h + 4 dkv), the LoRA down
+    # projections (4r), the MLP's gate, up, activation and product (4i), and per head the
+    # scores and probabilities (2 heads s)
+    forward = 7 * h + 4 * dkv + 4 * LORA_RANK + 4 * i + 2 * heads * s
+    # a second-order step keeps its forward and its inner gradient's graph (a second copy)
+    step = 2 * s * forward * b
+    head = 4 * s * v * b  # logits, log-probabilities, their gradient, its softmax
+    adapters = n_layers * 2 * LORA_RANK * (2 * h + 2 * (h + dkv)) * b
+    passes = steps + 1  # K support steps and the query pass
+    if mode == "plain":
+        kept = tasks * (steps * n_layers * step + passes * head)
+        return kept + tasks * steps * adapters
+    # checkpointed layers keep per step their input and incoming gradient; the outer backward
+    # holds one layer's recomputation (forward, inner gradient, their derivative: 3 copies)
+    layer = 2 * s * h * b
+    held_head = 2 * s * (h + v) * b if "head" in mode or mode == "both" else head
+    if mode == "steps":  # each step's parameters; the outer backward recomputes one step
+        return tasks * (passes * 2 * s * h * b + steps * adapters) + n_layers * step + head
+    recompute = 3 * s * forward * b + head
+    per_step = 1 if mode == "both" else steps
+    return tasks * (passes * (n_layers * layer + held_head) + per_step * adapters) + recompute
+
+
+# ------------------------------------------------------------------------------- a process
+
+
+def meta_step(fmodel: Any, params: Any, rates: Any, ids: tuple, mode: str, steps: int) -> None:
+    import funcmeta as fm
+
+    xs, xq = ids
+    result = fm.recipes.maml(
+        fmodel,
+        params,
+        loss_fn,
+        ({"input_ids": xs}, xs),
+        ({"input_ids": xq}, xq),
+        steps=steps,
+        lr=rates,
+        task_chunk=1,
+        checkpoint_steps=mode in ("steps", "both"),
+    )
+    result.loss.backward()
+
+
+def worker(args: argparse.Namespace) -> list[dict]:
+    """This process's rows (every point of ``--points``), as one rank of ``args.run``."""
+    import torch
+
+    threads = args.threads
+    world, rank = 1, 0
+    if args.run != "one":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        world, rank = dist.get_world_size(), dist.get_rank()
+    torch.set_num_threads(threads)
+    dtype = torch.float64 if args.small else torch.float32
+    peak_flops = matmul_peak(threads) if not args.small else 0.0
+    rows = []
+    for point in args.points:
+        mode, steps = point.split(":")
+        rows.append(one_point(args, mode, int(steps), dtype, world, rank, peak_flops))
+        gc.collect()
+    return rows
+
+
+def one_point(
+    args: argparse.Namespace, mode: str, steps: int, dtype: Any, world: int, rank: int, peak: float
+) -> dict:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import funcmeta as fm
+
+    before_build = _common.rss_bytes()
+    model = build_meta(args.small, dtype)
+    if args.run == "one":
+        materialize(model, args.small)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        fm.distributed.shard_model(
+            model, mesh, init=lambda name, like: values(args.small, name, like)
+        )
+    gc.collect()
+    built = _common.peak_rss_bytes()
+    head = mode in ("layers+head", "both") or (args.run == "shard" and mode != "plain")
+    layers = layer_names(model, head) if mode != "plain" and mode != "steps" else None
+    fmodel = fm.functional_model(model, checkpoint_layers=layers)
+    adapters = {k: v for k, v in fmodel.params.items() if v.requires_grad}
+    rates = fm.hyper.per_layer(adapters, 1e-3, parameterization="softplus").to(dtype)
+    if args.run == "shard":
+        fm.distributed.shard_hyper(rates, model)
+    most = [0]
+
+    def note(module: Any, inputs: Any) -> None:
+        most[0] = max(most[0], fm.distributed.gathered_bytes())
+
+    if args.run != "one":
+        for layer in model.modules():
+            if any(True for _ in layer.parameters(recurse=False)):
+                layer.register_forward_pre_hook(note)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    xs, xq = (torch.randint(0, vocab, (TASKS, 1, TOKENS), generator=g) for _ in range(2))
+    count = TASKS
+    if args.run == "gather":
+        (xs, xq), count = fm.distributed.shard((xs, xq))
+
+    def step() -> None:
+        for p in [*model.parameters(), *rates.parameters()]:
+            p.grad = None
+        params = fmodel.params
+        if args.run == "gather":
+            params = fm.distributed.gather_params(params, count)
+        meta_step(fmodel, params, rates, (xs, xq), mode, steps)
+        if args.run == "gather":
+            fm.distributed.average_gradients(list(rates.parameters()), count)
+
+    if args.run != "one":
+        import torch.distributed as dist
+
+        dist.barrier()
+    gc.collect()
+    start = _common.rss_bytes()
+    _common.reset_peak_rss()
+    counter = FlopCounterMode(display=False)
+    started = time.perf_counter()
+    with counter if not args.small else contextlib.nullcontext():
+        step()
+    seconds = time.perf_counter() - started
+    step_peak = _common.peak_rss_bytes()
+    grads = [*adapters.values(), *rates.parameters()]
+    whole = [
+        g.grad.full_tensor() if args.run == "shard" or (args.run == "gather" and i < len(adapters))
+        else g.grad
+        for i, g in enumerate(grads)
+    ]  # fmt: skip
+    held = sum(
+        p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters()
+    )
+    layer0 = next(m for n, m in model.named_modules() if n.endswith("layers.0"))
+    flops = counter.get_total_flops()
+    row = {
+        "run": args.run,
+        "mode": mode,
+        "steps": steps,
+        "rank": rank,
+        "ranks": world,
+        "baseline": before_build,
+        "built": built,
+        "start": start,
+        "step_peak": step_peak,
+        "process_peak": max(built, step_peak),
+        "above_weights": step_peak - start,
+        "seconds": seconds,
+        "flops": flops,
+        "flops_per_s": flops / seconds,
+        "peak_flops": peak,
+        "held": held,
+        "gathered": most[0],
+        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "layer_bytes": sum(p.numel() * p.element_size() for p in layer0.parameters()),
+        "formula": formula(args.small, mode, steps, count),
+    }
+    if args.grads:
+        row["grads"] = [t.detach().cpu() for t in whole]
+    return row
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    rows = worker(args)
+    if args.run == "one":
+        out = rows
+    else:
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, rows)
+        out = [r for rank_rows in every for r in rank_rows]
+        dist.barrier()
+        dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+    if args.grads:
+        import torch
+
+        torch.save(out, args.grads)
+        out = [{k: v for k, v in r.items() if k != "grads"} for r in out]
+    print(json.dumps(out))
+
+
+# --------------------------------------------------------------------------------- parent
+
+
+def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "") -> list[dict]:
+    ranks = {"one": 1, "shard": 4, "gather": 2}[run]
+    base = [__file__, "--worker", "--kind", run, "--points", *points]
+    base += ["--threads", str(args.threads if run == "one" else 1)]
+    base += (["--small"] if args.small else []) + (["--grads", grads] if grads else [])
+    if run == "one":
+        command = [sys.executable, *base]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", str(ranks), *base]
+    env = {**os.environ, **_common.MMAP_ENV, "OMP_NUM_THREADS": str(args.threads)}
+    for _attempt in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+        # torchrun --standalone picks a free port and binds it later: another job may take it
+        if done.returncode == 0 or "address already in use" not in done.stderr.lower():
+            break
+    if done.returncode != 0:
+        raise SystemExit(f"{run} {points} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.0f}"
+
+
+def table(rows: list[dict]) -> None:
+    print(
+        "| run | mode | K | rank | process peak MiB | above weights MiB | formula MiB | "
+        "s / meta-step | GFLOP | GFLOP/s | of peak | parameters MiB (held + gathered) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        fraction = r["flops_per_s"] / r["peak_flops"] if r["peak_flops"] else 0.0
+        print(
+            f"| {r['run']} | {r['mode']} | {r['steps']} | {r['rank']} | "
+            f"{mib(r['process_peak'])} | {mib(r['above_weights'])} | {mib(r['formula'])} | "
+            f"{r['seconds']:.2f} | {r['flops'] / 1e9:.1f} | {r['flops_per_s'] / 1e9:.1f} | "
+            f"{fraction:.2f} | {mib(r['held'])} + {mib(r['gathered'])} |",
+            flush=True,
+        )
+
+
+def check_small(args: argparse.Namespace) -> list[str]:
+    """Every mode on every run against one process's unsharded plain run, 1e-10."""
+    import torch
+
+    missed = []
+    with tempfile.TemporaryDirectory() as folder:
+        results = {}
+        for run in args.runs:
+            modes = args.modes if run == "one" else args.shard_modes
+            points = [f"{m}:{k}" for k in args.steps for m in dict.fromkeys(["plain", *modes])]
+            path = os.path.join(folder, f"{run}.pt")
+            launch(args, run, points, grads=path)
+            results[run] = torch.load(path, weights_only=False)
+    reference = {r["steps"]: r["grads"] for r in results["one"] if r["mode"] == "plain"}
+    worst = 0.0
+    for run, rows in results.items():
+        for r in rows:
+            pairs = zip(r["grads"], reference[r["steps"]], strict=True)
+            off = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+            worst = max(worst, off)
+            if not off <= 1e-10:
+                missed.append(f"{run} {r['mode']} K={r['steps']} rank {r['rank']}: {off:.1e}")
+    rows_checked = sum(len(rows) for rows in results.values())
+    print(
+        f"--small: {rows_checked} rows (runs {', '.join(args.runs)}; K {args.steps}): largest difference from one process's unsharded meta-gradients "
+        f"{worst:.1e} of the largest entry (target 1e-10)"
+    )
+    return missed
+
+
+def judge(rows: list[dict]) -> list[str]:
+    """The issue's targets on the rows measured (a target whose rows were not run is said)."""
+    missed: list[str] = []
+
+    def find(run: str, mode: str, steps: int) -> list[dict]:
+        return [r for r in rows if r["run"] == run and r["mode"] == mode and r["steps"] == steps]
+
+    plain, layers = find("one", "plain", 3), find("one", "layers", 3)
+    if plain and layers:
+        ratio = layers[0]["above_weights"] / plain[0]["above_weights"]
+        print(f"one process, K=3: layers' peak above the weights / plain's = {ratio:.2f} (<= 0.3)")
+        if ratio > 0.3:
+            missed.append(f"checkpoint_layers {ratio:.2f}x plain above the weights")
+    for r in rows:
+        if r["run"] == "one":
+            off = r["above_weights"] / r["formula"] - 1
+            if abs(off) > 0.15:
+                missed.append(f"{r['mode']} K={r['steps']} {off:+.0%} from the formula")
+    if plain:
+        fraction = plain[0]["flops_per_s"] / plain[0]["peak_flops"]
+        print(f"plain meta-step: {fraction:.2f} of the fp32 matrix-product peak (>= 0.40)")
+        if fraction < 0.40:
+            missed.append(f"plain at {fraction:.2f} of the matmul peak")
+    for r in [r for r in rows if r["run"] == "shard"]:
+        one = find("one", r["mode"], r["steps"])
+        if not one:
+            continue
+        limit = 0.35 * one[0]["process_peak"] + r["layer_bytes"]
+        if r["process_peak"] > limit:
+            missed.append(
+                f"shard {r['mode']} K={r['steps']} rank {r['rank']}: peak {mib(r['process_peak'])}"
+                f" MiB > 0.35 x {mib(one[0]['process_peak'])} + one layer {mib(r['layer_bytes'])}"
+            )
+        most = r["model_bytes"] / r["ranks"] + r["layer_bytes"]
+        if r["held"] + r["gathered"] > most:
+            missed.append(
+                f"shard {r['mode']} K={r['steps']} rank {r['rank']}: parameters "
+                f"{mib(r['held'] + r['gathered'])} MiB > 1/4 model + one layer {mib(most)}"
+            )
+    for r in [r for r in rows if r["run"] == "gather"]:
+        one = find("one", r["mode"], r["steps"])
+        if one and r["seconds"] > 0.75 * one[0]["seconds"]:
+            missed.append(
+                f"gather {r['mode']} K={r['steps']} rank {r['rank']}: "
+                f"{r['seconds'] / one[0]['seconds']:.2f}x one process's time (<= 0.75)"
+            )
+    return missed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="2 layers, hidden 64, float64")
+    parser.add_argument("--steps", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--runs", nargs="+", default=["one", "shard", "gather"])
+    parser.add_argument(
+        "--shard-modes",
+        nargs="+",
+        choices=MODES,
+        help="the ranks' modes (default: layers+head; --small: all)",
+    )
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kind", dest="run", default="one", help=argparse.SUPPRESS)
+    parser.add_argument("--points", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--grads", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.shard_modes is None:
+        args.shard_modes = list(MODES) if args.small else ["layers+head"]
+    if args.worker:
+        rank_main(args)
+        return 0
+    import platform
+
+    import torch
+
+    import funcmeta as fm
+
+    print(
+        f"second-order MAML, LoRA r={LORA_RANK} on a {'small' if args.small else '1.1 B'} "
+        f"Llama decoder, {TASKS} tasks x ({TOKENS} support + {TOKENS} query tokens); torch "
+        f"{torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
+        f"native bf16: {fm.cpu_has_native_bf16()} (float32 {'' if args.small else 'throughout'})"
+    )
+    if args.small:
+        missed = check_small(args)
+    else:
+        rows: list[dict] = []
+        for run in args.runs:
+            modes = args.modes if run == "one" else args.shard_modes
+            for k in args.steps:
+                for m in modes:
+                    rows += launch(args, run, [f"{m}:{k}"])
+                    table([r for r in rows if (r["run"], r["mode"], r["steps"]) == (run, m, k)])
+        table(rows)
+        missed = judge(rows)
+    print(f"RESULT FAIL: {'; '.join(missed)}" if missed else "RESULT PASS")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

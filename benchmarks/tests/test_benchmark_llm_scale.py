@@ -1,0 +1,37 @@
+"""``benchmarks/memory/llm_scale.py --small`` (2 layers, hidden 64, float64) runs the 1.1 B
+benchmark's code in one process and on 4 (``shard_model`` of a meta-device build) and 2
+(``gather_params``) gloo ranks, and every mode's meta-gradients equal one process's unsharded
+run to 1e-10; a difference would print ``RESULT FAIL`` naming the run and mode."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+from bench_scripts import script
+
+pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[dev]'")
+pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")
+SCRIPT = script("memory/llm_scale.py")
+
+
+def test_the_small_decoder_equals_one_unsharded_process_in_every_way():
+    run = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--small", "--steps", "2", "--threads", "1"),
+            *("--modes", "plain", "layers", "steps", "both", "--shard-modes", "both"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = run.stdout.splitlines()
+    assert lines and lines[-1] == "RESULT PASS", run.stdout + run.stderr[-3000:]
+    assert run.returncode == 0
+    (summary,) = [s for s in lines if s.startswith("--small:")]
+    rows = int(re.search(r"--small: (\d+) rows", summary).group(1))
+    assert rows == 4 + 2 * 4 + 2 * 2  # one process: 4 modes; 4 and 2 ranks: plain and both
+    worst = float(re.search(r"meta-gradients ([0-9.e+-]+) of", summary).group(1))
+    assert worst <= 1e-10
