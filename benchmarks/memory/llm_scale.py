@@ -174,40 +174,37 @@ def matmul_peak(threads: int) -> float:
     return 2 * 2048 * 2048 * 5632 / best
 
 
-def formula(small: bool, mode: str, steps: int, tasks: int, ranks_sharing: int = 1) -> int:
-    """The bytes a meta-step keeps above the weights (docs/memory.md, "Will it fit?")."""
-    c = SMALL if small else LARGE
-    h, i, v, n_layers = (
-        c["hidden_size"],
-        c["intermediate_size"],
-        c["vocab_size"],
-        c["num_hidden_layers"],
-    )
-    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
-    s, b = TOKENS, 8 if small else 4
+def formula(
+    small: bool, mode: str, steps: int, tasks: int, shape: dict | None = None, width: int = 0
+) -> int:
+    """The bytes a meta-step keeps above the weights (docs/memory.md, "Will it fit?"):
+    ``shape`` a config's sizes (default: this run's), ``width`` bytes per value (default:
+    this run's dtype)."""
+    c = shape or (SMALL if small else LARGE)
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    n_layers, heads, kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
+    s, b = TOKENS, width or (8 if small else 4)
     dkv = kv * h // heads
-    # a decoder layer's forward keeps, per token (values): norms' inputs and outputs (4h), q,
-    # k, v, their rotated copies and the attention output (3h + 4 dkv), the LoRA down
-    # projections (4r), the MLP's gate, up, activation and product (4i), and per head the
-    # scores and probabilities (2 heads s)
+    # a decoder layer's forward keeps, per token (values): the norms' inputs and outputs
+    # (4h), q, k, v, their rotated copies and the attention output (3h + 4 dkv), the LoRA
+    # down projections (4r), the MLP's gate, up, activation and product (4i), and per head
+    # the scores and probabilities (2 heads s)
     forward = 7 * h + 4 * dkv + 4 * LORA_RANK + 4 * i + 2 * heads * s
-    # a second-order step keeps its forward and its inner gradient's graph (a second copy)
-    step = 2 * s * forward * b
+    step = 2 * s * forward * b  # a second-order step: its forward and its inner gradient's graph
     head = 4 * s * v * b  # logits, log-probabilities, their gradient, its softmax
-    adapters = n_layers * 2 * LORA_RANK * (2 * h + 2 * (h + dkv)) * b
+    adapters = n_layers * LORA_RANK * (6 * h + 2 * dkv) * b  # one step's adapted LoRA factors
     passes = steps + 1  # K support steps and the query pass
     if mode == "plain":
-        kept = tasks * (steps * n_layers * step + passes * head)
-        return kept + tasks * steps * adapters
-    # checkpointed layers keep per step their input and incoming gradient; the outer backward
+        return tasks * (steps * n_layers * step + passes * head + steps * adapters)
+    if mode == "steps":  # each step's input and parameters; the outer backward redoes one step
+        return tasks * (passes * s * h * b + steps * adapters) + n_layers * step + head
+    # checkpointed layers keep per pass their input and incoming gradient; the outer backward
     # holds one layer's recomputation (forward, inner gradient, their derivative: 3 copies)
     layer = 2 * s * h * b
-    held_head = 2 * s * (h + v) * b if "head" in mode or mode == "both" else head
-    if mode == "steps":  # each step's parameters; the outer backward recomputes one step
-        return tasks * (passes * 2 * s * h * b + steps * adapters) + n_layers * step + head
-    recompute = 3 * s * forward * b + head
+    kept_head = 2 * s * (h + v) * b if mode in ("layers+head", "both") else head
     per_step = 1 if mode == "both" else steps
-    return tasks * (passes * (n_layers * layer + held_head) + per_step * adapters) + recompute
+    kept = tasks * (passes * (n_layers * layer + kept_head) + per_step * adapters)
+    return kept + 3 * s * forward * b + head
 
 
 # ------------------------------------------------------------------------------- a process
