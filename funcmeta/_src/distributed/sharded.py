@@ -163,7 +163,7 @@ def shard_model(
     *,
     mesh_dim: str | int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-    init: Init | None = None,
+    init: Callable[[str, Tensor], Tensor] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the processes of a ``DeviceMesh``, in place, and
     gather each layer's parameters only while that layer runs; returns ``module``.
