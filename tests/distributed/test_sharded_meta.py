@@ -122,7 +122,7 @@ def _case_meta_built(world: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_model_built_on_the_meta_device_shards_without_any_rank_holding_it_whole(world):
     results = spawn_gloo(world, _case_meta_built)
     reference = _meta_gradients(_whole_model())
@@ -178,3 +178,39 @@ def test_a_meta_device_build_refuses_bad_input_by_name():
     assert "returned a tensor (6, 4), torch.float64" in said["dtype"]
     assert "init('0.weight', ...) returned list" in said["not a tensor"]
     assert "returned a tensor on the meta device" in said["meta back"]
+
+
+def _case_different_values(world: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    rank = dist.get_rank()
+
+    def build(seeded: bool) -> str:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+
+        def init(name: str, like: torch.Tensor) -> torch.Tensor:
+            # the same seed on every rank, or a seed of each rank's own
+            seed = zlib.crc32(name.encode()) + (0 if seeded else rank)
+            return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed))
+
+        try:
+            fm.distributed.shard_model(model, mesh, init=init)
+        except fm.distributed.ShardingError as error:
+            return f"ShardingError: {error}"
+        return "placed"
+
+    return {"seeded": build(True), "unseeded": build(False)}
+
+
+def test_init_that_gives_the_ranks_different_values_is_refused_on_every_rank():
+    """Each rank keeps its slice of its own init values, with no communication: values that
+    differ between the ranks would make a model that is none of them, silently. The ranks
+    compare a checksum of all the values once they are placed, and each raises."""
+    for said in spawn_gloo(2, _case_different_values):
+        assert said["seeded"] == "placed"
+        assert said["unseeded"].startswith(
+            "ShardingError: init= gave different values on different ranks"
+        )

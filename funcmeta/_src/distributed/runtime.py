@@ -133,7 +133,7 @@ class ShardedRuntime(EagerRuntime):
         total = torch.zeros((), dtype=torch.int64, device=device)
         for i, x in enumerate(leaves):
             shape = torch.tensor(list(x.shape) or [0], dtype=torch.int64, device=device)
-            total = total * 31 + _digest(x).to(device) + (i + 1) * _digest(shape)
+            total = total * 31 + digest(x).to(device) + (i + 1) * digest(shape)
         self._same(total, f"the batches given to {entry}", _different_batches(entry))
 
     def check_result(self, value: Tensor, what: str) -> None:
@@ -142,11 +142,18 @@ class ShardedRuntime(EagerRuntime):
         if self.ranks == 1:
             return
         self._same(
-            _digest(value).to(self._device()),
+            digest(value).to(self._device()),
             what,
             f"{what} differs between the ranks that split the parameters, on the same batch: "
             f"their gradients would be wrong. {_DETERMINISM}",
         )
+
+    def check_digest(self, digest: Tensor, what: str, message: str) -> None:
+        """Raise :class:`ShardingError` with ``message`` on every rank of the shard axis
+        unless ``digest`` (an int64 checksum, :func:`digest`) is the same on all of them."""
+        if self.ranks == 1:
+            return
+        self._same(digest.to(self._device()), what, message)
 
     def _same(self, digest: Tensor, what: str, message: str) -> None:
         every = comm.all_gather(digest.reshape(1), self.group, self.timeout, f"comparing {what}")
@@ -297,7 +304,7 @@ def _different_batches(entry: str) -> str:
     )
 
 
-def _digest(tensor: Tensor) -> Tensor:
+def digest(tensor: Tensor) -> Tensor:
     """An exact checksum of ``tensor``'s values and their order, the same on any device and
     thread count: its bit patterns as integers, weighted by position, summed in int64."""
     if is_sharded(tensor):
@@ -334,7 +341,7 @@ class _SameGradient(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[None, Tensor]:
         runtime: ShardedRuntime = ctx.runtime
         runtime._same(
-            _digest(grad).to(runtime._device()),
+            digest(grad).to(runtime._device()),
             "the gradient reaching the model's outputs",
             "the gradient reaching a sharded model's outputs differs between the ranks that "
             "split its parameters: the loss computed from them (its targets, or what it adds) "

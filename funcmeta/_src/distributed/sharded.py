@@ -39,7 +39,7 @@ from funcmeta._src.core.sharding import (
 )
 from funcmeta._src.distributed import comm
 from funcmeta._src.distributed.collectives import check_same_everywhere
-from funcmeta._src.distributed.runtime import ShardedRuntime, _LayerGather
+from funcmeta._src.distributed.runtime import ShardedRuntime, _LayerGather, digest
 from funcmeta._src.optim.hyper import HyperTree
 
 __all__ = ["shard_hyper", "shard_model", "sharded_names"]
@@ -126,34 +126,56 @@ def _meta_tensors(module: nn.Module) -> list[str]:
     return [n for n, t in named if t is not None and t.is_meta]
 
 
-def _whole(init: Init, name: str, like: Tensor, device: torch.device) -> Tensor:
-    """``init(name, like)``, checked: a tensor of ``like``'s shape and dtype, on ``device``."""
-    value = init(name, like)
-    if not isinstance(value, Tensor) or isinstance(value, nn.Parameter):
-        kind = type(value).__name__
+class _Values:
+    """``init``'s whole tensors, checked (:meth:`take`), and a running checksum of all of them
+    in order: the ranks compare it once every tensor is placed, since each keeps its slice of
+    its own values without communication."""
+
+    def __init__(self, init: Init, device: torch.device) -> None:
+        self.init, self.device = init, device
+        self.digest = torch.zeros((), dtype=torch.int64)
+
+    def take(self, name: str, like: Tensor) -> Tensor:
+        """``init(name, like)``: a tensor of ``like``'s shape and dtype, on the device."""
+        value = self.init(name, like)
         if not isinstance(value, Tensor):
             raise ShardingError(
-                f"init({name!r}, ...) returned {kind}: it must return the whole tensor's values "
-                f"(shape {tuple(like.shape)}, {like.dtype})"
+                f"init({name!r}, ...) returned {type(value).__name__}: it must return the whole "
+                f"tensor's values (shape {tuple(like.shape)}, {like.dtype})"
             )
-        value = value.detach()
-    if value.is_meta or tuple(value.shape) != tuple(like.shape) or value.dtype != like.dtype:
-        where = "on the meta device" if value.is_meta else f"{tuple(value.shape)}, {value.dtype}"
-        raise ShardingError(
-            f"init({name!r}, ...) returned a tensor {where}; {name!r} needs shape "
-            f"{tuple(like.shape)} and {like.dtype}, with its values"
+        if value.is_meta or tuple(value.shape) != tuple(like.shape) or value.dtype != like.dtype:
+            where = (
+                "on the meta device" if value.is_meta else f"{tuple(value.shape)}, {value.dtype}"
+            )
+            raise ShardingError(
+                f"init({name!r}, ...) returned a tensor {where}; {name!r} needs shape "
+                f"{tuple(like.shape)} and {like.dtype}, with its values"
+            )
+        value = value.detach().to(self.device)
+        self.digest = self.digest * 31 + digest(value).cpu()
+        return value
+
+    def check(self, runtime: ShardedRuntime) -> None:
+        """Raise :class:`ShardingError` on every rank unless ``init`` gave every rank the same
+        values (one 8-byte all-gather)."""
+        runtime.check_digest(
+            self.digest,
+            "the values init= gave",
+            "init= gave different values on different ranks of the shard axis (a random draw "
+            "without the same seed on every rank?): each rank kept its slice of other tensors, "
+            "and the model they make up is none of them. Give init the same values everywhere "
+            "(seed the draw the same, or read the same file) and build the model again",
         )
-    return value.detach().to(device)
 
 
-def _materialize_buffers(module: nn.Module, init: Init, device: torch.device) -> None:
+def _materialize_buffers(module: nn.Module, values: _Values) -> None:
     """Each buffer on the meta device replaced by ``init``'s whole values (buffers are not
     sharded: every rank holds them whole)."""
     for prefix, layer in module.named_modules(remove_duplicate=False):
         buffers = buffer_dict(layer)
         for name, b in list(buffers.items()):
             if b is not None and b.is_meta:
-                buffers[name] = _whole(init, f"{prefix}.{name}" if prefix else name, b, device)
+                buffers[name] = values.take(f"{prefix}.{name}" if prefix else name, b)
 
 
 @exposed_in("funcmeta.distributed")
@@ -210,7 +232,9 @@ def shard_model(
     seconds :class:`PeerError`. A gather that fails later (a peer gone) raises
     :class:`PeerError` naming the layer. A module with tensors on the meta device and no
     ``init`` (or ``init`` and none), and an ``init`` that returns anything but a tensor of
-    the meta tensor's shape and dtype, raise :class:`ShardingError` naming the tensor.
+    the meta tensor's shape and dtype, raise :class:`ShardingError` naming the tensor; an
+    ``init`` that gives the ranks different values raises it on every rank once the model is
+    placed (the ranks compare a checksum of all the values).
 
     Example (one process; under ``torchrun`` every rank runs the same code):
         >>> import tempfile, torch, torch.distributed as dist
@@ -271,9 +295,9 @@ def shard_model(
     )
     own = _own_mesh(mesh, timeout)
     runtime = ShardedRuntime(own, axis, timeout)
-    device = _mesh_device(own)
-    if init is not None:
-        _materialize_buffers(module, init, device)
+    values = None if init is None else _Values(init, _mesh_device(own))
+    if values is not None:
+        _materialize_buffers(module, values)
     for prefix, layer in module.named_modules():
         names = [n for n, p in parameter_dict(layer).items() if p is not None]
         if not names:
@@ -286,8 +310,8 @@ def shard_model(
                 placements[axis] = Shard(0)
             with torch.no_grad():
                 if p.is_meta:
-                    assert init is not None
-                    whole = _whole(init, f"{prefix}.{name}" if prefix else name, p, device)
+                    assert values is not None
+                    whole = values.take(f"{prefix}.{name}" if prefix else name, p)
                     placed = comm.distribute(whole, own, placements, local=True)
                     del whole  # one whole tensor at a time
                 else:
@@ -296,6 +320,8 @@ def shard_model(
         gather = _LayerGather()
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
+    if values is not None:
+        values.check(runtime)
     # a direct call's checks: before any layer gathers (prepended), after every layer is back
     runtime.watch(module)
     record_sharding(module, own, runtime)
