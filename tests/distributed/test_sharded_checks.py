@@ -321,7 +321,7 @@ def test_the_batch_checksum_is_exact_in_chunks_and_sees_one_changed_bit():
     x = torch.randn(runtime._DIGEST_CHUNK * 2 + 7, generator=torch.Generator().manual_seed(0))
     bits = x.view(torch.int32).to(torch.int64)
     reference = (bits * (torch.arange(bits.numel()) % 1021 + 1)).sum()
-    assert int(runtime._digest(x)) == int(reference)
+    assert int(runtime.digest(x)) == int(reference)
     changed = x.clone()
     changed[runtime._DIGEST_CHUNK + 3] = torch.nextafter(
         changed[runtime._DIGEST_CHUNK + 3], x.new_tensor(9.0)
@@ -331,7 +331,7 @@ def test_the_batch_checksum_is_exact_in_chunks_and_sees_one_changed_bit():
     nans = torch.full((4,), float("nan"))
     other_nan = nans.clone().view(torch.int32)
     other_nan[2] += 1  # another NaN payload: the same value to ==, other bits
-    digests = {int(runtime._digest(t)) for t in (x, changed, swapped)}
+    digests = {int(runtime.digest(t)) for t in (x, changed, swapped)}
     assert len(digests) == 3
-    assert int(runtime._digest(nans)) == int(runtime._digest(nans.clone()))
-    assert int(runtime._digest(nans)) != int(runtime._digest(other_nan.view(torch.float32)))
+    assert int(runtime.digest(nans)) == int(runtime.digest(nans.clone()))
+    assert int(runtime.digest(nans)) != int(runtime.digest(other_nan.view(torch.float32)))
