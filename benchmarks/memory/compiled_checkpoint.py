@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import funcmeta as fm
 
@@ -59,30 +58,6 @@ import _common
 
 WAYS = ("eager", "eager checkpointed", "compiled", "compiled checkpointed")
 WIDTH, BLOCKS, ROWS, STEPS, LR = 256, 16, 512, 5, 0.01
-
-
-class Block(nn.Module):
-    """``x + W2 tanh(W1 x)``."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.inner = nn.Linear(width, width)
-        self.outer = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(torch.tanh(self.inner(x)))
-
-
-class ResidualMLP(nn.Module):
-    """``BLOCKS`` residual blocks (an ``nn.Sequential``) and a linear head to one output."""
-
-    def __init__(self, width: int = WIDTH, blocks: int = BLOCKS) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*(Block(width) for _ in range(blocks)))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x))
 
 
 def data(tasks: int, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
@@ -101,7 +76,7 @@ def meta_iteration(way: str, dtype: torch.dtype, device: str, tasks: int) -> tup
     """The model and a function running one meta-iteration the ``way`` named (its
     meta-gradients land in the model's ``.grad``)."""
     torch.manual_seed(0)
-    net = ResidualMLP().to(device=device, dtype=dtype)
+    net = _common.residual_mlp(WIDTH, BLOCKS).to(device=device, dtype=dtype)
     checkpointed = way.endswith("checkpointed")
     fmodel = fm.functional_model(net, checkpoint_layers="sequential" if checkpointed else None)
     opt = fm.optim.sgd(lr=LR)

@@ -145,7 +145,7 @@ def sinusoid_net() -> nn.Module:
 
 
 #: the residual MLP (``residual16``): blocks, width, support and query rows per task; the same
-#: model as ``benchmarks/memory/compiled_checkpoint.py`` (copied: no benchmark imports another)
+#: model as ``benchmarks/memory/compiled_checkpoint.py`` (``_common.residual_mlp``)
 WIDTH, BLOCKS, ROWS = 256, 16, 512
 #: the decoder (``decoder``): transformers' ``LlamaConfig``, and tokens per sequence, sequences
 #: per task's support and query
@@ -160,30 +160,6 @@ DECODER = {
 }
 SEQUENCE, SEQUENCES = 16, 4
 WORKLOADS = ("sinusoid", "conv4", "residual16", "decoder")
-
-
-class Block(nn.Module):
-    """``x + W2 tanh(W1 x)``."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.inner = nn.Linear(width, width)
-        self.outer = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(torch.tanh(self.inner(x)))
-
-
-class ResidualMLP(nn.Module):
-    """``BLOCKS`` residual blocks (an ``nn.Sequential``) and a linear head to one output."""
-
-    def __init__(self, width: int = WIDTH, blocks: int = BLOCKS) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(*(Block(width) for _ in range(blocks)))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x))
 
 
 def decoder_net() -> nn.Module:
@@ -215,7 +191,7 @@ def workload(name: str, tasks: int, device: str) -> tuple[nn.Module, Any, Any, A
         support = (torch.randn(tasks, 5, 1, 28, 28, generator=g), torch.arange(5).repeat(tasks, 1))
         query = (torch.randn(tasks, 75, 1, 28, 28, generator=g), torch.arange(5).repeat(tasks, 15))
     elif name == "residual16":
-        net, loss_fn, lr = ResidualMLP(), F.mse_loss, 0.01
+        net, loss_fn, lr = _common.residual_mlp(WIDTH, BLOCKS), F.mse_loss, 0.01
         support, query = (
             (torch.randn(tasks, ROWS, WIDTH, generator=g), torch.randn(tasks, ROWS, 1, generator=g))
             for _ in range(2)
