@@ -85,6 +85,11 @@ class FunctionalModel:
         self.runner = module if runner is None else runner
         self.copies = list(copies)
         self.swap = Swap(module, self.runner)
+        # whether one tensor sits in two places of the module (or its runner): a traced call
+        # then asks functional_call to put a given tensor in every place (its tie_weights)
+        self.tied = shares_tensors(module) or (
+            self.runner is not module and shares_tensors(self.runner)
+        )
         self.executor = executor
         self._own_params = dict(module.named_parameters())
         self._own_buffers = dict(module.named_buffers())
@@ -313,6 +318,34 @@ class Swap:
 
 
 _DICTS = {"params": parameter_dict, "buffers": buffer_dict}
+
+
+def shares_tensors(module: nn.Module) -> bool:
+    """Whether one parameter or buffer of ``module`` sits in two places (two names of
+    different submodules' dicts, or a parameter dict and a buffer dict): tied weights. A
+    submodule registered under two names is one place.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> shares_tensors(net)
+        False
+        >>> net[1].weight = net[0].weight
+        >>> shares_tensors(net)
+        True
+    """
+    places: dict[int, set[tuple[int, str]]] = {}
+    for kind in ("params", "buffers"):
+        named = (
+            module.named_parameters(remove_duplicate=False)
+            if kind == "params"
+            else module.named_buffers(remove_duplicate=False)
+        )
+        for name, tensor in named:
+            path, _, attr = name.rpartition(".")
+            owner = _DICTS[kind](module.get_submodule(path))
+            places.setdefault(id(tensor), set()).add((id(owner), attr))
+    return any(len(slots) > 1 for slots in places.values())
 
 
 def check_layers(module: nn.Module) -> None:

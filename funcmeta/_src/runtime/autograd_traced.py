@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from funcmeta._src.core.fence import inner_step_region
-from funcmeta._src.module.functional import FunctionalModel
+from funcmeta._src.module.functional import FunctionalModel, shares_tensors
 from funcmeta._src.module.shadow import Standin, shadow
 from funcmeta._src.runtime.base import Objective
 from funcmeta._src.runtime.traced import TracedRuntime
@@ -80,9 +80,13 @@ class AutogradTracedRuntime(TracedRuntime):
 
     def __init__(self, runner: nn.Module) -> None:
         self.runner = runner
+        self._tied = shares_tensors(runner)
 
     def module_of(self, fmodel: FunctionalModel) -> nn.Module:
         return self.runner
+
+    def tied(self, fmodel: FunctionalModel) -> bool:
+        return self._tied
 
     def step_scope(
         self, k: int, steps: int, first_order: bool

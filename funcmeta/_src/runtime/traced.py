@@ -45,12 +45,20 @@ class TracedRuntime(Runtime):
     ) -> tuple[Any, dict[str, Tensor]]:
         new_buffers = {k: b.clone() for k, b in buffers.items()}
         module = self.module_of(fmodel)
-        out = torch.func.functional_call(module, (dict(params), new_buffers), args, kwargs)
+        # tie_weights walks the module for shared tensors; dynamo traces that walk on every
+        # call, so it is asked for only where the model has them (worked out once, eagerly)
+        out = torch.func.functional_call(
+            module, (dict(params), new_buffers), args, kwargs, tie_weights=self.tied(fmodel)
+        )
         return out, new_buffers
 
     def module_of(self, fmodel: FunctionalModel) -> nn.Module:
         """The module the traced step runs for ``fmodel``: its own module here."""
         return fmodel.module
+
+    def tied(self, fmodel: FunctionalModel) -> bool:
+        """Whether :meth:`module_of` holds a tensor in two places (tied weights)."""
+        return fmodel.tied
 
     def over_tasks(
         self,
