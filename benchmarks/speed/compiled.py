@@ -23,7 +23,8 @@ each way's error: the largest difference of its float32 meta-gradient from the f
 largest entry. JAX's parameters are the torch model's, so its meta-gradient is measured
 too. ``--threads`` sets torch's and XLA's CPU threads (default 1: the figures of one core);
 ``--keep-freed-memory`` calls :func:`funcmeta.keep_freed_memory` first (``docs/tasks.md``);
-``--task-chunk C`` builds the compiled step with ``task_chunk=C`` (0: ``"auto"``; default: all
+``--task-chunk C`` builds the compiled step with ``task_chunk=C`` (default 0: ``"auto"``, the
+step's own choice: one task per graph call for conv4, all tasks for the others on a CPU; -1: all
 tasks in one graph); ``--block N`` calls each
 way N times in a row per round and times all but the first (as a training loop calls one way
 over and over, with its data in the caches), where the default times each call right after
@@ -176,6 +177,14 @@ def next_token_loss(out: Any, ids: torch.Tensor) -> torch.Tensor:
     """The decoder's loss: cross-entropy of each position's logits against the next token."""
     logits = out.logits[..., :-1, :]
     return F.cross_entropy(logits.flatten(0, -2), ids[..., 1:].flatten())
+
+
+def chunk_of(task_chunk: int | None) -> Any:
+    """``--task-chunk``'s number as ``compile_meta_step``'s ``task_chunk``: 0 ``"auto"``, a
+    negative number (or ``None``) all tasks in one graph (``None``), else the number."""
+    if task_chunk == 0:
+        return "auto"
+    return None if task_chunk is None or task_chunk < 0 else task_chunk
 
 
 def workload(name: str, tasks: int, device: str) -> tuple[nn.Module, Any, Any, Any, float]:
@@ -424,7 +433,7 @@ def measure(
     way timed. ``checkpoint``: the model built with ``checkpoint_layers=`` (every way)."""
     net, loss_fn, support, query, lr = workload(name, tasks, device)
     opt = fm.optim.sgd(lr=lr)
-    chunk: Any = "auto" if task_chunk == 0 else task_chunk
+    chunk: Any = chunk_of(task_chunk)
     fmodel, step = build_step(name, net, loss_fn, lr, steps, chunk, checkpoint)
 
     def loop() -> None:
@@ -631,7 +640,7 @@ def torch_first_call(spec: dict[str, Any]) -> dict[str, Any]:
 
     use_backend(spec["backend"])
     net, loss_fn, support, query, lr = workload(spec["name"], spec["tasks"], spec["device"])
-    chunk = "auto" if spec["task_chunk"] == 0 else spec["task_chunk"]
+    chunk = chunk_of(spec["task_chunk"])
     args = (spec["name"], net, loss_fn, lr, spec["steps"], chunk, spec["checkpoint"])
     _, step = build_step(*args)
     started = time.perf_counter()
@@ -965,7 +974,7 @@ def compile_times_table(options: argparse.Namespace) -> list[tuple[str, str, str
     print(
         f"compile times of the compiled meta-step; torch {torch.__version__}, JAX {jax_version}, "
         f"Python {platform.python_version()}, {options.device}, {options.threads} thread(s); "
-        f"float32; compiled task_chunk: {'auto' if chunk == 0 else chunk}; each first call in a "
+        f"float32; compiled task_chunk: {chunk_of(chunk)}; each first call in a "
         "fresh process: cold on an empty compile cache, warm on the cold one's; the dynamo, AOT "
         "and backend cells are torch's cold / warm",
         flush=True,
@@ -1033,8 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--task-chunk",
         type=int,
-        default=None,
-        help="the compiled step's task_chunk (default: all tasks in one graph; 0: 'auto')",
+        default=0,
+        help="the compiled step's task_chunk (default 0: 'auto', the step's own; -1: all tasks "
+        "in one graph)",
     )
     parser.add_argument(
         "--block",
@@ -1132,7 +1142,7 @@ def main(argv: list[str] | None = None) -> int:
         f"compiled meta-step; torch {torch.__version__}, JAX {jax_version}, Python "
         f"{platform.python_version()}, {args.device}, {args.threads} thread(s); "
         f"median of {args.repeats} ms; float32; freed memory kept: {bool(kept)}; "
-        f"compiled task_chunk: {args.task_chunk}; calls in a row: {args.block}",
+        f"compiled task_chunk: {chunk_of(args.task_chunk)}; calls in a row: {args.block}",
         flush=True,
     )
     print(

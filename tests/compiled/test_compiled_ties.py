@@ -112,3 +112,31 @@ def test_the_compiled_step_equals_adapt_tasks_with_and_without_ties(
     assert step.eager_reason is None
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_the_traced_runtime_gives_vmap_one_in_dim_for_a_dict_of_one_in_dim() -> None:
+    """The traced runtime hands vmap a dict of in-dims that are all 0 (or all None) as one 0
+    (None) for the whole dict, a prefix vmap reads the same way: the same per-task results
+    as the dicts themselves; a mixed dict is passed as it is."""
+    from funcmeta._src.runtime.traced import TRACED, _uniform
+
+    assert _uniform({"a": 0, "b": 0}) == 0 and _uniform({"a": None}) is None
+    assert _uniform({"a": 0, "b": None}) == {"a": 0, "b": None}
+    assert _uniform({}) == {} and _uniform(0) == 0 and _uniform({"a": 1}) == {"a": 1}
+    g = torch.Generator().manual_seed(0)
+    shared = {"w": torch.randn(3, 3, generator=g, dtype=DTYPE), "b": torch.randn(3, dtype=DTYPE)}
+    per_task = {k: torch.stack([v, 2 * v]) for k, v in shared.items()}
+    x = torch.randn(2, 4, 3, generator=g, dtype=DTYPE)
+
+    def one(x: torch.Tensor, p: dict, q: dict) -> torch.Tensor:  # type: ignore[type-arg]
+        return (x @ p["w"] + p["b"]) * (x @ q["w"]).sum() + q["b"].sum()
+
+    for dims in (
+        (0, {"w": None, "b": None}, {"w": 0, "b": 0}),
+        (0, {"w": 0, "b": None}, {"w": 0, "b": 0}),
+    ):
+        first = {k: (shared if d is None else per_task)[k] for k, d in dims[1].items()}
+        trees = (x, first, per_task)
+        got = TRACED.over_tasks(one, trees, dims, None)
+        want = torch.func.vmap(one, in_dims=dims)(*trees)
+        assert torch.equal(got, want)

@@ -73,3 +73,43 @@ def test_paths_and_flatten():
     assert tree.paths(nested) == ["a.0", "a.1", "b"]
     leaves, spec = tree.flatten(nested)
     assert tree.unflatten(spec, leaves)["b"] is nested["b"]
+
+
+def test_a_traced_tree_walk_gives_the_eager_leaves_and_structure() -> None:
+    """While dynamo traces, funcmeta's tree functions tell optree that a plain tensor is a
+    leaf (skipping a registry lookup per node): the same leaves, in the same order, and the
+    same rebuilt trees as eagerly, on a tree of tensors, Parameters, numbers, None and a
+    tensor subclass."""
+    import torch
+
+    from funcmeta._src.core import tree as t
+
+    class Marked(torch.Tensor):
+        pass
+
+    def walk(a: torch.Tensor, b: torch.Tensor) -> tuple:
+        mixed = {"z": a, "a": [b, 2.0, None], "m": (a * 2, {"q": b})}
+        leaves, spec = t.flatten(mixed)
+        with_none, _ = t.flatten(mixed, none_is_leaf=True)
+        doubled = t.tree_map(lambda x: x * 2, mixed)
+        rebuilt = t.unflatten(spec, [x + 1 if isinstance(x, torch.Tensor) else x for x in leaves])
+        return (
+            leaves,
+            len(with_none),
+            t.leaves(doubled),
+            t.leaves(rebuilt),
+            t.structure(mixed).num_leaves,
+        )
+
+    a = torch.nn.Parameter(torch.arange(3.0))
+    b = torch.ones(2).as_subclass(Marked)
+    eager = walk(a, b)
+    traced = torch.compile(walk, backend="eager", fullgraph=True)(a, b)
+    assert [type(x) for x in traced[0]] == [type(x) for x in eager[0]]
+    assert traced[1] == eager[1] == 6 and traced[4] == eager[4] == 5
+    got_all, want_all = traced[0] + traced[2] + traced[3], eager[0] + eager[2] + eager[3]
+    for got, want in zip(got_all, want_all, strict=True):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(got, want)
+        else:
+            assert got == want

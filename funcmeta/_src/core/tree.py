@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import optree
+from torch import Tensor as _Tensor
+from torch.nn import Parameter as _Parameter
 
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import compiling, torch_pytree
@@ -83,23 +85,35 @@ def path_str(path: Sequence[Any]) -> str:
     return ".".join(str(entry) for entry in path)
 
 
+def _plain_tensor(node: Any) -> bool:
+    """A ``torch.Tensor`` or ``nn.Parameter`` itself (never an optree node type)."""
+    return type(node) is _Tensor or type(node) is _Parameter
+
+
+def _leaf_hint() -> Callable[[Any], bool] | None:
+    """optree's ``is_leaf`` for a tree dynamo traces: a plain tensor is a leaf without its
+    registry lookup, which dynamo traces per node (the same leaves and structure, since a
+    tensor is no registered node); ``None`` eagerly, where optree's C++ walk is faster."""
+    return _plain_tensor if compiling() else None
+
+
 @exposed_in("funcmeta.tree")
 def tree_map(fn: Callable[..., Any], tree: Tree, *rest: Tree, none_is_leaf: bool = False) -> Tree:
     """Apply ``fn`` to every leaf of ``tree`` (and the matching leaves of ``rest``); with
     ``none_is_leaf``, ``None`` is a leaf too."""
-    return optree.tree_map(fn, tree, *rest, none_is_leaf=none_is_leaf)
+    return optree.tree_map(fn, tree, *rest, is_leaf=_leaf_hint(), none_is_leaf=none_is_leaf)
 
 
 @exposed_in("funcmeta.tree")
 def leaves(tree: Tree, *, none_is_leaf: bool = False) -> list[Any]:
     """The leaves of ``tree`` in optree's canonical order (dict keys sorted)."""
-    return optree.tree_leaves(tree, none_is_leaf=none_is_leaf)
+    return optree.tree_leaves(tree, is_leaf=_leaf_hint(), none_is_leaf=none_is_leaf)
 
 
 @exposed_in("funcmeta.tree")
 def flatten(tree: Tree, *, none_is_leaf: bool = False) -> tuple[list[Any], optree.PyTreeSpec]:
     """``(leaves, spec)``; rebuild with :func:`unflatten`."""
-    return optree.tree_flatten(tree, none_is_leaf=none_is_leaf)
+    return optree.tree_flatten(tree, is_leaf=_leaf_hint(), none_is_leaf=none_is_leaf)
 
 
 @exposed_in("funcmeta.tree")
@@ -111,7 +125,7 @@ def unflatten(spec: optree.PyTreeSpec, leaf_list: Iterable[Any]) -> Tree:
 @exposed_in("funcmeta.tree")
 def structure(tree: Tree, *, none_is_leaf: bool = False) -> optree.PyTreeSpec:
     """The structure of ``tree`` (comparable with ``==``)."""
-    return optree.tree_structure(tree, none_is_leaf=none_is_leaf)
+    return optree.tree_structure(tree, is_leaf=_leaf_hint(), none_is_leaf=none_is_leaf)
 
 
 @exposed_in("funcmeta.tree")

@@ -22,6 +22,7 @@ from torch import Tensor
 from funcmeta._src.core import tree
 from funcmeta._src.core.checks import check_number, is_number
 from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.fence import compiling
 from funcmeta._src.core.tree import Tree
 from funcmeta._src.optim.base import GradientTransformation, same_dtype
 from funcmeta._src.optim.hyper import Hyperparameter, LeafResolver, is_zero, per_leaf
@@ -63,7 +64,9 @@ def scale_by_learning_rate(lr: Hyperparameter) -> GradientTransformation:
     rates = LeafResolver(lr, "lr")
 
     def init(params: Tree) -> ScaleByLearningRateState:
-        if not callable(lr) or isinstance(lr, Tensor):
+        # a traced step skips the check: the step's eager run checked it before its graph,
+        # and the first update resolves the rates against the parameters' structure again
+        if not compiling() and (not callable(lr) or isinstance(lr, Tensor)):
             leaves, spec = tree.flatten(params)
             rates(params, spec, leaves, 0)  # checked against the parameters before any step
         return ScaleByLearningRateState(0)

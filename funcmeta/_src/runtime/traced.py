@@ -68,7 +68,8 @@ class TracedRuntime(Runtime):
         chunk: int | None,
     ) -> Any:
         # the compiled step chunks its graph calls itself; one vmap over the tasks given
-        return torch.func.vmap(one_task, in_dims=in_dims, randomness="different")(*trees)
+        dims = tuple(_uniform(d) for d in in_dims)
+        return torch.func.vmap(one_task, in_dims=dims, randomness="different")(*trees)
 
     def gradient(
         self,
@@ -104,3 +105,14 @@ class TracedRuntime(Runtime):
 
 #: The traced runtime.
 TRACED = TracedRuntime()
+
+
+def _uniform(dims: Any) -> Any:
+    """``dims`` (a tree's vmap in-dims) as one ``0`` or ``None`` for the whole tree where a
+    dict gives every entry that one value: vmap reads a prefix the same way, and dynamo
+    traces the matching of a dict of in-dims to the tree entry by entry."""
+    if isinstance(dims, dict) and dims:
+        values = set(dims.values())
+        if len(values) == 1 and next(iter(values)) in (0, None):
+            return next(iter(values))
+    return dims
