@@ -353,3 +353,52 @@ def test_dropout_recomputed_in_the_graph_runs_eagerly_naming_the_layer(aot_eager
     with pytest.warns(UserWarning, match="draws random numbers"):
         step(support, query)
     assert "'1.1' (Dropout)" in (step.eager_reason or "")
+
+
+def test_the_recomputation_is_part_of_torchs_compile_cache_key() -> None:
+    """torch's AOTAutograd cache keys a graph by its code, which the step annotations leave
+    alone: while a step compiles with its recomputation, torch's cache key tag names the mode
+    (after any tag of the user's), so a plain step's cached partition is not loaded for a
+    checkpoint_steps step of the same model, nor the other way round."""
+    from funcmeta._src.core import fence
+
+    config = torch.compiler.config
+    before = config.cache_key_tag
+    tags = {}
+    for mode in ("layers", "steps"):
+        with fence.recompute_inner_gradients(mode):
+            tags[mode] = config.cache_key_tag
+        assert config.cache_key_tag == before
+    assert tags["layers"] != tags["steps"] and before not in tags.values()
+    assert all(fence.remat_cache_tag(m) in tags[m] for m in tags)
+    with config.patch(cache_key_tag="mine"), fence.recompute_inner_gradients("steps"):
+        assert config.cache_key_tag.startswith("mine|") and "steps" in config.cache_key_tag
+
+
+@needs_autograd_graph
+@pytest.mark.slow
+def test_a_checkpoint_steps_step_does_not_load_a_plain_steps_cached_graph(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """In one process with one inductor cache, the plain step of a model compiles first, then
+    the same model's checkpoint_steps step: the second misses torch's AOTAutograd cache and
+    compiles its own partition (it loaded the plain one's before the key named the mode), and
+    gives the same float64 meta-gradients."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1)).to(DTYPE)
+    fmodel = fm.functional_model(net)
+    support, query = sinusoid()
+    grads, hits = [], []
+    for steps_checkpointed in (False, True):
+        before = counters["aot_autograd"]["autograd_cache_hit"]
+        step = fm.compile_meta_step(
+            fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=2, checkpoint_steps=steps_checkpointed
+        )
+        grads.append(meta_grads(net, lambda step=step: step(support, query)))
+        assert step.eager_reason is None
+        hits.append(counters["aot_autograd"]["autograd_cache_hit"] - before)
+    assert hits == [0, 0]
+    assert relative(grads[1], grads[0]) < 1e-12

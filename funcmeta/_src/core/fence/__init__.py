@@ -126,6 +126,7 @@ from funcmeta._src.core.fence.remat import (
     can_recompute_inner_gradients,
     inner_step_region,
     recompute_inner_gradients,
+    remat_cache_tag,
     tag_inner_steps,
 )
 
@@ -176,6 +177,7 @@ __all__ = [
     "push_dynamic_layer_stack",
     "qkv_same_embed_dim",
     "recompute_inner_gradients",
+    "remat_cache_tag",
     "remove_batch_dim",
     "reparametrized",
     "saved_tensor_hooks_state",

@@ -27,9 +27,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -40,6 +42,7 @@ __all__ = [
     "can_recompute_inner_gradients",
     "inner_step_region",
     "recompute_inner_gradients",
+    "remat_cache_tag",
     "tag_inner_steps",
 ]
 
@@ -53,6 +56,8 @@ _PASS_MODULE = (
 )
 _PASS_NAME = "remat_using_tags_for_fwd_loss_bwd_graph"
 _lock = threading.Lock()
+# this file's tagging, as a part of torch's compile cache keys (a change to it is a new key)
+_SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 # the steps' region numbers (``ac_graph_id``), above any of torch's checkpoint regions
 _STEP_REGIONS = 1 << 20
 
@@ -130,9 +135,41 @@ def recompute_inner_gradients(mode: RematMode) -> Iterator[None]:
         tag_inner_steps(gm.graph, mode)
         return original(gm)
 
-    with _lock:
+    with _lock, _keyed(mode):
         setattr(module, _PASS_NAME, remat)
         try:
             yield
         finally:
             setattr(module, _PASS_NAME, original)
+
+
+def remat_cache_tag(mode: RematMode) -> str:
+    """What :func:`recompute_inner_gradients` adds to torch's compile cache key tag: the mode
+    and this tagging's version. torch's AOTAutograd cache keys a graph by its code, which the
+    step annotations do not change, so without it a step compiled with ``checkpoint_steps``
+    loaded the partition of the same model's step compiled without (the same values, the
+    other mode's memory), and the other way round."""
+    return f"funcmeta-remat:{mode}:{_SOURCE}"
+
+
+@contextlib.contextmanager
+def _keyed(mode: RematMode) -> Iterator[None]:
+    """torch's compile cache key tag with :func:`remat_cache_tag` added (after any tag of the
+    user's); where this torch has no tag, its AOTAutograd cache off instead (inductor's own
+    cache keys the partitioned graphs, which differ). Set and put back as an attribute
+    (cheaper than ``config.patch``), under :func:`recompute_inner_gradients`' lock."""
+    config = getattr(torch.compiler, "config", None)
+    if config is not None and hasattr(config, "cache_key_tag"):
+        user = config.cache_key_tag
+        config.cache_key_tag = f"{user}|{remat_cache_tag(mode)}" if user else remat_cache_tag(mode)
+        try:
+            yield
+        finally:
+            config.cache_key_tag = user
+        return
+    functorch = importlib.import_module("torch._functorch.config")
+    if hasattr(functorch, "enable_autograd_cache"):
+        with functorch.patch(enable_autograd_cache=False):
+            yield
+        return
+    yield
