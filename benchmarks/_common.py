@@ -308,6 +308,12 @@ def residual_mlp(width: int, blocks: int) -> Any:
     return _residual_classes()[1](width, blocks)
 
 
+def residual_block(width: int) -> Any:
+    """One residual block ``x + W2 tanh(W1 x)`` of ``width`` (``.inner``, ``.outer``), the
+    block of :func:`residual_mlp`."""
+    return _residual_classes()[0](width)
+
+
 @functools.cache
 def _residual_classes() -> tuple[type, type]:
     import torch

@@ -39,21 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _co
 import _common
 
 
-class Block(nn.Module):
-    """``x + W2 tanh(W1 x)`` (each benchmark script stands alone: none imports another)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.inner = nn.Linear(width, width)
-        self.outer = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(torch.tanh(self.inner(x)))
-
-
 def model(width: int, blocks: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(Block(width) for _ in range(blocks)), nn.Linear(width, 1))
+    return nn.Sequential(
+        *(_common.residual_block(width) for _ in range(blocks)), nn.Linear(width, 1)
+    )
 
 
 class Sent:
@@ -185,7 +175,9 @@ def main() -> int:
         rank_main(args)
         return 0
     whole = sum(p.numel() * p.element_size() for p in model(args.width, args.blocks).parameters())
-    block = sum(p.numel() * p.element_size() for p in Block(args.width).parameters())
+    block = sum(
+        p.numel() * p.element_size() for p in _common.residual_block(args.width).parameters()
+    )
     print(
         f"workload: second-order MAML, residual MLP {args.blocks} blocks of width {args.width} "
         f"(parameters {whole / 2**20:.1f} MiB, one block {block / 2**20:.2f} MiB), "

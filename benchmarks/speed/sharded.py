@@ -57,24 +57,17 @@ from torch import nn
 
 import funcmeta as fm
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common.py
+import _common
+
 MODES = ("single", "sharded", "tasks", "checks", "unchecked")
-
-
-class Block(nn.Module):
-    """``x + W2 tanh(W1 x)`` (each benchmark script stands alone: none imports another)."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.inner = nn.Linear(width, width)
-        self.outer = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(torch.tanh(self.inner(x)))
 
 
 def model(width: int, blocks: int) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*(Block(width) for _ in range(blocks)), nn.Linear(width, 1))
+    return nn.Sequential(
+        *(_common.residual_block(width) for _ in range(blocks)), nn.Linear(width, 1)
+    )
 
 
 def batch(tasks: int, rows: int, width: int) -> tuple[torch.Tensor, ...]:
