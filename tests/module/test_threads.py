@@ -54,10 +54,16 @@ def _one_call(fmodel, params, thread: int, call: int, batch=None):
 
 
 def _run_threads(work):
+    """Runs ``work(thread, call)`` in THREADS threads at once. Each thread first takes this
+    thread's intra-op thread count: torch.set_num_threads reaches only the thread that calls
+    it (a new thread's oneDNN kernels use OpenMP's count from the start: the cores), and
+    oneDNN's convolution weight gradient rounds differently with another count."""
     barrier = threading.Barrier(THREADS)
     outcomes: dict[tuple[int, int], object] = {}
+    intra_op = torch.get_num_threads()
 
     def body(thread: int) -> None:
+        torch.set_num_threads(intra_op)
         barrier.wait()
         for call in range(CALLS):
             try:
