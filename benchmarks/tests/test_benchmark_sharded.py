@@ -14,9 +14,11 @@ SCRIPT = script("memory/sharded.py")
 
 
 @pytest.mark.slow
-def test_the_benchmark_runs_on_two_ranks_and_judges_its_targets():
+@pytest.mark.parametrize("checkpoint", ["layers", "none"])
+def test_the_benchmark_runs_on_two_ranks_and_judges_its_targets(checkpoint):
+    small = ["--ranks", "2", "--width", "64", "--blocks", "2", "--checkpoint", checkpoint]
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--ranks", "2", "--width", "64", "--blocks", "2"],
+        [sys.executable, str(SCRIPT), *small],
         capture_output=True,
         text=True,
         timeout=300,

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from funcmeta._src.core import kernels, tree
-from funcmeta._src.core.fence import AutocastState
+from funcmeta._src.core.fence import AutocastState, saved_hooks_in_force
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.core.sharding import ShardingError, saving_split
 from funcmeta._src.module import scope
@@ -65,6 +65,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_closed",
     "kept_for_the_gradient",
+    "recomputing_for_a_vjp",
 ]
 
 _TENSOR = object()  # where a tensor leaf goes in a structure kept without its tensors
@@ -127,6 +128,14 @@ class _Replaying:
 
 def _same(t: Tensor) -> Tensor:
     return t
+
+
+def recomputing_for_a_vjp() -> bool:
+    """Whether a checkpointed function is being recomputed for a VJP taken right away (the
+    saved-tensor hooks in force are that recomputation's own): what it saves lives only
+    until that VJP is taken."""
+    hooks = saved_hooks_in_force()
+    return hooks is not None and hooks[0] is _same
 
 
 def _unpack_nothing(_: None) -> Tensor:  # pragma: no cover - never called

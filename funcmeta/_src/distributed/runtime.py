@@ -47,9 +47,14 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from funcmeta._src.checkpoint.engine import recomputing_for_a_vjp
 from funcmeta._src.core import tree
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.fence import parameter_dict
+from funcmeta._src.core.fence import (
+    parameter_dict,
+    saved_hooks_in_force,
+    saved_tensor_hooks_state,
+)
 from funcmeta._src.core.sharding import ShardingError, is_sharded
 from funcmeta._src.core.vmap import loop_flat
 from funcmeta._src.distributed import comm
@@ -200,10 +205,15 @@ class ShardedRuntime(EagerRuntime):
         second_order: bool,
         keep_graph: bool,
     ) -> tuple[Tensor, list[Tensor | None], dict[str, Tensor]]:
-        """The eager inner gradient, its loss compared across the ranks."""
-        loss, found, new_buffers = super().gradient(
-            objective, leaves, buffers, second_order=second_order, keep_graph=keep_graph
-        )
+        """The eager inner gradient, its loss compared across the ranks. A second-order
+        gradient's graph saves the gathered parameters its products read (their double
+        backward needs them): it keeps their shards instead, gathered again when the outer
+        backward reads them (:func:`regathering`)."""
+        saving = regathering() if second_order and self.ranks > 1 else None
+        with saving or contextlib.nullcontext():
+            loss, found, new_buffers = super().gradient(
+                objective, leaves, buffers, second_order=second_order, keep_graph=keep_graph
+            )
         self.check_result(loss.detach(), "an inner step's loss")
         return loss, found, new_buffers
 
@@ -394,32 +404,155 @@ class _LearnableMeetsShard(TorchFunctionMode):
 class _LayerGather:
     """The forward hooks of one layer: its ``DTensor`` parameters gathered for the forward,
     the shards back afterwards (also when the forward raises). Per thread, and nested
-    (a layer called again inside its own forward)."""
+    (a layer called again inside its own forward). While the forward runs, what autograd
+    saves of the gathered parameters keeps their shards instead (:func:`regathering`), so
+    that a layer's whole parameters live while it runs and again while a backward reads
+    them, not from its forward to its backward."""
 
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def _stack(self) -> list[dict[str, Any]]:
+    def _stack(self) -> list[tuple[dict[str, Any], Any]]:
         return _per_thread(self._local, "stack")
 
     def before(self, module: nn.Module, args: Any) -> None:
         shards = {n: p for n, p in parameter_dict(module).items() if is_sharded(p)}
-        self._stack().append(shards)
+        entry: tuple[dict[str, Any], Any] = (shards, None)
+        self._stack().append(entry)
+        whole = False
         for name, shard in shards.items():
-            full = comm.gather_whole(
-                shard,
-                f"gathering {type(module).__name__} parameter {name!r} across the mesh",
-            )
+            what = f"{type(module).__name__} parameter {name!r}"
+            full = comm.gather_whole(shard, f"gathering {what} across the mesh")
             if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
                 _count(full)
+                _remember(full, shard, what)
+                whole = True
             parameter_dict(module)[name] = full
+        saving = regathering() if whole else None
+        if saving is not None:
+            saving.__enter__()
+            self._stack()[-1] = (shards, saving)
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self._stack()
         if not stack:
             return
-        for name, shard in stack.pop().items():
-            parameter_dict(module)[name] = shard
+        shards, saving = stack.pop()
+        try:
+            if saving is not None:
+                saving.__exit__(None, None, None)
+        finally:
+            for name, shard in shards.items():
+                parameter_dict(module)[name] = shard
+
+
+# ------------------------------------------------------------------ gathered, saved, gathered again
+
+#: The gathered storages alive, by address: a weak reference to the storage, the shard it was
+#: gathered from, what it is (for messages), its whole tensor's offset and dtype.
+_SOURCES: dict[int, tuple[weakref.ref[Any], Any, str, int, torch.dtype]] = {}
+
+
+def _remember(full: Tensor, shard: Any, what: str) -> None:
+    """Note that ``full`` was gathered from ``shard``, while its storage lives."""
+    storage = full.untyped_storage()
+    key = storage.data_ptr()
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        entry = _SOURCES.get(key)
+        if entry is not None and entry[0] is ref:
+            del _SOURCES[key]
+
+    offset = int(full.storage_offset())
+    _SOURCES[key] = (weakref.ref(storage, forget), shard, what, offset, full.dtype)
+
+
+class _Regather:
+    """What autograd keeps of a saved gathered parameter (or a view of it): its shard and
+    the view's geometry; :meth:`whole` gathers it again."""
+
+    __slots__ = ("offset", "shape", "shard", "stride", "what")
+
+    def __init__(self, t: Tensor, shard: Any, what: str, base: int) -> None:
+        self.shard, self.what = shard, what
+        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset() - base
+
+    def whole(self) -> Tensor:
+        """The saved tensor again, from a new gather (the same values)."""
+        with torch.no_grad():
+            full = comm.gather_whole(
+                self.shard, f"gathering {self.what} again for a backward that reads it"
+            )
+        _count(full)
+        _remember(full, self.shard, self.what)
+        return full.as_strided(self.shape, self.stride, full.storage_offset() + self.offset)
+
+
+class _Outer:
+    """A tensor packed by the saved-tensor hooks that were in force under ours."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], Tensor]) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
+class _Regathering:
+    """Saved-tensor hooks: a gathered parameter saved is kept as its shard
+    (:class:`_Regather`); any other tensor goes to the hooks in force under these (a
+    checkpoint's, ``save_on_cpu``), or is kept as it is."""
+
+    __slots__ = ("outer",)
+
+    outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None
+
+    def __init__(self, outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None):
+        below = getattr(outer[0], "__self__", None) if outer is not None else None
+        self.outer = below.outer if isinstance(below, _Regathering) else outer
+
+    def pack(self, t: Tensor) -> Any:
+        found = _source(t)
+        if found is not None:
+            return found
+        if self.outer is not None:
+            return _Outer(self.outer[0](t), self.outer[1])
+        return t
+
+    @staticmethod
+    def unpack(x: Any) -> Tensor:
+        if isinstance(x, _Regather):
+            return x.whole()
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
+        return x
+
+
+def _source(t: Tensor) -> _Regather | None:
+    """``t``'s :class:`_Regather` when it is (a view of) a gathered parameter alive."""
+    if not _SOURCES or type(t) is not Tensor:
+        return None
+    key = t.untyped_storage().data_ptr()
+    entry = _SOURCES.get(key)
+    if entry is None:
+        return None
+    ref, shard, what, base, dtype = entry
+    storage = ref()
+    if storage is None or storage.data_ptr() != key or t.dtype != dtype:
+        return None
+    return _Regather(t, shard, what, base)
+
+
+def regathering() -> contextlib.AbstractContextManager[Any] | None:
+    """Saved-tensor hooks under which autograd keeps a gathered parameter's shard, not the
+    whole tensor, and gathers it again when a backward reads it, as FSDP reshards after
+    the forward: a layer's whole parameters live while it runs and while a backward reads
+    them. ``None`` where torch allows no saved-tensor hooks now (inside a ``torch.func``
+    transform), and in a checkpointed layer's recomputation for a VJP taken right away,
+    whose graph, gathered parameters included, is dropped after it (one layer's)."""
+    if saved_tensor_hooks_state() is not None or recomputing_for_a_vjp():
+        return None
+    hooks = _Regathering(saved_hooks_in_force())
+    return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
 
 
 _LIVE: list[Any] = []  # weak references to the gathered tensors' storages (gathered_bytes)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
-from torch import nn
+from torch import Tensor, nn
 
 from funcmeta._src.core.fence.registry import ACCESSES
 
@@ -25,6 +25,7 @@ __all__ = [
     "checkpoint_redirected",
     "dispatch_checkpoint",
     "original_checkpoint",
+    "saved_hooks_in_force",
     "saved_tensor_hooks_state",
     "set_checkpoint_dispatch",
     "set_saved_tensor_hooks_state",
@@ -74,6 +75,20 @@ def saved_tensor_hooks_state() -> str | None:
     if autograd._saved_tensors_hooks_is_enabled():
         return None
     return str(autograd._saved_tensors_hooks_get_disabled_error_message())
+
+
+def saved_hooks_in_force() -> tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None:
+    """The saved-tensor hooks in force now (the innermost ``saved_tensors_hooks`` pair, the
+    one a tensor saved now would go through), or ``None``: none, or a torch without the
+    query (then a pair pushed on top of another hides it)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        found = top(False)
+    except TypeError:  # an older signature, without ignore_is_tracing
+        found = top()
+    return found if found else None
 
 
 def set_saved_tensor_hooks_state(state: str | None) -> None:
@@ -187,4 +202,7 @@ ACCESSES["torch.utils.checkpoint.checkpoint's code (redirected while funcmeta ru
 ACCESSES["torch._C._autograd._saved_tensors_hooks_{is_enabled,enable,disable,...}"] = lambda: all(
     hasattr(torch._C._autograd, f"_saved_tensors_hooks_{n}")
     for n in ("is_enabled", "enable", "disable", "get_disabled_error_message")
+)
+ACCESSES["torch._C._autograd._top_saved_tensors_default_hooks"] = lambda: hasattr(
+    torch._C._autograd, "_top_saved_tensors_default_hooks"
 )
