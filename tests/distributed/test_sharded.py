@@ -128,13 +128,13 @@ def _case_meta_gradients(world, checkpoint_layers, opt_name):
     return kinds, local, adapted, grads, type(net[0].weight.grad).__name__
 
 
-def _case_gathered(world, checkpoint_layers):
+def _case_gathered(world, checkpoint_layers, reshard=True):
     """The most gathered bytes alive right after any gather (a layer's forward, its
     recomputation, a backward reading a saved parameter), over the forward, the inner steps
-    and the backward."""
+    and the backward; the adapted parameters and meta-gradients (full)."""
     from funcmeta._src.distributed import comm
 
-    net = fm.distributed.shard_model(_net(), _mesh(world))
+    net = fm.distributed.shard_model(_net(), _mesh(world), reshard_after_forward=reshard)
     most = [0]
     gather_whole = comm.gather_whole
 
@@ -146,10 +146,10 @@ def _case_gathered(world, checkpoint_layers):
 
     comm.gather_whole = counted
     try:
-        _meta(net, checkpoint_layers, "sgd")
+        adapted, grads = _meta(net, checkpoint_layers, "sgd")
     finally:
         comm.gather_whole = gather_whole
-    return most[0]
+    return most[0], adapted, grads
 
 
 def _case_refusals(world):
@@ -245,6 +245,11 @@ def _case_refusals(world):
         said["tied"] = None
     except fm.distributed.ShardingError as error:
         said["tied"] = str(error)
+    try:
+        fm.distributed.shard_model(_net(), _mesh(world), reshard_after_forward="yes")
+        said["reshard"] = None
+    except TypeError as error:
+        said["reshard"] = str(error)
     return said
 
 
@@ -862,8 +867,10 @@ CASES = {
 #: the gathered storages alive in the process); their tests read their part.
 BUNDLES: dict[int, list[tuple[str, tuple]]] = {
     2: [
-        ("gathered", (None,)),
-        ("gathered", ("sequential",)),
+        ("gathered", (None, True)),
+        ("gathered", ("sequential", True)),
+        ("gathered", (None, False)),
+        ("gathered", ("sequential", False)),
         ("meta_gradients", (None, "sgd")),
         ("meta_gradients", ("sequential", "sgd")),
         ("meta_gradients", ("sequential", "adam")),
@@ -911,14 +918,22 @@ def test_sharded_meta_gradients_equal_the_unsharded_run(
 
 
 @pytest.mark.parametrize("checkpoint_layers", [None, "sequential"])
-def test_a_rank_holds_one_layers_full_parameters_at_a_time(tmp_path, checkpoint_layers):
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_rank_holds_one_layers_full_parameters_at_a_time(tmp_path, checkpoint_layers, reshard):
     """The graphs (the forward's, the second-order inner gradients') keep the shards of the
     gathered parameters they save and gather them again when a backward reads them: the
-    whole parameters alive never exceed one layer's, checkpointed or not. Before, the plain
-    run kept every layer's, once per pass (1552 bytes here against 336)."""
+    whole parameters alive never exceed one layer's, checkpointed or not (1552 bytes here
+    against 336 without it). reshard_after_forward=False keeps what they save whole: without
+    checkpointing every layer's, once per pass. The same meta-gradients either way."""
     layers = [sum(p.numel() * 8 for p in m.parameters()) for m in _net() if list(m.parameters())]
-    for most in _spawn(tmp_path, 2, "gathered", checkpoint_layers):
-        assert most <= max(layers)
+    reference_adapted, reference = _meta(_net(), checkpoint_layers, "sgd")
+    for most, adapted, grads in _spawn(tmp_path, 2, "gathered", checkpoint_layers, reshard):
+        if reshard or checkpoint_layers:
+            assert most <= max(layers)
+        else:
+            assert most >= 2 * sum(layers)
+        for ours, theirs in zip(adapted + grads, reference_adapted + reference, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
 
 
 def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
@@ -933,6 +948,8 @@ def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     assert "use fm.adapt_tasks or the recipes" in said["compile_meta_step"]
     assert "sharded already" in (said["again"] or "")
     assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
+    assert (said["reshard"] or "").startswith("reshard_after_forward must be True")
+    assert "got str" in (said["reshard"] or "")
     for option in ("on_nonfinite", "loss_scale"):
         assert (said[option] or "").startswith(f"fm.adapt with {option}= cannot take a sharded")
     # a learnable rate's gradient would be this rank's partial sum, silently: refused

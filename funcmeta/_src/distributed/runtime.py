@@ -83,12 +83,15 @@ class ShardedRuntime(EagerRuntime):
         axis: the mesh axis that splits the parameters.
         group: that axis's process group for this rank.
         timeout: seconds each collective waits for the other ranks.
+        reshard: whether what autograd saves of a gathered parameter is its shard, gathered
+            again when read (``shard_model(reshard_after_forward=)``).
     """
 
     keeps_layer_graphs = False
 
-    def __init__(self, mesh: Any, axis: int, timeout: float) -> None:
+    def __init__(self, mesh: Any, axis: int, timeout: float, reshard: bool = True) -> None:
         self.mesh = mesh
+        self.reshard = reshard
         self.axis = axis
         self.group = mesh.get_group(axis)
         self.ranks = comm.size(self.group)
@@ -209,7 +212,7 @@ class ShardedRuntime(EagerRuntime):
         gradient's graph saves the gathered parameters its products read (their double
         backward needs them): it keeps their shards instead, gathered again when the outer
         backward reads them (:func:`regathering`)."""
-        saving = regathering() if second_order and self.ranks > 1 else None
+        saving = regathering() if second_order and self.reshard and self.ranks > 1 else None
         with saving or contextlib.nullcontext():
             loss, found, new_buffers = super().gradient(
                 objective, leaves, buffers, second_order=second_order, keep_graph=keep_graph
@@ -404,13 +407,14 @@ class _LearnableMeetsShard(TorchFunctionMode):
 class _LayerGather:
     """The forward hooks of one layer: its ``DTensor`` parameters gathered for the forward,
     the shards back afterwards (also when the forward raises). Per thread, and nested
-    (a layer called again inside its own forward). While the forward runs, what autograd
-    saves of the gathered parameters keeps their shards instead (:func:`regathering`), so
-    that a layer's whole parameters live while it runs and again while a backward reads
-    them, not from its forward to its backward."""
+    (a layer called again inside its own forward). With ``reshard`` what autograd saves of
+    the gathered parameters while the forward runs keeps their shards instead
+    (:func:`regathering`), so that a layer's whole parameters live while it runs and again
+    while a backward reads them, not from its forward to its backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, reshard: bool = True) -> None:
         self._local = threading.local()
+        self.reshard = reshard
 
     def _stack(self) -> list[tuple[dict[str, Any], Any]]:
         return _per_thread(self._local, "stack")
@@ -428,7 +432,7 @@ class _LayerGather:
                 _remember(full, shard, what)
                 whole = True
             parameter_dict(module)[name] = full
-        saving = regathering() if whole else None
+        saving = regathering() if whole and self.reshard else None
         if saving is not None:
             saving.__enter__()
             self._stack()[-1] = (shards, saving)

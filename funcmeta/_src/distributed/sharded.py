@@ -186,6 +186,7 @@ def shard_model(
     mesh_dim: str | int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     init: Callable[[str, Tensor], Tensor] | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the processes of a ``DeviceMesh``, in place, and
     gather each layer's parameters only while that layer runs; returns ``module``.
@@ -215,6 +216,14 @@ def shard_model(
     tasks one at a time, since a ``DTensor`` does not run under ``torch.func.vmap``.
     :func:`funcmeta.compile_meta_step` raises :class:`ShardingError`. Learnable
     hyperparameters (``fm.hyper`` rates) are placed beside the shards with :func:`shard_hyper`.
+
+    **What stays gathered.** With ``reshard_after_forward=True`` (the default, as in FSDP)
+    what autograd saves of a gathered parameter (a product's weight, for its backward; in
+    second order also for the double backward of the inner gradients funcmeta takes) is the
+    parameter's shard, gathered again when a backward reads it: one layer's full parameters
+    alive at a time, checkpointed or not, for a gather per saved parameter read. ``False``
+    keeps what autograd saves whole: fewer gathers, but without checkpointing every layer's
+    full parameters stay alive from its forward to its backward, once per pass.
 
     **A model no rank holds whole.** Build it on the meta device (``with
     torch.device("meta"):``) and pass ``init``: for each parameter and buffer, in order,
@@ -252,6 +261,12 @@ def shard_model(
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard_model takes an nn.Module, got {type(module).__name__}")
     check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(
+            "reshard_after_forward must be True (keep the shards of the gathered parameters "
+            "autograd saves, gathered again when a backward reads them) or False (keep them "
+            f"whole), got {type(reshard_after_forward).__name__}"
+        )
     axis = _shard_axis(mesh, mesh_dim)
     if init is not None and not callable(init):
         raise TypeError(
@@ -294,7 +309,7 @@ def shard_model(
         "parameter names, shapes and dtypes in the same order on every rank of the mesh)",
     )
     own = _own_mesh(mesh, timeout)
-    runtime = ShardedRuntime(own, axis, timeout)
+    runtime = ShardedRuntime(own, axis, timeout, reshard=reshard_after_forward)
     values = None if init is None else _Values(init, _mesh_device(own))
     if values is not None:
         _materialize_buffers(module, values)
@@ -317,7 +332,7 @@ def shard_model(
                 else:
                     placed = comm.distribute(p.detach(), own, placements)
             parameter_dict(layer)[name] = nn.Parameter(placed, requires_grad=p.requires_grad)
-        gather = _LayerGather()
+        gather = _LayerGather(reshard_after_forward)
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
     if values is not None:
