@@ -351,6 +351,17 @@ def _case_peer_gone(world):
     return None
 
 
+def _case_peer_gone_before_a_backward_gathers_again(world):
+    """Without checkpointing, the backward gathers a saved weight again; rank 1 exits before
+    it. The query loss through fm.task_losses (no check of the outputs' gradient first)."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    fmodel = fm.functional_model(net)
+    xs, ys, xq, yq = _data()
+    result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (xs, ys), fm.optim.sgd(lr=0.1), steps=1)
+    losses = fm.task_losses(fmodel, result.params, F.mse_loss, (xq[None], yq[None])).losses
+    return _backward_with_rank_one_gone(losses.mean())
+
+
 def _backward_with_rank_one_gone(loss: torch.Tensor) -> str | None:
     """Rank 1 exits; rank 0 runs ``loss``'s backward alone: its PeerError's message."""
     if dist.get_rank() == 1:
@@ -852,6 +863,7 @@ CASES = {
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
     "peer_gone_before_backward": _case_peer_gone_before_backward,
+    "peer_gone_before_a_regather": _case_peer_gone_before_a_backward_gathers_again,
     "peer_gone_in_an_activations_gather": _case_peer_gone_in_an_activations_gather,
     "peer_stalls": _case_peer_stalls,
     "peer_gone_before_a_direct_calls_check": _case_peer_gone_before_a_direct_calls_check,
@@ -1039,6 +1051,14 @@ def _peer_gone(tmp_path, case: str) -> str:
     assert "a peer process is gone or stalled" in said
     assert time.monotonic() - started < 120  # no hang
     return said
+
+
+def test_a_peer_gone_before_a_backward_gathers_a_saved_weight_again_is_named(tmp_path):
+    """A backward that gathers a saved parameter again (reshard_after_forward) with a peer
+    gone raises PeerError naming the parameter and why it gathers, without hanging."""
+    said = _peer_gone(tmp_path, "peer_gone_before_a_regather")
+    assert "again for a backward that reads it" in said, said
+    assert "parameter 'weight'" in said, said
 
 
 def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_path):
