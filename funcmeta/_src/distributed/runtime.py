@@ -428,7 +428,6 @@ class _LayerGather:
             what = f"{type(module).__name__} parameter {name!r}"
             full = comm.gather_whole(shard, f"gathering {what} across the mesh")
             if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
-                _count(full)
                 _remember(full, shard, what)
                 whole = True
             parameter_dict(module)[name] = full
@@ -458,7 +457,9 @@ _SOURCES: dict[int, tuple[weakref.ref[Any], Any, str, int, torch.dtype]] = {}
 
 
 def _remember(full: Tensor, shard: Any, what: str) -> None:
-    """Note that ``full`` was gathered from ``shard``, while its storage lives."""
+    """Note that ``full`` was gathered from ``shard``, while its storage lives (and count it
+    in :func:`gathered_bytes`)."""
+    _count(full)
     storage = full.untyped_storage()
     key = storage.data_ptr()
 
@@ -487,7 +488,6 @@ class _Regather:
             full = comm.gather_whole(
                 self.shard, f"gathering {self.what} again for a backward that reads it"
             )
-        _count(full)
         _remember(full, self.shard, self.what)
         return full.as_strided(self.shape, self.stride, full.storage_offset() + self.offset)
 
