@@ -362,6 +362,21 @@ def _case_peer_gone(world):
     return None
 
 
+def _case_peer_gone_in_a_layer_on_its_shards(world):
+    """An embedding and a head computed on their shards; rank 1 exits when its forward
+    reaches the head: rank 0's all-gather of the head's outputs meets no peer."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7)).double()
+    net = fm.distributed.shard_model(net, _mesh(world), compute_on_shards=["0", "1"], timeout=20)
+    if dist.get_rank() == 1:
+        net[1].register_forward_pre_hook(lambda *_: os._exit(0))
+    try:
+        net(torch.tensor([[1, 2, 3]]))
+    except fm.distributed.PeerError as error:
+        return str(error)
+    return None
+
+
 def _case_peer_gone_before_a_backward_gathers_again(world):
     """Without checkpointing, the backward gathers a saved weight again; rank 1 exits before
     it. The query loss through fm.task_losses (no check of the outputs' gradient first)."""
@@ -875,6 +890,7 @@ CASES = {
     "peer_gone": _case_peer_gone,
     "peer_gone_before_backward": _case_peer_gone_before_backward,
     "peer_gone_before_a_regather": _case_peer_gone_before_a_backward_gathers_again,
+    "peer_gone_on_shards": _case_peer_gone_in_a_layer_on_its_shards,
     "peer_gone_in_an_activations_gather": _case_peer_gone_in_an_activations_gather,
     "peer_stalls": _case_peer_stalls,
     "peer_gone_before_a_direct_calls_check": _case_peer_gone_before_a_direct_calls_check,
@@ -1070,6 +1086,12 @@ def test_a_peer_gone_before_a_backward_gathers_a_saved_weight_again_is_named(tmp
     said = _peer_gone(tmp_path, "peer_gone_before_a_regather")
     assert "again for a backward that reads it" in said, said
     assert "parameter 'weight'" in said, said
+
+
+def test_a_peer_gone_while_a_layer_computes_on_its_shards_is_named(tmp_path):
+    said = _peer_gone(tmp_path, "peer_gone_on_shards")
+    assert "joining the outputs of Linear '1' across the mesh failed" in said, said
+    assert "a peer process is gone or stalled" in said, said
 
 
 def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_path):

@@ -62,13 +62,24 @@ def _tokens(tasks: int | None):
     return tuple(torch.randint(0, 32, shape, generator=g) for _ in range(4))
 
 
-def _meta(mode: str, mesh=None, mesh_dim=None, task_group=None, own_tasks=False) -> list:
+#: The modes also run with the embedding and the head computed on their shards.
+ON_SHARDS = ["plain", "checkpoint_layers", "checkpoint_steps", "lora", "rates", "mamlpp", "bf16"]
+
+
+def _meta(
+    mode: str, mesh=None, mesh_dim=None, task_group=None, own_tasks=False, on_shards=False
+) -> list:
     """One meta-iteration in ``mode``: the meta-gradients of the parameters (full tensors),
     then of the learnable rates; ``None`` for a frozen parameter. ``own_tasks``: each rank
-    its share of the tasks on the whole parameters (fm.distributed.gather_params)."""
+    its share of the tasks on the whole parameters (fm.distributed.gather_params).
+    ``on_shards``: the embedding and the head computed on their shards, never gathered."""
     model = _decoder(mode)
     if mesh is not None:
-        fm.distributed.shard_model(model, mesh, mesh_dim=mesh_dim)
+        names = [n for n, _ in model.named_modules() if n.endswith(("embed_tokens", "lm_head"))]
+        assert len(names) == 2, names
+        fm.distributed.shard_model(
+            model, mesh, mesh_dim=mesh_dim, compute_on_shards=names if on_shards else ()
+        )
     fmodel = fm.functional_model(
         model, checkpoint_layers=BLOCKS if mode == "checkpoint_layers" else None
     )
@@ -139,11 +150,15 @@ def _every_mode(world: int) -> dict:
 
     mesh = init_device_mesh("cpu", (world,))
     result = {mode: _meta(mode, mesh) for mode in MODES}
+    for mode in ON_SHARDS:
+        result[f"{mode}, on shards"] = _meta(mode, mesh, on_shards=True)
     result["maml, own tasks"] = _meta("maml", mesh, own_tasks=True)
+    result["maml, own tasks, on shards"] = _meta("maml", mesh, own_tasks=True, on_shards=True)
     if world == 4:  # tasks along one axis, the parameters along the other
         grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
         tasks = grid.get_group("tasks")
         result["maml, 2 x 2 mesh"] = _meta("maml", grid, "shards", tasks)
+        result["maml, 2 x 2 mesh, on shards"] = _meta("maml", grid, "shards", tasks, on_shards=True)
     return result
 
 
@@ -152,30 +167,31 @@ def _every_mode(world: int) -> dict:
 def test_a_sharded_llama_decoder_gives_the_unsharded_meta_gradients(world):
     results = spawn_gloo(world, _every_mode)
     references = {mode: _meta(mode) for mode in MODES}
+    runs = [(mode, mode) for mode in MODES] + [(f"{m}, on shards", m) for m in ON_SHARDS]
     for ours in results:
-        for mode in MODES:
+        for run, mode in runs:
             theirs = references[mode]
-            assert len(ours[mode]) == len(theirs), mode
-            assert sum(a is not None for a in theirs) > 0, mode
-            for a, b in zip(ours[mode], theirs, strict=True):
-                assert (a is None) == (b is None), mode  # LoRA: the base gets none
+            assert len(ours[run]) == len(theirs), run
+            assert sum(a is not None for a in theirs) > 0, run
+            for a, b in zip(ours[run], theirs, strict=True):
+                assert (a is None) == (b is None), run  # LoRA: the base gets none
                 if a is None:
                     continue
                 if mode == "bf16":
                     continue  # against float64 below
                 else:
-                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=mode)
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=run)
         # bfloat16: as far from the float64 meta-gradients as the unsharded bfloat16 run (the
         # sharded run sums some per-step gradients in another order: a few bf16 roundings)
         exact = references["plain"]
-        for a, b, c in zip(ours["bf16"], references["bf16"], exact, strict=True):
-            scale = c.abs().max()
-            ours_off = (a.double() - c).abs().max() / scale
-            theirs_off = (b.double() - c).abs().max() / scale
-            assert ours_off <= 1.25 * theirs_off + 2**-8, (ours_off, theirs_off)
-        for a, b in zip(ours["maml, own tasks"], references["maml"], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg="own tasks")
-        if world == 4:
-            theirs = references["maml"]
-            for a, b in zip(ours["maml, 2 x 2 mesh"], theirs, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg="2 x 2 mesh")
+        for run in ("bf16", "bf16, on shards"):
+            for a, b, c in zip(ours[run], references["bf16"], exact, strict=True):
+                scale = c.abs().max()
+                ours_off = (a.double() - c).abs().max() / scale
+                theirs_off = (b.double() - c).abs().max() / scale
+                assert ours_off <= 1.25 * theirs_off + 2**-8, (run, ours_off, theirs_off)
+        for run in ("maml, own tasks", "maml, own tasks, on shards") + (
+            ("maml, 2 x 2 mesh", "maml, 2 x 2 mesh, on shards") if world == 4 else ()
+        ):
+            for a, b in zip(ours[run], references["maml"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=run)

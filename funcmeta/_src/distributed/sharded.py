@@ -22,7 +22,7 @@ not the work. ``full_tensor``'s backward sums nothing across ranks, which is exa
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ from funcmeta._src.core.sharding import (
 )
 from funcmeta._src.distributed import comm
 from funcmeta._src.distributed.collectives import check_same_everywhere
+from funcmeta._src.distributed.parallel import choose_on_shards, install_on_shards
 from funcmeta._src.distributed.runtime import ShardedRuntime, _LayerGather, digest
 from funcmeta._src.optim.hyper import HyperTree
 
@@ -187,6 +188,7 @@ def shard_model(
     timeout: float = DEFAULT_TIMEOUT,
     init: Callable[[str, Tensor], Tensor] | None = None,
     reshard_after_forward: bool = True,
+    compute_on_shards: Sequence[str] = (),
 ) -> nn.Module:
     """Shard ``module``'s parameters across the processes of a ``DeviceMesh``, in place, and
     gather each layer's parameters only while that layer runs; returns ``module``.
@@ -225,6 +227,15 @@ def shard_model(
     keeps what autograd saves whole: fewer gathers, but without checkpointing every layer's
     full parameters stay alive from its forward to its backward, once per pass.
 
+    **Layers computed on their shards.** ``compute_on_shards`` names layers that are never
+    gathered: an ``nn.Embedding`` looks up the ids in its rank's rows and the ranks sum the
+    rows (an all-reduce of its output), an ``nn.Linear`` computes its rank's slice of the
+    output features and the ranks join the slices (an all-gather of its output). Their
+    collectives move the outputs (tokens x features) instead of the weight: name a language
+    model's embedding and head (``["model.embed_tokens", "lm_head"]``), each larger than a
+    decoder layer, and a rank never holds more than one decoder layer's whole parameters.
+    Exact, second order included.
+
     **A model no rank holds whole.** Build it on the meta device (``with
     torch.device("meta"):``) and pass ``init``: for each parameter and buffer, in order,
     ``init(name, meta_tensor)`` returns its whole values (the same on every rank: a seeded
@@ -233,7 +244,8 @@ def shard_model(
     build is then its shards plus one whole tensor. Buffers are kept whole.
 
     Raises :class:`ShardingError` for a mesh of more than two axes, a 2-D mesh without
-    ``mesh_dim``, a module already sharded, and a
+    ``mesh_dim``, a module already sharded, a ``compute_on_shards`` name that is no
+    ``nn.Embedding`` or ``nn.Linear`` of the module, and a
     parameter held by two layers (tied weights): each layer gathers its own parameters, so a
     shared one would be gathered by one layer and read as a shard by the other. The ranks
     first compare their modules' parameters (names, shapes, dtypes): a difference raises
@@ -296,6 +308,7 @@ def shard_model(
             "shared weight would be a shard in the other layer; untie it (a copy per layer) "
             "or leave the model unsharded"
         )
+    chosen = choose_on_shards(module, compute_on_shards)
     already = sharded_names(module)
     if already:
         raise ShardingError(
@@ -310,6 +323,7 @@ def shard_model(
     )
     own = _own_mesh(mesh, timeout)
     runtime = ShardedRuntime(own, axis, timeout, reshard=reshard_after_forward)
+    install_on_shards(chosen, runtime)
     values = None if init is None else _Values(init, _mesh_device(own))
     if values is not None:
         _materialize_buffers(module, values)
@@ -332,6 +346,8 @@ def shard_model(
                 else:
                     placed = comm.distribute(p.detach(), own, placements)
             parameter_dict(layer)[name] = nn.Parameter(placed, requires_grad=p.requires_grad)
+        if prefix in chosen:
+            continue
         gather = _LayerGather(reshard_after_forward)
         layer.register_forward_pre_hook(gather.before)
         layer.register_forward_hook(gather.after, always_call=True)
