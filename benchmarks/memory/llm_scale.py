@@ -17,7 +17,9 @@ Runs, each in fresh processes:
 
 - ``one``: one process, every mode;
 - ``shard``: 4 gloo ranks, ``fm.distributed.shard_model`` of the meta-device build
-  (``init=``: no rank holds the model whole), the same two tasks on every rank;
+  (``init=``: no rank holds the model whole), the same two tasks on every rank; the
+  embedding and the head computed on their shards (``compute_on_shards``; ``--on-shards
+  off`` gathers them whole as the decoder layers are);
 - ``gather``: 2 gloo ranks, ``fm.distributed.gather_params``, each rank its own task.
 
 Each row: peak RSS per rank (the whole process, its build included; and above the weights
@@ -54,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _co
 import _common
 
 MODES = ("plain", "layers", "layers+head", "steps", "both")
+#: The layers a sharded run computes on their shards (``--on-shards on``): never gathered.
+EMBEDDING_AND_HEAD = ("embed_tokens", "lm_head")
 TOKENS = 64  # support and query tokens per task
 TASKS = 2
 LORA_RANK = 8
@@ -268,8 +272,12 @@ def one_point(
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
+        on_shards = [n for n, _ in model.named_modules() if n.endswith(EMBEDDING_AND_HEAD)]
         fm.distributed.shard_model(
-            model, mesh, init=lambda name, like: values(args.small, name, like)
+            model,
+            mesh,
+            init=lambda name, like: values(args.small, name, like),
+            compute_on_shards=on_shards if args.on_shards == "on" else (),
         )
     gc.collect()
     built = _common.peak_rss_bytes()
@@ -394,6 +402,7 @@ def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "
     base = [__file__, "--worker", "--kind", run, "--points", *points]
     base += ["--threads", str(args.threads if run == "one" else 1)]
     base += (["--small"] if args.small else []) + (["--grads", grads] if grads else [])
+    base += ["--on-shards", args.on_shards]
     if run == "one":
         command = [sys.executable, *base]
     else:
@@ -536,6 +545,12 @@ def main() -> int:
         help="the ranks' modes (default: layers+head; --small: all)",
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--on-shards",
+        choices=("on", "off"),
+        default="on",
+        help="shard: the embedding and the head computed on their shards (off: gathered whole)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", dest="run", default="one", help=argparse.SUPPRESS)
     parser.add_argument("--points", nargs="*", default=[], help=argparse.SUPPRESS)
