@@ -180,11 +180,18 @@ def matmul_peak(threads: int) -> float:
 
 
 def formula(
-    small: bool, mode: str, steps: int, tasks: int, shape: dict | None = None, width: int = 0
+    small: bool,
+    mode: str,
+    steps: int,
+    tasks: int,
+    shape: dict | None = None,
+    width: int = 0,
+    keeps_graphs: bool = True,
 ) -> int:
     """The bytes a meta-step keeps above the weights (docs/memory.md, "Will it fit?"):
     ``shape`` a config's sizes (default: this run's), ``width`` bytes per value (default:
-    this run's dtype)."""
+    this run's dtype); ``keeps_graphs``: an inner step keeps its checkpointed layers' forward
+    graphs for its gradient (one process; a sharded model recomputes them)."""
     c = shape or (SMALL if small else LARGE)
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     n_layers, heads, kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
@@ -210,13 +217,68 @@ def formula(
     kept_head = 2 * s * (h + v) * b if mode in ("layers+head", "both") else head
     per_step = 1 if mode == "both" else steps
     kept = tasks * (passes * (n_layers * layer + kept_head) + per_step * adapters)
-    return kept + 3 * s * forward * b + head
+    backward = kept + 3 * s * forward * b + head  # the outer backward: one layer redone
+    if not keeps_graphs:
+        return backward
+    # an inner step keeps every checkpointed layer's forward graph until its gradient takes
+    # the VJP there: the last task's last step, before that pass and the query pass keep theirs
+    inner = kept - 2 * (n_layers * layer + kept_head) + n_layers * s * forward * b + head
+    return max(backward, inner)
+
+
+#: Llama-3-8B's shape, for the formula's extended table (``--extended``).
+EIGHT_B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+}
+
+
+def parameter_count(c: dict) -> tuple[int, int]:
+    """A Llama decoder's parameters (untied head) and one decoder layer's."""
+    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    d = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    layer = 2 * h * h + 2 * h * d + 3 * h * i + 2 * h
+    return c["num_hidden_layers"] * layer + 2 * v * h + h, layer
+
+
+def extended_table() -> None:
+    """docs/memory.md's extended table: GiB per process or rank, from the formula (2 tasks of
+    64 tokens, K = 3; no optimizer state, CUDA context or allocator slack)."""
+    print(
+        "| decoder | dtype | weights | plain | layers + head | both | per rank of 8, "
+        "`shard_model` (layers + head) | per rank of 8, `gather_params` (1 task each) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, c in (("1.1 B", LARGE), ("8 B (Llama-3-8B's shape)", EIGHT_B)):
+        total, layer = parameter_count(c)
+        for width, dtype in ((2, "bf16"), (4, "fp32")):
+            weights = total * width
+
+            def gib(n: float) -> str:
+                return f"{n / 2**30:.1f}"
+
+            one = {m: weights + formula(False, m, 3, TASKS, c, width) for m in MODES}
+            # a rank: its shards, one decoder layer gathered (the embedding and the head
+            # computed on their shards), the activations; no layer graphs kept
+            shard = weights / 8 + layer * width
+            shard += formula(False, "layers+head", 3, TASKS, c, width, keeps_graphs=False)
+            gather = weights + weights / 8 + formula(False, "layers+head", 3, 1, c, width)
+            print(
+                f"| {name} | {dtype} | {gib(weights)} | {gib(one['plain'])} | "
+                f"{gib(one['layers+head'])} | {gib(one['both'])} | {gib(shard)} | {gib(gather)} |"
+            )
 
 
 # ------------------------------------------------------------------------------- a process
 
 
-def meta_step(fmodel: Any, params: Any, rates: Any, ids: tuple, mode: str, steps: int) -> None:
+def meta_step(
+    fmodel: Any, params: Any, rates: Any, ids: tuple, mode: str, steps: int, chunk: int = 1
+) -> None:
     import funcmeta as fm
 
     xs, xq = ids
@@ -228,7 +290,7 @@ def meta_step(fmodel: Any, params: Any, rates: Any, ids: tuple, mode: str, steps
         ({"input_ids": xq}, xq),
         steps=steps,
         lr=rates,
-        task_chunk=1,
+        task_chunk=chunk,
         checkpoint_steps=mode in ("steps", "both"),
     )
     result.loss.backward()
@@ -310,7 +372,7 @@ def one_point(
         params = fmodel.params
         if args.run == "gather":
             params = fm.distributed.gather_params(params, count)
-        meta_step(fmodel, params, rates, (xs, xq), mode, steps)
+        meta_step(fmodel, params, rates, (xs, xq), mode, steps, args.task_chunk)
         if args.run == "gather":
             fm.distributed.average_gradients(list(rates.parameters()), count)
 
@@ -365,7 +427,7 @@ def one_point(
         "gathered": most[0],
         "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "layer_bytes": sum(p.numel() * p.element_size() for p in layer0.parameters()),
-        "formula": formula(args.small, mode, steps, count),
+        "formula": formula(args.small, mode, steps, count, keeps_graphs=args.run != "shard"),
     }
     if args.grads:
         row["grads"] = [t.detach().cpu() for t in whole]
@@ -402,7 +464,7 @@ def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "
     base = [__file__, "--worker", "--kind", run, "--points", *points]
     base += ["--threads", str(args.threads if run == "one" else 1)]
     base += (["--small"] if args.small else []) + (["--grads", grads] if grads else [])
-    base += ["--on-shards", args.on_shards]
+    base += ["--on-shards", args.on_shards, "--task-chunk", str(args.task_chunk)]
     if run == "one":
         command = [sys.executable, *base]
     else:
@@ -546,6 +608,15 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
+        "--extended", action="store_true", help="print the formula's table for 1 B and 8 B"
+    )
+    parser.add_argument(
+        "--task-chunk",
+        type=int,
+        default=1,
+        help="one process: tasks vmapped together (1: one at a time; a sharded model runs one)",
+    )
+    parser.add_argument(
         "--on-shards",
         choices=("on", "off"),
         default="on",
@@ -560,6 +631,9 @@ def main() -> int:
         args.shard_modes = list(MODES) if args.small else ["layers+head"]
     if args.worker:
         rank_main(args)
+        return 0
+    if args.extended:
+        extended_table()
         return 0
     import platform
 
