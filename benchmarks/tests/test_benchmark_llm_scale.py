@@ -37,3 +37,16 @@ def test_the_small_decoder_equals_one_unsharded_process_in_every_way():
     assert rows == 4 + 2 * 4 + 2 * 2  # one process: 4 modes; 4 and 2 ranks: plain and both
     worst = float(re.search(r"meta-gradients ([0-9.e+-]+) of", summary).group(1))
     assert worst <= 1e-10
+
+
+def test_the_extended_table_in_the_docs_is_the_formulas():
+    """docs/memory.md's 1 B / 8 B table is what ``--extended`` computes from the formula."""
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--extended"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    table = [line for line in run.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 6  # the header, its rule, 2 decoders x 2 dtypes
+    docs = (SCRIPT.parents[2] / "docs" / "memory.md").read_text()
+    for line in table:
+        assert line in docs, line
