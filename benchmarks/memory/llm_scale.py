@@ -221,15 +221,17 @@ def formula(
     # checkpointed layers keep per pass their input and incoming gradient; the outer backward
     # holds one layer's recomputation (forward, inner gradient, their derivative: 3 copies)
     layer = 2 * s * h * b
-    kept_head = 2 * s * (h + v) * b if mode in ("layers+head", "both") else head
+    # the loss keeps its own per pass (head); a checkpointed head (its weight frozen) keeps
+    # besides, per support step, its input and incoming gradient: more, not less
+    checkpointed_head = steps * s * (h + v) * b if mode in ("layers+head", "both") else 0
     per_step = 1 if mode == "both" else steps
-    kept = tasks * (passes * (n_layers * layer + kept_head) + per_step * adapters)
+    kept = tasks * (passes * (n_layers * layer + head) + checkpointed_head + per_step * adapters)
     backward = kept + 3 * s * forward * b + head  # the outer backward: one layer redone
     if not keeps_graphs:
         return backward
     # an inner step keeps every checkpointed layer's forward graph until its gradient takes
     # the VJP there: the last task's last step, before that pass and the query pass keep theirs
-    inner = kept - 2 * (n_layers * layer + kept_head) + n_layers * s * forward * b + head
+    inner = kept - 2 * (n_layers * layer + head) + n_layers * s * forward * b + head
     return max(backward, inner)
 
 
@@ -256,10 +258,10 @@ def extended_table() -> None:
     """docs/memory.md's extended table: GiB per process or rank, from the formula (2 tasks of
     64 tokens, K = 3; no optimizer state, CUDA context or allocator slack)."""
     print(
-        "| decoder | dtype | weights | plain | layers + head | both | per rank of 8, "
+        "| decoder | dtype | weights | plain | layers | layers + head | both | per rank of 8, "
         "`shard_model` (layers + head) | per rank of 8, `gather_params` (1 task each) |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, c in (("1.1 B", LARGE), ("8 B (Llama-3-8B's shape)", EIGHT_B)):
         total, layer = parameter_count(c)
         for width, dtype in ((2, "bf16"), (4, "fp32")):
@@ -276,7 +278,8 @@ def extended_table() -> None:
             gather = weights + weights / 8 + formula(False, "layers+head", 3, 1, c, width)
             print(
                 f"| {name} | {dtype} | {gib(weights)} | {gib(one['plain'])} | "
-                f"{gib(one['layers+head'])} | {gib(one['both'])} | {gib(shard)} | {gib(gather)} |"
+                f"{gib(one['layers'])} | {gib(one['layers+head'])} | {gib(one['both'])} | "
+                f"{gib(shard)} | {gib(gather)} |"
             )
 
 
