@@ -145,8 +145,9 @@ def _case_gathered(world, checkpoint_layers, reshard=True):
         full = gather_whole(shard, what)
         # the new storage counts once the gather returns; alive with the others until then
         alive = fm.distributed.gathered_bytes()
-        # gloo's worker thread drops its hold on a finished gather's output a moment after
-        # the wait returns: this thread holds still here, so what a pause frees was only that
+        # once, in a loaded run, a bias's storage was still alive here (384 against 336
+        # bytes; not reproduced since). This thread holds still while it pauses, so what a
+        # pause frees was held by another thread (gloo's workers, suspected), not the graph
         for pause in (0.001, 0.004, 0.016, 0.064):
             if alive + full.untyped_storage().nbytes() <= one_layer:
                 break
