@@ -162,7 +162,7 @@ def _every_mode(world: int) -> dict:
     return result
 
 
-@pytest.mark.slow  # about 25 s on 2 ranks and 50 s on 4 (2 cores): make test-slow, in CI
+@pytest.mark.slow  # about 55 s on 2 ranks and 150 s on 4 (2 cores): make test-slow, in CI
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_sharded_llama_decoder_gives_the_unsharded_meta_gradients(world):
     results = spawn_gloo(world, _every_mode)
