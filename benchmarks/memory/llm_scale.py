@@ -216,16 +216,24 @@ def formula(
     query = n_layers * s * forward * b  # the query pass's forward (no inner gradient)
     if mode == "plain":
         return tasks * (steps * n_layers * step + query + passes * head + steps * adapters)
-    if mode == "steps":  # each step's input and parameters; the outer backward redoes one step
-        return tasks * (passes * s * h * b + query + steps * adapters) + n_layers * step + head
+    if mode == "steps":  # each step's input and parameters, the query pass's forward and
+        # loss; the outer backward redoes one step
+        return (
+            tasks * (passes * s * h * b + query + head + steps * adapters) + n_layers * step + head
+        )
+    if mode == "both":  # each step's input and parameters; the query pass keeps its layers'
+        # and the head's inputs and the loss's; the outer backward redoes one step, its
+        # layers one at a time (the steps' inner gradients keep no layer graphs there)
+        query_kept = (n_layers + 1) * s * h * b + head
+        redone = n_layers * 2 * s * h * b + s * (h + v) * b + 3 * s * forward * b + 2 * head
+        return tasks * (passes * s * h * b + query_kept + steps * adapters) + redone
     # checkpointed layers keep per pass their input and incoming gradient; the outer backward
     # holds one layer's recomputation (forward, inner gradient, their derivative: 3 copies)
     layer = 2 * s * h * b
     # the loss keeps its own per pass (head); a checkpointed head (its weight frozen) keeps
     # besides, per support step, its input and incoming gradient: more, not less
-    checkpointed_head = steps * s * (h + v) * b if mode in ("layers+head", "both") else 0
-    per_step = 1 if mode == "both" else steps
-    kept = tasks * (passes * (n_layers * layer + head) + checkpointed_head + per_step * adapters)
+    checkpointed_head = steps * s * (h + v) * b if mode == "layers+head" else 0
+    kept = tasks * (passes * (n_layers * layer + head) + checkpointed_head + steps * adapters)
     backward = kept + 3 * s * forward * b + head  # the outer backward: one layer redone
     if not keeps_graphs:
         return backward
