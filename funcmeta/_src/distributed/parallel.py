@@ -166,10 +166,11 @@ def _embedding(runtime: Any, what: str, layer: nn.Embedding, ids: Tensor) -> Ten
         return nn.Embedding.forward(layer, ids)
     if ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{what} takes integer ids, got {ids.dtype}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    low, high = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
+    if low < 0 or high >= weight.shape[0]:  # unsharded, torch's lookup raises; masked, none
         raise IndexError(
-            f"{what}: id {bad} is out of range for an embedding of {weight.shape[0]} rows"
+            f"{what}: id {low if low < 0 else high} is out of range for an embedding of "
+            f"{weight.shape[0]} rows"
         )
     start, count, _ = _local_rows(runtime, weight, what)
     local = weight.to_local()
