@@ -167,7 +167,8 @@ def _embedding(runtime: Any, what: str, layer: nn.Embedding, ids: Tensor) -> Ten
     if ids.is_floating_point() or ids.is_complex():
         raise TypeError(f"{what} takes integer ids, got {ids.dtype}")
     low, high = (int(ids.min()), int(ids.max())) if ids.numel() else (0, 0)
-    if ids.numel() and (low < 0 or high >= weight.shape[0]):  # unsharded, torch's lookup raises; masked, none
+    # unsharded, torch's lookup raises; masked, nothing would
+    if ids.numel() and (low < 0 or high >= weight.shape[0]):
         raise IndexError(
             f"{what}: id {low if low < 0 else high} is out of range for an embedding of "
             f"{weight.shape[0]} rows"
