@@ -216,17 +216,20 @@ def formula(
     query = n_layers * s * forward * b  # the query pass's forward (no inner gradient)
     if mode == "plain":
         return tasks * (steps * n_layers * step + query + passes * head + steps * adapters)
+    # under checkpoint_steps each redone step's loss keeps what it saved (the
+    # log-probabilities) until the outer backward ends: the inner losses the steps returned
+    # (AdaptResult.losses) hold it, and the outer backward does not go through them
+    redone_losses = steps * tasks * s * v * b
     if mode == "steps":  # each step's input and parameters, the query pass's forward and
         # loss; the outer backward redoes one step
-        return (
-            tasks * (passes * s * h * b + query + head + steps * adapters) + n_layers * step + head
-        )
+        kept = tasks * (passes * s * h * b + query + head + steps * adapters)
+        return kept + n_layers * step + head + redone_losses
     if mode == "both":  # each step's input and parameters; the query pass keeps its layers'
         # and the head's inputs and the loss's; the outer backward redoes one step, its
         # layers one at a time (the steps' inner gradients keep no layer graphs there)
         query_kept = (n_layers + 1) * s * h * b + head
         redone = n_layers * 2 * s * h * b + s * (h + v) * b + 3 * s * forward * b + 2 * head
-        return tasks * (passes * s * h * b + query_kept + steps * adapters) + redone
+        return tasks * (passes * s * h * b + query_kept + steps * adapters) + redone + redone_losses
     # checkpointed layers keep per pass their input and incoming gradient; the outer backward
     # holds one layer's recomputation (forward, inner gradient, their derivative: 3 copies)
     layer = 2 * s * h * b
