@@ -28,8 +28,8 @@ of its float64 meta-gradients from ``eager``'s in float64 (the same weights and 
 Targets (issue "a compiled step that checkpoints"): ``compiled checkpointed``'s float64
 meta-gradients equal ``eager``'s to 1e-10; its peak at most ``eager checkpointed``'s (a 5%
 allowance for the resident set's page granularity) and at most 0.5x ``compiled``'s; its
-median time at most ``eager checkpointed``'s (a 5% allowance). The last line is ``RESULT
-PASS`` or ``RESULT FAIL`` (exit status 1), naming each target missed.
+median time at most 0.8x ``eager checkpointed``'s and at most 1.3x ``compiled``'s. The last
+line is ``RESULT PASS`` or ``RESULT FAIL`` (exit status 1), naming each target missed.
 
     python benchmarks/memory/compiled_checkpoint.py [--tasks 1] [--repeats 5]
         [--device cpu|cuda] [--threads 1] [--backend plan|aot_eager]
@@ -202,8 +202,16 @@ def main() -> int:
         missed.append(
             f"peak {ours['peak'] / plain['peak']:.2f}x the compiled unchecked step's (target 0.5x)"
         )
-    if ours["seconds"] > 1.05 * ck["seconds"]:
-        missed.append("time above the eager checkpointed run's")
+    if ours["seconds"] > 0.8 * ck["seconds"]:
+        missed.append(
+            f"time {ours['seconds'] / ck['seconds']:.2f}x the eager checkpointed run's "
+            "(target 0.8x)"
+        )
+    if ours["seconds"] > 1.3 * plain["seconds"]:
+        missed.append(
+            f"time {ours['seconds'] / plain['seconds']:.2f}x the compiled unchecked step's "
+            "(target 1.3x)"
+        )
     print(f"RESULT FAIL: {'; '.join(missed)}" if missed else "RESULT PASS")
     return 1 if missed else 0
 

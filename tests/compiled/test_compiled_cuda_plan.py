@@ -64,7 +64,11 @@ def test_the_plans_options_and_lowering():
     assert cpu.options == CPU_OPTIONS and cpu.graph_passes
     given = cpu.compile_kwargs()["options"]
     assert CPU_OPTIONS.items() <= given.items()
-    assert set(given) - set(CPU_OPTIONS) <= {"post_grad_custom_post_pass"}
+    assert set(given) - set(CPU_OPTIONS) <= {
+        "post_grad_custom_post_pass",
+        "cpp_wrapper_build_separate",
+    }
+    assert cpu.separate_build and not compile_plan("cuda", True).separate_build
     assert cpu.lowering is fence.inductor_aten_max_pool_backward
     assert cpu == compile_plan("cpu", True)  # pure: the same question, the same plan
     mlp = compile_plan("cuda", False)
@@ -75,6 +79,21 @@ def test_the_plans_options_and_lowering():
     assert convnet.lowering is contextlib.nullcontext
     assert compile_plan("cuda", True, "default").compile_kwargs() == {"mode": "default"}
     assert "CUDA tensors only" in compile_plan("cpu", False, "reduce-overhead").note
+
+
+def test_the_cpu_plan_builds_the_wrapper_apart_where_inductor_can(monkeypatch):
+    """The C++ wrapper is built apart from the kernels where this torch's inductor has the
+    option, and the options leave it out where it has not (torch.compile refuses an unknown
+    option, and the step would then compile without any of the plan's options)."""
+    import funcmeta._src.compiled.plan as plan_module
+
+    cpu = compile_plan("cpu", False)
+    known = fence.inductor_has_option("cpp_wrapper_build_separate")
+    assert cpu.compile_kwargs()["options"].get("cpp_wrapper_build_separate") is (known or None)
+    monkeypatch.setattr(plan_module, "inductor_has_option", lambda name: False)
+    assert "cpp_wrapper_build_separate" not in cpu.compile_kwargs()["options"]
+    assert fence.inductor_has_option("cpp.threads") and not fence.inductor_has_option("cpp.nope")
+    assert not fence.inductor_has_option("no_such_option")
 
 
 def test_reduce_overhead_is_the_cudagraphs_option():

@@ -97,6 +97,7 @@ from funcmeta._src.core.fence.inductor import (
     cudagraph_skips,
     inductor_aten_max_pool_backward,
     inductor_graph_pass,
+    inductor_has_option,
     with_own_code_object,
 )
 from funcmeta._src.core.fence.modules import (
@@ -160,6 +161,7 @@ __all__ = [
     "has_hooks",
     "inductor_aten_max_pool_backward",
     "inductor_graph_pass",
+    "inductor_has_option",
     "inner_step_region",
     "inside_transform",
     "is_batchedtensor",

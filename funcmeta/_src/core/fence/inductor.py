@@ -24,6 +24,7 @@ __all__ = [
     "cudagraph_skips",
     "inductor_aten_max_pool_backward",
     "inductor_graph_pass",
+    "inductor_has_option",
     "with_own_code_object",
 ]
 
@@ -54,6 +55,23 @@ def inductor_graph_pass(fn: Callable[[Any], object], key: str) -> Any | None:
             return key
 
     return _Pass()
+
+
+@functools.cache
+def inductor_has_option(name: str) -> bool:
+    """Whether this torch's inductor has the config option ``name`` (dotted for a nested one,
+    ``"cpp.threads"``): ``torch.compile`` refuses an options dict with an unknown key. An
+    optional access: it is not in :data:`ACCESSES`."""
+    try:  # inductor is imported only when a compiled step is built
+        from torch._inductor import config
+    except ImportError:
+        return False
+    found: Any = config
+    for part in name.split("."):
+        if not hasattr(found, part):
+            return False
+        found = getattr(found, part)
+    return True
 
 
 @functools.cache
