@@ -20,7 +20,9 @@ Runs, each in fresh processes:
   (``init=``: no rank holds the model whole), the same two tasks on every rank; the
   embedding and the head computed on their shards (``compute_on_shards``; ``--on-shards
   off`` gathers them whole as the decoder layers are);
-- ``gather``: 2 gloo ranks, ``fm.distributed.gather_params``, each rank its own task.
+- ``gather``: 2 gloo ranks, ``fm.distributed.gather_params``, each rank its own task; the
+  frozen base's whole tensors kept from one meta-step to the next (``keep_frozen=True``;
+  ``--keep-frozen off`` gathers the whole model at every call).
 
 Each row: peak RSS per rank (the whole process, its build included; and above the weights
 during the meta-step), seconds per meta-step, the parameters a rank holds and the most
@@ -396,7 +398,9 @@ def one_point(
             p.grad = None
         params = fmodel.params
         if args.run == "gather":
-            params = fm.distributed.gather_params(params, count)
+            params = fm.distributed.gather_params(
+                params, count, keep_frozen=args.keep_frozen == "on"
+            )
         meta_step(fmodel, params, rates, (xs, xq), mode, steps, args.task_chunk)
         if args.run == "gather":
             fm.distributed.average_gradients(list(rates.parameters()), count)
@@ -503,6 +507,7 @@ def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "
     base += ["--threads", str(args.threads if run == "one" else 1)]
     base += (["--small"] if args.small else []) + (["--grads", grads] if grads else [])
     base += ["--on-shards", args.on_shards, "--task-chunk", str(args.task_chunk)]
+    base += ["--keep-frozen", args.keep_frozen]
     base += ["--memory-only"] if args.memory_only else []
     if run == "one":
         command = [sys.executable, *base]
@@ -665,6 +670,13 @@ def main() -> int:
         choices=("on", "off"),
         default="on",
         help="shard: the embedding and the head computed on their shards (off: gathered whole)",
+    )
+    parser.add_argument(
+        "--keep-frozen",
+        choices=("on", "off"),
+        default="on",
+        help="gather: the frozen base's whole tensors kept between meta-steps (off: gathered "
+        "at every call)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", dest="run", default="one", help=argparse.SUPPRESS)

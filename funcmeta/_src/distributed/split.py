@@ -2,6 +2,12 @@
 meta-step, their meta-gradient averaged over the ranks into the shards. The implementation
 of :func:`funcmeta.distributed.gather_params`.
 
+With ``keep_frozen=True`` the whole tensors of frozen shards (``requires_grad=False``) are
+kept from one call to the next (:class:`_Kept`, weakly keyed by the shard) and gathered
+again only where some rank's shard was written since: each rank marks the parameters it
+must gather (learnt, never kept, or stale by their version counters), and the marks travel
+in the all-reduce that sums the task counts, so every rank gathers the same ones.
+
 Each shard is gathered with ``DTensor.full_tensor()`` (an all-gather); an autograd function
 around it declares the whole tensor's gradient a partial sum, weighted by this rank's share
 of the tasks, and redistributes it to the shard's placements in the backward: a
@@ -12,14 +18,17 @@ backward, which keeps each rank's slice (docs/decisions/sharded-parameters.md). 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
+from funcmeta._src.core.fence import tensor_version
 from funcmeta._src.core.sharding import DEFAULT_TIMEOUT, ShardingError, is_sharded
 from funcmeta._src.distributed import comm
 
@@ -59,14 +68,65 @@ class _Gathered(torch.autograd.Function):
         return (None, None, *reduced, *([None] * len(reduced)))
 
 
-def _totals(count: float, mesh: Any, timeout: float) -> tuple[float, int]:
-    """The sum of ``count`` over every rank of ``mesh``, and how many ranks have none (one
-    small all-reduce per axis)."""
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A frozen shard's whole tensor, kept by ``gather_params(keep_frozen=True)``, with what
+    it was gathered from: the shard's version counters (the ``DTensor``'s, bumped by an
+    in-place write through it, and its local tensor's, bumped by one to the local tensor or
+    by ``torch.distributed.checkpoint.load``), the local tensor's storage and layout, the
+    placements and mesh, and the whole tensor's own version (a write to it makes it stale)."""
+
+    whole: Tensor
+    key: tuple[Any, ...]
+    whole_version: int
+
+    @staticmethod
+    def key_of(shard: Any) -> tuple[Any, ...]:
+        local = shard.to_local()
+        return (
+            tensor_version(shard),
+            tensor_version(local),
+            local.data_ptr(),
+            tuple(local.shape),
+            local.stride(),
+            local.dtype,
+            tuple(shard.placements),
+            id(shard.device_mesh),
+        )
+
+    def fresh(self, shard: Any) -> bool:
+        """Whether the whole tensor is still the gather of ``shard`` as it is now."""
+        return tensor_version(self.whole) == self.whole_version and self.key == _Kept.key_of(shard)
+
+
+# the frozen shards' whole tensors that gather_params(keep_frozen=True) keeps, by shard
+# (keyed by identity: a tensor's == is elementwise, which a weakref's == would call)
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _must_gather(shard: Any, keep_frozen: bool) -> bool:
+    """Whether this rank must gather ``shard`` now: it is learnt, nothing is kept for it, or
+    what is kept went stale."""
+    if not keep_frozen or shard.requires_grad:
+        return True
+    kept = _KEPT.get(shard)
+    return kept is None or not kept.fresh(shard)
+
+
+def _totals(
+    count: float, mesh: Any, timeout: float, marks: list[float]
+) -> tuple[float, int, list[bool]]:
+    """The sum of ``count`` over every rank of ``mesh``, how many ranks have none, and for
+    each of ``marks`` (1 where this rank must gather a parameter, else 0) whether any rank
+    marked it (one small all-reduce per axis)."""
     device = comm.world_device(torch.device(mesh.device_type), mesh.get_group(0))
-    totals = torch.tensor([float(count), float(count == 0)], dtype=torch.float64, device=device)
+    totals = torch.tensor(
+        [float(count), float(count == 0), *marks], dtype=torch.float64, device=device
+    )
     for axis in range(mesh.ndim):
         comm.all_reduce(totals, mesh.get_group(axis), timeout, "summing the task counts")
-    return float(totals[0]), int(totals[1])
+    found = totals.tolist()
+    return found[0], int(found[1]), [m > 0 for m in found[2:]]
 
 
 @exposed_in("funcmeta.distributed")
@@ -75,6 +135,7 @@ def gather_params(
     count: int | float,
     *,
     timeout: float = DEFAULT_TIMEOUT,
+    keep_frozen: bool = False,
 ) -> dict[str, Tensor]:
     """The whole parameters of a model sharded by :func:`shard_model`, for a rank that runs
     its own ``count`` tasks: one all-gather per parameter now, and in the outer backward one
@@ -102,6 +163,16 @@ def gather_params(
     trees not placed by :func:`shard_hyper`), with the same ``count``. A model without
     shards (one process, or an unsharded run of the same script) gets its ``params`` back as
     they are.
+
+    ``keep_frozen=True`` keeps the whole tensors of the shards that do not require grad (the
+    frozen base of a LoRA model) from one call to the next, and gathers one again only where
+    a rank's shard was written in place since (through the parameter, its local tensor, or
+    ``torch.distributed.checkpoint.load``) or the kept whole tensor was: every rank checks
+    its own at each call, and the all-reduce that sums the counts carries the checks, so
+    the ranks gather the same parameters and no collective is added. A frozen base is then
+    gathered once instead of at every meta-step, and the rank holds its whole frozen
+    weights between the steps too (it holds them during each step anyway). Without it,
+    each call gathers everything and drops what an earlier call kept.
 
     Raises :class:`ShardingError` when ``params`` mixes shards with plain tensors that
     require grad (their gradients would not be averaged), or holds shards of different
@@ -132,6 +203,8 @@ def gather_params(
         )
     check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)
     check_real(count, "count (the number of tasks this rank's loss is the mean over)", low=0.0)
+    if not isinstance(keep_frozen, bool):
+        raise TypeError(f"keep_frozen must be True or False, got {type(keep_frozen).__name__}")
     shards = {n: v for n, v in params.items() if is_sharded(v)}
     if not shards:
         return dict(params)
@@ -150,7 +223,8 @@ def gather_params(
             "(fm.distributed.shard_model) and pass its parameters"
         )
     mesh = next(iter(meshes.values()))
-    total, empty = _totals(count, mesh, timeout)
+    marks = [float(_must_gather(v, keep_frozen)) for v in shards.values()]
+    total, empty, gather = _totals(count, mesh, timeout, marks)
     if empty:
         raise ValueError(
             f"{empty} of {mesh.size()} ranks have no task (count=0): with gather_params "
@@ -159,14 +233,23 @@ def gather_params(
         )
     whole: dict[str, Tensor] = {}
     learnt: list[str] = []
+    must = dict(zip(shards, gather, strict=True))
     for name, value in params.items():
         if not is_sharded(value):
             whole[name] = value
+            continue
+        if not must[name]:  # kept, and no rank's shard changed
+            whole[name] = _KEPT[value].whole
             continue
         with torch.no_grad():
             whole[name] = comm.gather_whole(value, f"gathering parameter {name!r} across the mesh")
         if value.requires_grad:
             learnt.append(name)
+        if keep_frozen and not value.requires_grad:
+            tensor = whole[name]
+            _KEPT[value] = _Kept(tensor, _Kept.key_of(value), tensor_version(tensor))
+        else:
+            _KEPT.pop(value, None)
     if learnt:  # one node for all: its backward reduces every gradient, used or not
         weight = float(count) / total
         mine = [params[n] for n in learnt]

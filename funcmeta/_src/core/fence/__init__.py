@@ -51,6 +51,7 @@ from funcmeta._src.core.fence.autograd import (
     saved_tensor_hooks_state,
     set_checkpoint_dispatch,
     set_saved_tensor_hooks_state,
+    tensor_version,
 )
 from funcmeta._src.core.fence.backends import (
     cudnn_disabled,
@@ -197,6 +198,7 @@ __all__ = [
     "share_dicts",
     "tag_inner_steps",
     "take_attributes",
+    "tensor_version",
     "torch_pytree",
     "traceback_modules",
     "unwrap_batched",

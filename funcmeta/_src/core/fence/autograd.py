@@ -29,6 +29,7 @@ __all__ = [
     "saved_tensor_hooks_state",
     "set_checkpoint_dispatch",
     "set_saved_tensor_hooks_state",
+    "tensor_version",
 ]
 
 
@@ -98,6 +99,13 @@ def set_saved_tensor_hooks_state(state: str | None) -> None:
         autograd._saved_tensors_hooks_enable()
     else:
         autograd._saved_tensors_hooks_disable(state)
+
+
+def tensor_version(tensor: Tensor) -> int:
+    """``tensor``'s version counter (``Tensor._version``): autograd bumps it at every
+    in-place write to the tensor or a view of it, which is how a kept copy of it can tell
+    that it went stale."""
+    return int(tensor._version)
 
 
 # ------------------------------------------------------------------ torch.utils.checkpoint
@@ -202,6 +210,9 @@ ACCESSES["torch.utils.checkpoint.checkpoint's code (redirected while funcmeta ru
 ACCESSES["torch._C._autograd._saved_tensors_hooks_{is_enabled,enable,disable,...}"] = lambda: all(
     hasattr(torch._C._autograd, f"_saved_tensors_hooks_{n}")
     for n in ("is_enabled", "enable", "disable", "get_disabled_error_message")
+)
+ACCESSES["torch.Tensor._version (the version counter)"] = lambda: isinstance(
+    getattr(torch.zeros(()), "_version", None), int
 )
 ACCESSES["torch._C._autograd._top_saved_tensors_default_hooks"] = lambda: hasattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks"
