@@ -1,9 +1,10 @@
 """fm.distributed.gather_params(..., keep_frozen=True): the whole tensors of frozen shards kept
-from one meta-step to the next, on 2 gloo ranks. The kept tensors give the meta-gradients of
-gathering at every step (float64, to the bit); a frozen parameter is gathered again on every
-rank as soon as one rank's shard is written in place (through the DTensor, through its local
-tensor), or the kept whole tensor is; learnt parameters are gathered at every call;
-``keep_frozen=False`` drops what was kept; a bad value is refused."""
+from one meta-step to the next, on 2 and 4 gloo ranks with uneven shares of the tasks. The
+kept tensors give the meta-gradients of gathering at every step (float64, to the bit); a
+frozen parameter is gathered again on every rank as soon as one rank's shard is written in
+place (through the DTensor, through its local tensor), or the kept whole tensor is; learnt
+parameters are gathered at every call; ``keep_frozen=False`` drops what was kept; a bad value
+is refused. A peer gone before a call: tests/distributed/test_sharded.py."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _net() -> nn.Module:
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, ...]:
+    """5 tasks: uneven shares on 2 ranks (3, 2) and on 4 (2, 1, 1, 1)."""
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(4, 5, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
+    return tuple(torch.randn(5, 5, n, generator=g, dtype=torch.float64) for n in (3, 2, 3, 2))
 
 
 def _meta(fmodel, params, batch) -> None:
@@ -119,7 +121,7 @@ def _case_keep_frozen(world: int) -> dict:
     return said
 
 
-@pytest.mark.parametrize("world", [2])
+@pytest.mark.parametrize("world", [2, 4])
 def test_kept_frozen_shards_give_the_same_meta_gradients_and_are_gathered_again_when_written(
     world,
 ):

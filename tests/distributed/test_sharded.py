@@ -413,6 +413,24 @@ def _case_peer_gone_before_backward(world):
     return _backward_with_rank_one_gone(loss)
 
 
+def _case_peer_gone_with_a_kept_frozen_base(world):
+    """gather_params(keep_frozen=True) keeps a frozen body; rank 1 exits before the next
+    call, which on rank 0 then gathers no frozen parameter and finds the peer gone in the
+    all-reduce that carries the counts and the marks, instead of handing back what it kept."""
+    net = fm.distributed.shard_model(_net(), _mesh(world))
+    for name, p in net.named_parameters():
+        p.requires_grad_(name.startswith("4."))
+    fmodel = fm.functional_model(net)
+    fm.distributed.gather_params(fmodel.params, 1, keep_frozen=True)
+    if dist.get_rank() == 1:
+        os._exit(0)
+    try:
+        fm.distributed.gather_params(fmodel.params, 1, keep_frozen=True, timeout=20)
+    except fm.distributed.PeerError as error:
+        return str(error)
+    return None
+
+
 def _case_peer_gone_before_a_direct_calls_check(world):
     """The same task on both ranks, the query loss through a direct call; rank 1 exits before
     the outer backward, whose first collective is the comparison of the gradient reaching
@@ -902,6 +920,7 @@ CASES = {
     "mismatch": _case_mismatch,
     "peer_gone": _case_peer_gone,
     "peer_gone_before_backward": _case_peer_gone_before_backward,
+    "peer_gone_with_a_kept_frozen_base": _case_peer_gone_with_a_kept_frozen_base,
     "peer_gone_before_a_regather": _case_peer_gone_before_a_backward_gathers_again,
     "peer_gone_on_shards": _case_peer_gone_in_a_layer_on_its_shards,
     "peer_gone_in_an_activations_gather": _case_peer_gone_in_an_activations_gather,
@@ -1112,6 +1131,13 @@ def test_a_peer_gone_before_the_backward_of_gathered_parameters_is_named(tmp_pat
     the parameter (the first one: one node reduces them all, in order)."""
     said = _peer_gone(tmp_path, "peer_gone_before_backward")
     assert "reducing the meta-gradient of parameter '0.weight'" in said
+
+
+def test_a_peer_gone_before_gather_params_reuses_a_kept_frozen_base_is_named(tmp_path):
+    """keep_frozen=True: the call after a peer is gone raises PeerError from the counts'
+    all-reduce (which carries the ranks' marks) rather than returning the kept tensors."""
+    said = _peer_gone(tmp_path, "peer_gone_with_a_kept_frozen_base")
+    assert "summing the task counts" in said
 
 
 def test_a_peer_gone_before_a_direct_calls_check_in_the_backward_is_named(tmp_path):
