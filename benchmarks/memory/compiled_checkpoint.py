@@ -21,15 +21,21 @@ plan (the graph as AOTAutograd partitions it, activation checkpointing's recompu
 included, without inductor's C++ build: minutes less on a small CPU, the same memory
 decisions).
 
-Each row: the peak resident memory of one meta-iteration above its start (after a first
-call, which compiles), the median seconds of ``--repeats`` calls, and the largest difference
-of its float64 meta-gradients from ``eager``'s in float64 (the same weights and data).
+Each row, for one meta-iteration after a first call (which compiles): the most tensor bytes
+alive at once above its start (``peak MB``: on a CPU the profiler's count of what torch's
+allocator has handed out, on CUDA ``max_memory_allocated``), the peak resident set above its
+start (``RSS MB``, CPU; shown, not judged), the median seconds of ``--repeats`` calls, and
+the largest difference of its float64 meta-gradients from ``eager``'s in float64 (the same
+weights and data). The resident set reads low for a way whose process compiled just before:
+glibc serves a new block from the free chunks a compile leaves in its heap before it maps
+fresh memory, whatever its mmap threshold (a compiled step read 0.0 MB above its start this
+way). The tensor bytes are the working set.
 
 Targets (issue "a compiled step that checkpoints"): ``compiled checkpointed``'s float64
-meta-gradients equal ``eager``'s to 1e-10; its peak at most ``eager checkpointed``'s (a 5%
-allowance for the resident set's page granularity) and at most 0.5x ``compiled``'s; its
-median time at most 0.8x ``eager checkpointed``'s and at most 1.3x ``compiled``'s. The last
-line is ``RESULT PASS`` or ``RESULT FAIL`` (exit status 1), naming each target missed.
+meta-gradients equal ``eager``'s to 1e-10; its tensor peak at most ``eager checkpointed``'s
+and at most 0.5x ``compiled``'s; its median time at most 0.8x ``eager checkpointed``'s and at
+most 1.3x ``compiled``'s. The last line is ``RESULT PASS`` or ``RESULT FAIL`` (exit status
+1), naming each target missed.
 
     python benchmarks/memory/compiled_checkpoint.py [--tasks 1] [--repeats 5]
         [--device cpu|cuda] [--threads 1] [--backend plan|aot_eager]
@@ -122,7 +128,20 @@ def one_way(way: str, device: str, tasks: int, repeats: int) -> dict[str, Any]:
     meter = _common.Meter(torch.device(device))
     meter.start()
     run()
-    peak = meter.peak()
+    resident = meter.peak()
+    net.zero_grad()
+    if device == "cpu":  # the allocator's count: tensor bytes alive at once
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        with (
+            torch.profiler.profile(activities=activities, profile_memory=True) as prof,
+            torch.profiler.record_function("measured"),
+        ):
+            run()
+        peak = _common.peak_allocated(prof, "measured")
+    else:  # the Meter counts allocated bytes on CUDA
+        meter.start()
+        run()
+        peak = meter.peak()
     seconds = []
     for _ in range(repeats):
         net.zero_grad()
@@ -133,7 +152,12 @@ def one_way(way: str, device: str, tasks: int, repeats: int) -> dict[str, Any]:
     seconds.sort()
     path = Path(os.environ["COMPILED_CHECKPOINT_GRADS"])
     torch.save(grads, path)
-    return {"peak": peak, "seconds": seconds[len(seconds) // 2], "reason": reason}
+    return {
+        "peak": peak,
+        "rss": resident,
+        "seconds": seconds[len(seconds) // 2],
+        "reason": reason,
+    }
 
 
 def main() -> int:
@@ -185,19 +209,24 @@ def main() -> int:
         rows[way] = json.loads(done.stdout.strip().splitlines()[-1])
         grads[way] = torch.load(path)
         path.unlink()
-    print(f"{'way':<22} {'peak MB':>9} {'median s':>9} {'float64 diff':>13}")
+    print(f"{'way':<22} {'peak MB':>9} {'RSS MB':>9} {'median s':>9} {'float64 diff':>13}")
     for way, row in rows.items():
         diff = max(float((grads[way][k] - g).abs().max()) for k, g in grads["eager"].items())
         row["diff"] = diff
-        print(f"{way:<22} {row['peak'] / 2**20:9.1f} {row['seconds']:9.3f} {diff:13.2e}")
+        print(
+            f"{way:<22} {row['peak'] / 2**20:9.1f} {row['rss'] / 2**20:9.1f} "
+            f"{row['seconds']:9.3f} {diff:13.2e}"
+        )
     ours, ck, plain = rows["compiled checkpointed"], rows["eager checkpointed"], rows["compiled"]
     if ours["reason"]:
         print(f"compiled checkpointed runs eagerly: {ours['reason']}")
     missed = []
     if ours["diff"] > 1e-10:
         missed.append(f"float64 meta-gradients {ours['diff']:.2e} from eager's (target 1e-10)")
-    if ours["peak"] > 1.05 * ck["peak"]:
-        missed.append("peak above the eager checkpointed run's")
+    if ours["peak"] > ck["peak"]:
+        missed.append(
+            f"tensor peak {ours['peak'] / ck['peak']:.2f}x the eager checkpointed run's (target 1x)"
+        )
     if ours["peak"] > 0.5 * plain["peak"]:
         missed.append(
             f"peak {ours['peak'] / plain['peak']:.2f}x the compiled unchecked step's (target 0.5x)"

@@ -96,6 +96,52 @@ def test_the_cpu_plan_builds_the_wrapper_apart_where_inductor_can(monkeypatch):
     assert not fence.inductor_has_option("no_such_option")
 
 
+def test_a_recomputing_graph_is_compiled_without_the_locality_reorder(monkeypatch):
+    """A graph that recomputes checkpointed layers or steps (``remat=True``) asks inductor not
+    to move producers next to their consumers, on every device; the plan's modes are
+    written as their options, a caller's other mode is passed as it is, and a torch without
+    the option gets none."""
+    import funcmeta._src.compiled.plan as plan_module
+
+    known = fence.inductor_has_option("reorder_for_locality")
+    assert known  # the torch this suite runs on has it
+    cpu = compile_plan("cpu", False)
+    assert cpu.compile_kwargs(remat=True)["options"]["reorder_for_locality"] is False
+    assert "reorder_for_locality" not in cpu.compile_kwargs()["options"]
+    assert compile_plan("cuda", False).compile_kwargs(remat=True) == {
+        "options": {"triton.cudagraphs": True, "reorder_for_locality": False}
+    }
+    assert compile_plan("cuda", True).compile_kwargs(remat=True) == {
+        "options": {**CUDA_CONV_OPTIONS, "reorder_for_locality": False}
+    }
+    assert compile_plan("cuda", True, "default").compile_kwargs(remat=True) == {
+        "options": {"reorder_for_locality": False}
+    }
+    autotune = compile_plan("cuda", False, "max-autotune")
+    assert autotune.compile_kwargs(remat=True) == {"mode": "max-autotune"}
+    monkeypatch.setattr(plan_module, "inductor_has_option", lambda name: False)
+    assert "reorder_for_locality" not in cpu.compile_kwargs(remat=True)["options"]
+    assert compile_plan("cuda", False).compile_kwargs(remat=True) == {"mode": "reduce-overhead"}
+
+
+@pytest.mark.parametrize("layers", ["sequential", None])
+def test_a_checkpointed_step_asks_for_its_order_kept(monkeypatch, layers):
+    """The step of a model with ``checkpoint_layers`` (torch recomputes its layers in the
+    graph) compiles without the locality reorder; a plain model's step compiles as its plan
+    says."""
+    given = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: given.append(kwargs) or fn)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    fmodel = fm.functional_model(net, checkpoint_layers=layers)
+    step = fm.compile_meta_step(fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=1)
+    assert step.eager_reason is None
+    (kwargs,) = given
+    expected = step.plan.compile_kwargs(remat=layers is not None)
+    assert kwargs["options"].keys() == expected["options"].keys()
+    assert ("reorder_for_locality" in kwargs["options"]) is (layers is not None)
+
+
 def test_reduce_overhead_is_the_cudagraphs_option():
     """The CUDA conv plan writes reduce-overhead as inductor's option: it must be all the
     mode sets on this torch."""

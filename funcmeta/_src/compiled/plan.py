@@ -27,6 +27,15 @@ __all__ = ["CompilePlan", "compile_plan"]
 _GRAPH_MODES = frozenset({"reduce-overhead", "max-autotune"})
 # inductor's option to build a C++ wrapper apart from its kernels (torch 2.8 and newer)
 _SEPARATE_BUILD = "cpp_wrapper_build_separate"
+# inductor's post-grad pass that moves each producer next to its first consumer: torch runs it
+# only on a graph it compiles for inference, which a meta-step's traced backward is to it
+_LOCALITY = "reorder_for_locality"
+# torch.compile's modes written as inductor's options (torch.compile takes one or the other)
+_MODE_OPTIONS: dict[str | None, dict[str, Any]] = {
+    None: {},
+    "default": {},
+    "reduce-overhead": {"triton.cudagraphs": True},
+}
 
 
 @exposed_in("funcmeta")
@@ -70,13 +79,34 @@ class CompilePlan:
     graph_passes: bool = False
     separate_build: bool = False
 
-    def compile_kwargs(self) -> dict[str, Any]:
-        """What ``torch.compile`` gets besides ``fullgraph`` and ``dynamic``."""
+    def compile_kwargs(self, remat: bool = False) -> dict[str, Any]:
+        """What ``torch.compile`` gets besides ``fullgraph`` and ``dynamic``.
+
+        ``remat``: the graph recomputes checkpointed layers or steps for its outer gradient
+        (a model with ``checkpoint_layers``, or ``checkpoint_steps``). Inductor's
+        ``reorder_for_locality`` is then off where this torch has it: torch runs that pass
+        only on a graph it compiles for inference, which a meta-step that traces its own
+        gradients is to it, and moving each producer next to its first consumer keeps the
+        producer's inputs alive longer, which undoes part of the recomputation's saving
+        (``docs/decisions/compiled-autograd-step.md``). The modes ``"default"`` and
+        ``"reduce-overhead"`` are then written as their options; another mode cannot take
+        options and is passed as it is.
+
+        Example:
+            >>> from funcmeta._src.compiled.plan import compile_plan
+            >>> compile_plan("cuda", convolutional=False).compile_kwargs(remat=True)
+            {'options': {'triton.cudagraphs': True, 'reorder_for_locality': False}}
+        """
         if self.options is None:
-            return {"mode": self.mode}
+            plain = _MODE_OPTIONS.get(self.mode)
+            if not (remat and plain is not None and inductor_has_option(_LOCALITY)):
+                return {"mode": self.mode}
+            return {"options": {**plain, _LOCALITY: False}}
         options = {**self.options, **(cpu_passes() if self.graph_passes else {})}
         if self.separate_build and inductor_has_option(_SEPARATE_BUILD):
             options[_SEPARATE_BUILD] = True
+        if remat and inductor_has_option(_LOCALITY):
+            options[_LOCALITY] = False
         return {"options": options}
 
 

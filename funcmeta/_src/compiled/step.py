@@ -221,7 +221,7 @@ class MetaStep:
         self.graph_note: str | None = None
         if compile:
             own = with_own_code_object(grad_fn)
-            how = plan.compile_kwargs()
+            how = plan.compile_kwargs(remat=self._remat is not None)
             try:
                 self._compiled = torch.compile(own, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
