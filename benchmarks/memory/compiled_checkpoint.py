@@ -23,13 +23,13 @@ decisions).
 
 Each row, for one meta-iteration after a first call (which compiles): the most tensor bytes
 alive at once above its start (``peak MB``: on a CPU the profiler's count of what torch's
-allocator has handed out, on CUDA ``max_memory_allocated``), the peak resident set above its
-start (``RSS MB``, CPU; shown, not judged), the median seconds of ``--repeats`` calls, and
+allocator has handed out; on CUDA ``max_memory_allocated`` over the call that records the
+CUDA graph), the peak resident set above its start (``RSS MB``, CPU only; shown, not judged), the median seconds of ``--repeats`` calls, and
 the largest difference of its float64 meta-gradients from ``eager``'s in float64 (the same
-weights and data). The resident set reads low for a way whose process compiled just before:
-glibc serves a new block from the free chunks a compile leaves in its heap before it maps
-fresh memory, whatever its mmap threshold (a compiled step read 0.0 MB above its start this
-way). The tensor bytes are the working set.
+weights and data). The resident set can read low for a way whose process compiled just
+before (the compiled checkpointed step read 0.0 MB above its start after a cold compile,
+likely glibc serving new blocks from the free chunks the compile left in its heap). The
+tensor bytes are the working set.
 
 Targets (issue "a compiled step that checkpoints"): ``compiled checkpointed``'s float64
 meta-gradients equal ``eager``'s to 1e-10; its tensor peak at most ``eager checkpointed``'s
@@ -138,10 +138,9 @@ def one_way(way: str, device: str, tasks: int, repeats: int) -> dict[str, Any]:
         ):
             run()
         peak = _common.peak_allocated(prof, "measured")
-    else:  # the Meter counts allocated bytes on CUDA
-        meter.start()
-        run()
-        peak = meter.peak()
+    else:  # the Meter counts allocated bytes on CUDA: the run above, which records a CUDA
+        # graph where the step replays one (a replay allocates nothing from the allocator)
+        peak, resident = resident, 0
     seconds = []
     for _ in range(repeats):
         net.zero_grad()

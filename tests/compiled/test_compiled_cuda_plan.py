@@ -97,49 +97,117 @@ def test_the_cpu_plan_builds_the_wrapper_apart_where_inductor_can(monkeypatch):
 
 
 def test_a_recomputing_graph_is_compiled_without_the_locality_reorder(monkeypatch):
-    """A graph that recomputes checkpointed layers or steps (``remat=True``) asks inductor not
-    to move producers next to their consumers, on every device; the plan's modes are
-    written as their options, a caller's other mode is passed as it is, and a torch without
-    the option gets none."""
+    """A plan whose graph recomputes checkpointed layers or steps (``remat``) asks inductor
+    not to move producers next to their consumers, on every device; a mode is written out
+    as the options torch.compile applies for it; a torch without the option gets none."""
+    import dataclasses
+
     import funcmeta._src.compiled.plan as plan_module
 
-    known = fence.inductor_has_option("reorder_for_locality")
-    assert known  # the torch this suite runs on has it
+    def remat(plan):
+        return dataclasses.replace(plan, remat=True).compile_kwargs()
+
+    assert fence.inductor_has_option("reorder_for_locality")  # the torch this suite runs
     cpu = compile_plan("cpu", False)
-    assert cpu.compile_kwargs(remat=True)["options"]["reorder_for_locality"] is False
-    assert "reorder_for_locality" not in cpu.compile_kwargs()["options"]
-    assert compile_plan("cuda", False).compile_kwargs(remat=True) == {
+    assert not cpu.remat and "reorder_for_locality" not in cpu.compile_kwargs()["options"]
+    assert remat(cpu)["options"]["reorder_for_locality"] is False
+    assert remat(compile_plan("cuda", False)) == {
         "options": {"triton.cudagraphs": True, "reorder_for_locality": False}
     }
-    assert compile_plan("cuda", True).compile_kwargs(remat=True) == {
+    assert remat(compile_plan("cuda", True)) == {
         "options": {**CUDA_CONV_OPTIONS, "reorder_for_locality": False}
     }
-    assert compile_plan("cuda", True, "default").compile_kwargs(remat=True) == {
+    assert remat(compile_plan("cuda", True, "default")) == {
         "options": {"reorder_for_locality": False}
     }
-    autotune = compile_plan("cuda", False, "max-autotune")
-    assert autotune.compile_kwargs(remat=True) == {"mode": "max-autotune"}
+    from torch._inductor import list_mode_options
+
+    autotune = remat(compile_plan("cuda", False, "max-autotune"))["options"]
+    assert autotune == {**list_mode_options("max-autotune", False), "reorder_for_locality": False}
+    assert fence.inductor_mode_options("no-such-mode") is None
+    assert remat(compile_plan("cuda", False, "no-such-mode")) == {"mode": "no-such-mode"}
     monkeypatch.setattr(plan_module, "inductor_has_option", lambda name: False)
-    assert "reorder_for_locality" not in cpu.compile_kwargs(remat=True)["options"]
-    assert compile_plan("cuda", False).compile_kwargs(remat=True) == {"mode": "reduce-overhead"}
+    assert "reorder_for_locality" not in remat(cpu)["options"]
+    assert remat(compile_plan("cuda", False)) == {"mode": "reduce-overhead"}
 
 
-@pytest.mark.parametrize("layers", ["sequential", None])
-def test_a_checkpointed_step_asks_for_its_order_kept(monkeypatch, layers):
-    """The step of a model with ``checkpoint_layers`` (torch recomputes its layers in the
-    graph) compiles without the locality reorder; a plain model's step compiles as its plan
-    says."""
+def _spied_compile(monkeypatch):
     given = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: given.append(kwargs) or fn)
+    return given
+
+
+@pytest.mark.parametrize(
+    ("layers", "steps_checkpointed", "recomputes"),
+    [("sequential", False, True), (None, True, True), (None, False, False)],
+)
+def test_a_recomputing_step_compiles_without_the_locality_reorder(
+    monkeypatch, layers, steps_checkpointed, recomputes
+):
+    """The step of a model with ``checkpoint_layers``, or with ``checkpoint_steps``, marks its
+    plan ``remat`` and torch.compile gets ``reorder_for_locality=False``; a plain step's
+    options are its plan's."""
+    given = _spied_compile(monkeypatch)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     fmodel = fm.functional_model(net, checkpoint_layers=layers)
-    step = fm.compile_meta_step(fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=1)
-    assert step.eager_reason is None
+    step = fm.compile_meta_step(
+        fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=2, checkpoint_steps=steps_checkpointed
+    )
+    assert step.eager_reason is None and step.plan.remat is recomputes
     (kwargs,) = given
-    expected = step.plan.compile_kwargs(remat=layers is not None)
-    assert kwargs["options"].keys() == expected["options"].keys()
-    assert ("reorder_for_locality" in kwargs["options"]) is (layers is not None)
+    assert kwargs["options"].get("reorder_for_locality", True) is (not recomputes)
+    plain = compile_plan("cpu", False)
+    assert set(kwargs["options"]) - set(plain.compile_kwargs()["options"]) == (
+        {"reorder_for_locality"} if recomputes else set()
+    )
+
+
+def test_a_recomputing_step_on_cuda_writes_its_mode_out(monkeypatch):
+    """On CUDA the plan's reduce-overhead becomes its options, with the order kept, and the
+    step still replays CUDA graphs."""
+    given = _spied_compile(monkeypatch)
+    on_cuda(monkeypatch)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
+    step = fm.compile_meta_step(fmodel, F.mse_loss, fm.optim.sgd(lr=0.1), steps=1)
+    assert step.plan.remat and step.plan.cuda_graphs and step.plan.mode == "reduce-overhead"
+    assert given == [
+        {
+            "fullgraph": True,
+            "dynamic": False,
+            "options": {"triton.cudagraphs": True, "reorder_for_locality": False},
+        }
+    ]
+
+
+@pytest.mark.slow
+def test_inductor_runs_the_locality_reorder_only_where_the_option_lets_it(monkeypatch):
+    """The option the plan sets is the gate of the pass it means: inductor runs
+    ``reorder_for_locality`` on a graph it compiles for inference unless the option is off
+    (a torch that renamed or moved the pass would make the option a no-op)."""
+    from torch._inductor.fx_passes import post_grad
+
+    calls = []
+    original = post_grad.reorder_for_locality
+    monkeypatch.setattr(
+        post_grad, "reorder_for_locality", lambda graph: calls.append(1) or original(graph)
+    )
+    from torch._inductor import config
+
+    torch._dynamo.reset()
+    for keep_order in (False, True):
+        calls.clear()
+        fn = torch.compile(
+            lambda x: (x.sin() + 1).cos() * x,
+            fullgraph=True,
+            dynamic=False,
+            options={"reorder_for_locality": not keep_order},
+        )
+        with config.patch(force_disable_caches=True):
+            fn(torch.randn(8))
+        assert bool(calls) is (not keep_order)
+        torch._dynamo.reset()
 
 
 def test_reduce_overhead_is_the_cudagraphs_option():

@@ -19,7 +19,11 @@ from typing import Any, Literal
 
 from funcmeta._src.compiled.passes import cpu_passes
 from funcmeta._src.core.exposed import exposed_in
-from funcmeta._src.core.fence import inductor_aten_max_pool_backward, inductor_has_option
+from funcmeta._src.core.fence import (
+    inductor_aten_max_pool_backward,
+    inductor_has_option,
+    inductor_mode_options,
+)
 
 __all__ = ["CompilePlan", "compile_plan"]
 
@@ -30,12 +34,6 @@ _SEPARATE_BUILD = "cpp_wrapper_build_separate"
 # inductor's post-grad pass that moves each producer next to its first consumer: torch runs it
 # only on a graph it compiles for inference, which a meta-step's traced backward is to it
 _LOCALITY = "reorder_for_locality"
-# torch.compile's modes written as inductor's options (torch.compile takes one or the other)
-_MODE_OPTIONS: dict[str | None, dict[str, Any]] = {
-    None: {},
-    "default": {},
-    "reduce-overhead": {"triton.cudagraphs": True},
-}
 
 
 @exposed_in("funcmeta")
@@ -67,6 +65,16 @@ class CompilePlan:
             wrapper apart from the kernels (``cpp_wrapper_build_separate``: the wrapper, one
             line per operation of the graph, at ``-O1``, the kernels at ``-O3``), where this
             torch has the option: the cold compile of a large meta-step is cut by a quarter.
+        remat: whether the graph recomputes checkpointed layers or steps for its outer
+            gradient (set by the step for a model with ``checkpoint_layers``, or
+            ``checkpoint_steps``). :meth:`compile_kwargs` then turns inductor's
+            ``reorder_for_locality`` off where this torch has it: torch runs that pass only
+            on a graph it compiles for inference, which a meta-step that traces its own
+            gradients is to it, and moving each producer next to its first consumer keeps
+            the producer's inputs alive longer, which undoes part of the recomputation's
+            saving (``docs/decisions/compiled-autograd-step.md``). A ``mode`` is then
+            written out as its options (torch.compile applies the same table), so that
+            the option can be added.
     """
 
     device: str
@@ -78,34 +86,28 @@ class CompilePlan:
     note: str | None = None
     graph_passes: bool = False
     separate_build: bool = False
+    remat: bool = False
 
-    def compile_kwargs(self, remat: bool = False) -> dict[str, Any]:
+    def compile_kwargs(self) -> dict[str, Any]:
         """What ``torch.compile`` gets besides ``fullgraph`` and ``dynamic``.
 
-        ``remat``: the graph recomputes checkpointed layers or steps for its outer gradient
-        (a model with ``checkpoint_layers``, or ``checkpoint_steps``). Inductor's
-        ``reorder_for_locality`` is then off where this torch has it: torch runs that pass
-        only on a graph it compiles for inference, which a meta-step that traces its own
-        gradients is to it, and moving each producer next to its first consumer keeps the
-        producer's inputs alive longer, which undoes part of the recomputation's saving
-        (``docs/decisions/compiled-autograd-step.md``). The modes ``"default"`` and
-        ``"reduce-overhead"`` are then written as their options; another mode cannot take
-        options and is passed as it is.
-
         Example:
+            >>> import dataclasses
             >>> from funcmeta._src.compiled.plan import compile_plan
-            >>> compile_plan("cuda", convolutional=False).compile_kwargs(remat=True)
+            >>> plan = dataclasses.replace(compile_plan("cuda", convolutional=False), remat=True)
+            >>> plan.compile_kwargs()
             {'options': {'triton.cudagraphs': True, 'reorder_for_locality': False}}
         """
+        locality = self.remat and inductor_has_option(_LOCALITY)
         if self.options is None:
-            plain = _MODE_OPTIONS.get(self.mode)
-            if not (remat and plain is not None and inductor_has_option(_LOCALITY)):
+            spelled = inductor_mode_options(self.mode) if locality else None
+            if spelled is None:
                 return {"mode": self.mode}
-            return {"options": {**plain, _LOCALITY: False}}
+            return {"options": {**spelled, _LOCALITY: False}}
         options = {**self.options, **(cpu_passes() if self.graph_passes else {})}
         if self.separate_build and inductor_has_option(_SEPARATE_BUILD):
             options[_SEPARATE_BUILD] = True
-        if remat and inductor_has_option(_LOCALITY):
+        if locality:
             options[_LOCALITY] = False
         return {"options": options}
 

@@ -205,6 +205,9 @@ class MetaStep:
                 self._remat = "steps"
             elif fmodel.checkpointed:
                 self._remat = "layers"
+        if self.graph == "autograd" and (fmodel.checkpointed or options.checkpoint_steps):
+            # torch recomputes in this graph: inductor keeps its order (CompilePlan.remat)
+            plan = self.plan = dataclasses.replace(plan, remat=True)
         if reason is not None:
             self.eager_reason = reason
             compile = False
@@ -221,14 +224,19 @@ class MetaStep:
         self.graph_note: str | None = None
         if compile:
             own = with_own_code_object(grad_fn)
-            how = plan.compile_kwargs(remat=self._remat is not None)
+            how = plan.compile_kwargs()
             try:
                 self._compiled = torch.compile(own, fullgraph=True, dynamic=False, **how)
             except Exception as error:  # an inductor option or mode this torch lacks
                 self.options_note = f"{how}: {type(error).__name__}: {first_line(error)}"
                 self._compiled = torch.compile(own, fullgraph=True, dynamic=False)
                 self.plan = dataclasses.replace(
-                    plan, mode=None, options=None, cuda_graphs=False, graph_passes=False
+                    plan,
+                    mode=None,
+                    options=None,
+                    cuda_graphs=False,
+                    graph_passes=False,
+                    remat=False,
                 )
 
     @staticmethod

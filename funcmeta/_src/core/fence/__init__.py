@@ -99,6 +99,7 @@ from funcmeta._src.core.fence.inductor import (
     inductor_aten_max_pool_backward,
     inductor_graph_pass,
     inductor_has_option,
+    inductor_mode_options,
     with_own_code_object,
 )
 from funcmeta._src.core.fence.modules import (
@@ -163,6 +164,7 @@ __all__ = [
     "inductor_aten_max_pool_backward",
     "inductor_graph_pass",
     "inductor_has_option",
+    "inductor_mode_options",
     "inner_step_region",
     "inside_transform",
     "is_batchedtensor",

@@ -57,6 +57,22 @@ def inductor_graph_pass(fn: Callable[[Any], object], key: str) -> Any | None:
     return _Pass()
 
 
+def inductor_mode_options(mode: str | None) -> dict[str, Any] | None:
+    """The inductor options ``torch.compile(mode=mode, dynamic=False)`` applies, as a dict
+    (``{}`` for ``None`` and ``"default"``), so that options can be added to a mode
+    (``torch.compile`` takes a mode or options, not both); ``None`` where this torch cannot
+    say (the mode is unknown to it, or it lacks ``list_mode_options``). An optional access:
+    it is not in :data:`ACCESSES`."""
+    if mode is None or mode == "default":
+        return {}
+    try:  # torch.compile applies exactly this table for a mode (``apply_mode``)
+        from torch._inductor import list_mode_options
+
+        return dict(list_mode_options(mode, False))
+    except Exception:  # an unknown mode raises; an older torch may lack the name
+        return None
+
+
 @functools.cache
 def inductor_has_option(name: str) -> bool:
     """Whether this torch's inductor has the config option ``name`` (dotted for a nested one,
