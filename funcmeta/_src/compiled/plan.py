@@ -93,9 +93,9 @@ class CompilePlan:
 
         Example:
             >>> import dataclasses
-            >>> from funcmeta._src.compiled.plan import compile_plan
-            >>> plan = dataclasses.replace(compile_plan("cuda", convolutional=False), remat=True)
-            >>> plan.compile_kwargs()
+            >>> import funcmeta as fm
+            >>> plan = fm.MetaStep.plan_for("cuda", convolutional=False)
+            >>> dataclasses.replace(plan, remat=True).compile_kwargs()
             {'options': {'triton.cudagraphs': True, 'reorder_for_locality': False}}
         """
         locality = self.remat and inductor_has_option(_LOCALITY)

@@ -25,6 +25,7 @@ __all__ = [
     "inductor_aten_max_pool_backward",
     "inductor_graph_pass",
     "inductor_has_option",
+    "inductor_mode_options",
     "with_own_code_object",
 ]
 
