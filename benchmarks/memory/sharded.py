@@ -20,7 +20,7 @@ at most 1/ranks of the whole model's plus one block's, and ``peak`` at most 0.35
 process's. The last line is ``RESULT PASS`` or ``RESULT FAIL`` (exit status 1).
 
     python benchmarks/memory/sharded.py [--ranks 4] [--width 512] [--blocks 8] [--rows 64]
-        [--checkpoint layers|none] [--reshard on|off]
+        [--checkpoint layers|none] [--reshard on|off] [--split on|off]
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ def rank_main(args: argparse.Namespace) -> None:
         model(args.width, args.blocks),
         init_device_mesh("cpu", (world,)),
         reshard_after_forward=args.reshard == "on",
+        split_activations=args.split == "on",
     )
     layers = "sequential" if args.checkpoint == "layers" else None
     fmodel = fm.functional_model(net, checkpoint_layers=layers)
@@ -160,7 +161,7 @@ def run(ranks: int, args: argparse.Namespace) -> list[dict[str, int]]:
     command += ["--nproc-per-node", str(ranks), __file__, "--rank-run"]
     command += ["--width", str(args.width), "--blocks", str(args.blocks), "--rows", str(args.rows)]
     command += ["--repeats", str(args.repeats), "--steps", str(args.steps)]
-    command += ["--checkpoint", args.checkpoint, "--reshard", args.reshard]
+    command += ["--checkpoint", args.checkpoint, "--reshard", args.reshard, "--split", args.split]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
     for _attempt in range(2):
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -192,6 +193,12 @@ def main() -> int:
         default="on",
         help="shard_model(reshard_after_forward=): on (the default) or off",
     )
+    parser.add_argument(
+        "--split",
+        choices=["on", "off"],
+        default="on",
+        help="shard_model(split_activations=): on (the default) or off",
+    )
     parser.add_argument("--rank-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_run:
@@ -206,7 +213,8 @@ def main() -> int:
         f"(parameters {whole / 2**20:.1f} MiB, one block {block / 2**20:.2f} MiB), "
         f"{args.rows} rows, {args.steps} SGD steps, float32, "
         f"{'checkpoint_layers' if args.checkpoint == 'layers' else 'no checkpointing'}, "
-        f"reshard_after_forward={args.reshard == 'on'}; "
+        f"reshard_after_forward={args.reshard == 'on'}, "
+        f"split_activations={args.split == 'on'}; "
         f"torch {torch.__version__}"
     )
     single = run(1, args)[0]

@@ -262,6 +262,18 @@ def _case_refusals(world):
         said["reshard"] = None
     except TypeError as error:
         said["reshard"] = str(error)
+    try:
+        fm.distributed.shard_model(_net(), _mesh(world), split_activations=1)
+        said["split"] = None
+    except TypeError as error:
+        said["split"] = str(error)
+    # per-rank tensors (a layer computed on its shards): the activations stay whole
+    lm = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
+    fm.distributed.shard_model(lm, _mesh(world), compute_on_shards=["1"])
+    said["split in force"] = (
+        fm.functional_model(fm.distributed.shard_model(_net(), _mesh(world))).runtime.split,
+        fm.functional_model(lm).runtime.split,
+    )
     return said
 
 
@@ -523,21 +535,30 @@ def _meta_over_tasks(net: nn.Module, batch) -> None:
     torch.stack(losses).mean().backward()
 
 
-def _case_two_axes(world):
-    """A 2 x 2 mesh: tasks split along "tasks", parameters along "shards"."""
+def _case_two_axes(world, layers="sequential", every=False):
+    """A 2 x 2 mesh: tasks split along "tasks", parameters along "shards" (``every``: every
+    saved activation split over "shards", the size threshold at 1 element; with the count
+    of slices kept)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
-    net = fm.distributed.shard_model(_net(), mesh, mesh_dim="shards")
-    tasks = mesh.get_group("tasks")
-    (xs, ys, xq, yq), count = fm.distributed.shard(_tasks_batch(), group=tasks)
-    fmodel = fm.functional_model(net, checkpoint_layers="sequential")
-    # this group's tasks at once: fm.recipes.maml (fm.adapt_tasks, one task at a time on shards)
-    out = fm.recipes.maml(fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=2, lr=0.1)
-    out.loss.backward()
-    fm.distributed.average_gradients(dict(net.named_parameters()), count, group=tasks)
+    kept, restore = _counting_pieces() if every else ([0], lambda: None)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tasks", "shards"))
+        net = fm.distributed.shard_model(_net(), mesh, mesh_dim="shards")
+        tasks = mesh.get_group("tasks")
+        (xs, ys, xq, yq), count = fm.distributed.shard(_tasks_batch(), group=tasks)
+        fmodel = fm.functional_model(net, checkpoint_layers=layers)
+        # this group's tasks: fm.recipes.maml (fm.adapt_tasks, one task at a time on shards)
+        out = fm.recipes.maml(
+            fmodel, fmodel.params, F.mse_loss, (xs, ys), (xq, yq), steps=2, lr=0.1
+        )
+        out.loss.backward()
+        fm.distributed.average_gradients(dict(net.named_parameters()), count, group=tasks)
+    finally:
+        restore()
     local = [tuple(p.grad.to_local().shape) for p in net.parameters()]
-    return [p.grad.full_tensor() for p in net.parameters()], local, count
+    grads = [p.grad.full_tensor() for p in net.parameters()]
+    return (grads, local, count, kept[0]) if every else (grads, local, count)
 
 
 def _case_different_data(world):
@@ -601,12 +622,8 @@ COMBINATIONS = {
 }
 
 RATE_COMBINATIONS = [name for name in COMBINATIONS if "rates" in name]
-SPLIT_COMBINATIONS = [
-    "the takeover",
-    "first order, checkpointed",
-    "momentum",
-    "per-element rates per step, checkpointed",
-]
+SPLIT_COMBINATIONS = list(COMBINATIONS)  # checkpointed or not: every one saves activations
+UNCHECKED_COMBINATIONS = ["LoRA on a frozen base", "clip_grad_norm", "per-layer rates"]
 
 
 def _rates(kind: str, fmodel) -> torch.nn.Module:
@@ -616,13 +633,14 @@ def _rates(kind: str, fmodel) -> torch.nn.Module:
     return build(fmodel.params, 0.1, steps=steps, parameterization="softplus")
 
 
-def _combination(name: str, mesh) -> list:
-    """The meta-gradients of the parameters (full), then of the rates (full), if any."""
+def _combination(name: str, mesh, split: bool = True) -> list:
+    """The meta-gradients of the parameters (full), then of the rates (full), if any
+    (``split``: ``shard_model(split_activations=)``)."""
     make, checkpoint_layers, opt_name, options = COMBINATIONS[name]
     torch.manual_seed(0)
     net = make().double()
     if mesh is not None:
-        fm.distributed.shard_model(net, mesh)
+        fm.distributed.shard_model(net, mesh, split_activations=split)
     fmodel = fm.functional_model(net, checkpoint_layers=checkpoint_layers)
     xs, ys, xq, yq = _data()
     rates = None
@@ -755,27 +773,49 @@ def _case_layer_norm_alone(world):
     return said, grads
 
 
-def _case_split_activations(world):
-    """With every saved tensor of a checkpointed layer split across the ranks (the size
-    threshold lowered to 1 element), the meta-gradients of each combination and recipe: the
-    unsharded run's are compared by the test. Counts the slices kept, to show they were."""
+def _counting_pieces():
+    """Lower the split's size threshold to 1 element and count the slices kept: returns the
+    counter (a one-element list) and the function that puts both back."""
     from funcmeta._src.distributed import runtime
 
     kept = [0]
     original, threshold = runtime._Piece.__init__, runtime._SPLIT_MIN
 
-    def counting(self, t, owner):
+    def counting(self, *args):
         kept[0] += 1
-        original(self, t, owner)
+        original(self, *args)
+
+    def restore():
+        runtime._SPLIT_MIN, runtime._Piece.__init__ = threshold, original
 
     runtime._SPLIT_MIN, runtime._Piece.__init__ = 1, counting
+    return kept, restore
+
+
+def _case_split_activations(world):
+    """With every saved activation split across the ranks (the size threshold lowered to 1
+    element), the meta-gradients of each combination and recipe, checkpointed or not: the
+    unsharded run's are compared by the test. Counts the slices kept by each, to show they
+    were; then the unchecked combinations with split_activations=False, and their counts."""
+    kept, restore = _counting_pieces()
+    counts, out, off = {}, {}, {}
     try:
         mesh = _mesh(world)
-        out = {name: _combination(name, mesh) for name in SPLIT_COMBINATIONS}
-        out.update({name: _recipe(name, mesh, "sequential") for name in ("maml", "metasgd")})
+        for name in SPLIT_COMBINATIONS:
+            before = kept[0]
+            out[name] = _combination(name, mesh)
+            counts[name] = kept[0] - before
+        for name, layers in (("maml", "sequential"), ("metasgd", "sequential"), ("maml", None)):
+            key = f"{name}, {layers}"
+            before = kept[0]
+            out[key] = _recipe(name, mesh, layers)
+            counts[key] = kept[0] - before
+        for name in UNCHECKED_COMBINATIONS:
+            before = kept[0]
+            off[name] = (_combination(name, mesh, split=False), kept[0] - before)
     finally:
-        runtime._SPLIT_MIN, runtime._Piece.__init__ = threshold, original
-    return out, kept[0]
+        restore()
+    return out, counts, off
 
 
 def _split_batch():
@@ -958,6 +998,7 @@ BUNDLES: dict[int, list[tuple[str, tuple]]] = {
     ],
     4: [
         ("two_axes", ()),
+        ("two_axes", (None, True)),
         ("split_activations", ()),
         ("combinations", (RATE_COMBINATIONS,)),
         ("recipes", ("sequential",)),
@@ -1020,6 +1061,8 @@ def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     assert "sharded already" in (said["again"] or "")
     assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
     assert (said["reshard"] or "").startswith("reshard_after_forward must be True")
+    assert (said["split"] or "").startswith("split_activations must be True")
+    assert said["split in force"] == (True, False)  # none with compute_on_shards layers
     assert "got str" in (said["reshard"] or "")
     for option in ("on_nonfinite", "loss_scale"):
         assert (said[option] or "").startswith(f"fm.adapt with {option}= cannot take a sharded")
@@ -1149,7 +1192,7 @@ def test_a_peer_gone_while_a_backward_gathers_a_saved_activation_is_named(tmp_pa
     """A checkpointed layer of a sharded model keeps a slice of each tensor it saves; the
     backward's all-gather of it with a peer gone raises PeerError, not gloo's own error."""
     said = _peer_gone(tmp_path, "peer_gone_in_an_activations_gather")
-    assert "gathering a checkpointed layer's saved tensor (shape (8, " in said
+    assert "gathering a saved activation (shape (8, " in said
 
 
 @pytest.mark.slow  # waits out a 5 s collective timeout and a 30 s stall, twice
@@ -1186,6 +1229,19 @@ def test_tasks_on_one_mesh_axis_and_shards_on_the_other_equal_one_process(tmp_pa
     for grads, local, count in _spawn(tmp_path, 4, "two_axes"):
         assert count == 2
         assert [s[0] for s in local] == [3, 3, 3, 3, 1, 1]  # half of each parameter
+        for ours, theirs in zip(grads, reference, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+
+
+def test_on_a_two_dimensional_mesh_the_activations_split_over_the_shard_axis(tmp_path):
+    """Unchecked layers on a 2 x 2 mesh, every saved activation split (threshold 1 element)
+    over the shard axis only, where the ranks hold the same data: the meta-gradient of the
+    mean over all 4 tasks, as one process computes it."""
+    net = _net()
+    _meta_over_tasks(net, _tasks_batch())
+    reference = [p.grad for p in net.parameters()]
+    for grads, _, count, kept in _spawn(tmp_path, 4, "two_axes", None, True):
+        assert count == 2 and kept > 0
         for ours, theirs in zip(grads, reference, strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
 
@@ -1251,21 +1307,31 @@ def test_a_layer_norm_checkpointed_alone_is_named_and_inside_a_block_is_exact(tm
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_checkpointed_layers_split_their_saved_activations_across_the_ranks(tmp_path, world):
-    """A sharded model's ranks hold the same activations: a checkpointed layer keeps only
-    this rank's slice of each tensor it saves (inputs, incoming gradients) and gathers them
-    in the backward. With every saved tensor split (uneven over 4 ranks: padded slices), the
-    meta-gradients equal the unsharded run's (float64)."""
-    for ours, kept in _spawn(tmp_path, world, "split_activations"):
-        assert kept > 0  # slices were kept
+def test_the_ranks_split_the_saved_activations_checkpointed_or_not(tmp_path, world):
+    """A sharded model's ranks hold the same activations: each keeps only its slice of each
+    tensor autograd saves in the inner loop (a checkpointed layer's inputs and incoming
+    gradients; unchecked, every activation of the forward and of the second-order inner
+    gradient) and gathers them in the backward. With every saved tensor split (uneven over 4
+    ranks: padded slices), the meta-gradients equal the unsharded run's (float64) in every
+    combination and recipe; split_activations=False keeps the unchecked ones whole, with
+    the same meta-gradients."""
+    for ours, counts, off in _spawn(tmp_path, world, "split_activations"):
+        assert all(n > 0 for n in counts.values()), counts  # slices were kept in each
         for name in SPLIT_COMBINATIONS:
             for a, b in zip(ours[name], _combination(name, None), strict=True):
                 assert (a is None) == (b is None), name
                 if a is not None:
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
-        for name in ("maml", "metasgd"):
-            for a, b in zip(ours[name], _recipe(name, None, "sequential"), strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
+        for name, layers in (("maml", "sequential"), ("metasgd", "sequential"), ("maml", None)):
+            key = f"{name}, {layers}"
+            for a, b in zip(ours[key], _recipe(name, None, layers), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=key)
+        for name, (grads, count) in off.items():
+            assert count == 0, name  # nothing split
+            for a, b in zip(grads, _combination(name, None), strict=True):
+                assert (a is None) == (b is None), name
+                if a is not None:
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14, msg=name)
 
 
 @pytest.mark.parametrize(("world", "shape"), [(2, (2,)), (4, (4,)), (4, (2, 2))])

@@ -15,8 +15,10 @@ collective of the model's steps.
   :meth:`ShardedRuntime.watch`): its inputs' checksum before the forward, and in the backward the
   gradient that reaches its outputs (:meth:`ShardedRuntime.outputs`), which holds the
   targets and the loss the model never sees. ``fm.apply_tasks``' outputs get the same check;
-- each layer gathers its parameters while it runs (:class:`_LayerGather`), and a checkpointed
-  layer keeps its rank's slice of what it saves (:meth:`ShardedRuntime.split_saving`).
+- each layer gathers its parameters while it runs (:class:`_LayerGather`), and each rank
+  keeps its slice of the activations autograd saves: a checkpointed layer's
+  (:meth:`ShardedRuntime.split_saving`), and every one saved in the entry points' forwards
+  and inner gradients (:meth:`ShardedRuntime.splitting`).
 
 Every collective is started by ``funcmeta._src.distributed.comm``. The ranks of the shard
 axis must compute on the same data: a gathered parameter's backward keeps each rank's slice
@@ -85,13 +87,19 @@ class ShardedRuntime(EagerRuntime):
         timeout: seconds each collective waits for the other ranks.
         reshard: whether what autograd saves of a gathered parameter is its shard, gathered
             again when read (``shard_model(reshard_after_forward=)``).
+        split: whether each rank keeps only its slice of the activations autograd saves in
+            the entry points' forwards and inner gradients, gathered again when a backward
+            reads them (``shard_model(split_activations=)``; :meth:`splitting`).
     """
 
     keeps_layer_graphs = False
 
-    def __init__(self, mesh: Any, axis: int, timeout: float, reshard: bool = True) -> None:
+    def __init__(
+        self, mesh: Any, axis: int, timeout: float, reshard: bool = True, split: bool = True
+    ) -> None:
         self.mesh = mesh
         self.reshard = reshard
+        self.split = split
         self.axis = axis
         self.group = mesh.get_group(axis)
         self.ranks = comm.size(self.group)
@@ -186,7 +194,8 @@ class ShardedRuntime(EagerRuntime):
         depth = getattr(self._local, "inside", 0)
         self._local.inside = depth + 1
         try:
-            return super().run(fmodel, params, buffers, args, kwargs)
+            with self.splitting():
+                return super().run(fmodel, params, buffers, args, kwargs)
         finally:
             self._local.inside = depth
 
@@ -212,8 +221,11 @@ class ShardedRuntime(EagerRuntime):
         gradient's graph saves the gathered parameters its products read (their double
         backward needs them): it keeps their shards instead, gathered again when the outer
         backward reads them (:func:`regathering`)."""
-        saving = regathering() if second_order and self.reshard and self.ranks > 1 else None
-        with saving or contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.splitting())
+            saving = regathering() if second_order and self.reshard and self.ranks > 1 else None
+            if saving is not None:  # under the splitting hooks: it hands them activations
+                stack.enter_context(saving)
             loss, found, new_buffers = super().gradient(
                 objective, leaves, buffers, second_order=second_order, keep_graph=keep_graph
             )
@@ -267,7 +279,28 @@ class ShardedRuntime(EagerRuntime):
     def _calls(self) -> list[bool]:
         return _per_thread(self._local, "calls")
 
-    # ------------------------------------------------------------ checkpointed layers
+    # ------------------------------------------------------------ saved activations
+
+    def splitting(self) -> contextlib.AbstractContextManager[Any]:
+        """Saved-tensor hooks under which autograd keeps only this rank's slice of each
+        activation it saves (a plain floating CPU tensor of ``_SPLIT_MIN`` elements or more
+        that is no gathered parameter), all-gathered back when a backward reads it: every
+        rank of the shard axis computes the same activations, so each keeps 1/world of them.
+        In force around the entry points' forwards (:meth:`run`) and inner gradients
+        (:meth:`gradient`, whose second-order graph is saved through them too). Hooks in
+        force under these (a step checkpoint's, an offload) get the slice to keep, so that
+        a step checkpoint's recomputation keeps slices too. A nullcontext where ``split`` is
+        off, on one rank, where torch allows no saved-tensor hooks now (inside a
+        ``torch.func`` transform), where these are in force already, and in a checkpointed
+        layer's recomputation for a VJP taken right away (one layer's graph, dropped after
+        it)."""
+        if not self.split or self.ranks == 1 or saved_tensor_hooks_state() is not None:
+            return contextlib.nullcontext()
+        outer = saved_hooks_in_force()
+        if _splitting_already(outer) or recomputing_for_a_vjp():
+            return contextlib.nullcontext()
+        hooks = _Splitting(self, outer)
+        return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
 
     def split_saving(self, tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
         """Saved-tensor hooks that keep only this rank's slice of each plain (replicated)
@@ -279,20 +312,9 @@ class ShardedRuntime(EagerRuntime):
             return contextlib.nullcontext()
 
         def pack(t: Tensor) -> Any:
-            if (
-                is_sharded(t)
-                or t.numel() < _SPLIT_MIN
-                or not t.is_contiguous()
-                or not _differentiable(t)
-                or t.device.type != "cpu"
-            ):
-                return t
-            return _Piece(t, self)
+            return _Piece(t, self) if _splittable(t) else t
 
-        def unpack(x: Any) -> Tensor:
-            return x.whole() if isinstance(x, _Piece) else x
-
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, _whole)
 
 
 def _per_thread(local: threading.local, name: str) -> list[Any]:
@@ -592,31 +614,139 @@ def _differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+def _splittable(t: Tensor) -> bool:
+    """Whether a saved tensor is kept as this rank's slice: a plain (replicated) floating
+    CPU tensor (gloo) of ``_SPLIT_MIN`` elements or more, contiguous."""
+    return (
+        not is_sharded(t)
+        and t.numel() >= _SPLIT_MIN
+        and t.is_contiguous()
+        and _differentiable(t)
+        and t.device.type == "cpu"
+    )
+
+
+def _whole(x: Any) -> Tensor:
+    return x.whole() if isinstance(x, _Piece) else x
+
+
 class _Piece:
-    """This rank's slice of a saved tensor (padded to an equal share), and its shape."""
+    """This rank's slice of a saved tensor (padded to an equal share), and its shape; or,
+    where other saved-tensor hooks were in force, what they made of that slice. A tensor
+    saved again (one input of several products) gets the same slice (:func:`_slice_of`)."""
 
-    __slots__ = ("numel", "piece", "runtime", "shape")
+    __slots__ = ("numel", "packed", "piece", "runtime", "shape", "unpack")
 
-    def __init__(self, t: Tensor, runtime: ShardedRuntime) -> None:
-        world, me = runtime.ranks, comm.rank(runtime.group)
-        flat = t.detach().reshape(-1)
-        self.numel, self.shape, self.runtime = flat.numel(), t.shape, runtime
-        share = -(-self.numel // world)
-        piece = flat[me * share : (me + 1) * share].clone()
-        if piece.numel() < share:
-            piece = torch.cat([piece, piece.new_zeros(share - piece.numel())])
-        self.piece = piece
+    def __init__(
+        self,
+        t: Tensor,
+        runtime: ShardedRuntime,
+        outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None = None,
+    ) -> None:
+        self.numel, self.shape, self.runtime = t.numel(), t.shape, runtime
+        piece = _slice_of(t, runtime)
+        self.piece: Tensor | None = piece
+        self.packed: Any = None
+        self.unpack: Callable[[Any], Tensor] | None = None
+        if outer is not None:
+            self.piece, self.packed, self.unpack = None, outer[0](piece), outer[1]
 
     def whole(self) -> Tensor:
         """The tensor again: every rank's slice, all-gathered (a copy of the same values)."""
         runtime = self.runtime
-        out = self.piece.new_empty(self.piece.numel() * runtime.ranks)
+        piece = self.piece if self.unpack is None else self.unpack(self.packed)
+        assert piece is not None
+        out = piece.new_empty(piece.numel() * runtime.ranks)
         comm.all_gather_into(
             out,
-            self.piece,
+            piece,
             runtime.group,
             runtime.timeout,
-            f"gathering a checkpointed layer's saved tensor (shape {tuple(self.shape)}) across "
-            "the shard axis in a backward",
+            f"gathering a saved activation (shape {tuple(self.shape)}) across the shard axis "
+            "in a backward",
         )
         return out[: self.numel].view(self.shape)
+
+
+#: The slices made of saved tensors, by their storage's address: a weak reference to the
+#: storage, the tensor's offset, size, dtype and version and the runtime, a weak reference to
+#: the slice.
+_SLICES: dict[int, list[tuple[Any, ...]]] = {}
+
+
+def _slice_of(t: Tensor, runtime: ShardedRuntime) -> Tensor:
+    """This rank's slice of ``t`` (contiguous; flat, padded to an equal share): the one made
+    for an earlier save of the same values while that slice lives (the same storage, offset,
+    size, dtype and version: unchanged since, a view of another shape included), else a new
+    one. Autograd saves one activation for several products (a layer's input, for each
+    projection that reads it, some as a reshaped view), and one slice each would hold more
+    than the activation did."""
+    storage = t.untyped_storage()
+    key = storage.data_ptr()
+    # a contiguous tensor's values in order are its storage's from its offset on, whatever
+    # its shape: a view of it (a reshape for a product) gets the same slice
+    what = (t.storage_offset(), t.numel(), t.dtype, t._version, id(runtime))
+    entries = [e for e in _SLICES.get(key, ()) if e[0]() is storage and e[2]() is not None]
+    for entry in entries:
+        if entry[1] == what:
+            found: Tensor = entry[2]()
+            return found
+    world, me = runtime.ranks, comm.rank(runtime.group)
+    flat = t.detach().reshape(-1)
+    share = -(-flat.numel() // world)
+    piece = flat[me * share : (me + 1) * share].clone()
+    if piece.numel() < share:
+        piece = torch.cat([piece, piece.new_zeros(share - piece.numel())])
+
+    def forget(_: Any) -> None:
+        alive = [e for e in _SLICES.get(key, ()) if e[0]() is not None and e[2]() is not None]
+        if alive:
+            _SLICES[key] = alive
+        else:
+            _SLICES.pop(key, None)
+
+    entries.append((weakref.ref(storage, forget), what, weakref.ref(piece, forget)))
+    _SLICES[key] = entries
+    return piece
+
+
+class _Splitting:
+    """:meth:`ShardedRuntime.splitting`'s hooks: a splittable activation is kept as this
+    rank's slice (:class:`_Piece`), handed to the hooks in force under these if any (a step
+    checkpoint then keeps, or recomputes into, the slice); anything else goes to those hooks
+    as it is, or is kept."""
+
+    __slots__ = ("outer", "runtime")
+
+    def __init__(
+        self,
+        runtime: ShardedRuntime,
+        outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None,
+    ) -> None:
+        self.runtime, self.outer = runtime, outer
+
+    def pack(self, t: Tensor) -> Any:
+        if _splittable(t) and _source(t) is None:  # a gathered parameter: reshard's own
+            return _Piece(t, self.runtime, self.outer)
+        if self.outer is not None:
+            return _Outer(self.outer[0](t), self.outer[1])
+        return t
+
+    @staticmethod
+    def unpack(x: Any) -> Tensor:
+        if isinstance(x, _Piece):
+            return x.whole()
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
+        return x
+
+
+def _splitting_already(
+    hooks: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None,
+) -> bool:
+    """Whether ``hooks`` are :class:`_Splitting`'s, or a layer's :class:`_Regathering` over
+    them."""
+    below = getattr(hooks[0], "__self__", None) if hooks is not None else None
+    if isinstance(below, _Regathering):
+        return _splitting_already(below.outer)
+    return isinstance(below, _Splitting)

@@ -189,6 +189,7 @@ def shard_model(
     init: Callable[[str, Tensor], Tensor] | None = None,
     reshard_after_forward: bool = True,
     compute_on_shards: Sequence[str] = (),
+    split_activations: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the processes of a ``DeviceMesh``, in place, and
     gather each layer's parameters only while that layer runs; returns ``module``.
@@ -226,6 +227,17 @@ def shard_model(
     alive at a time, checkpointed or not, for a gather per saved parameter read. ``False``
     keeps what autograd saves whole: fewer gathers, but without checkpointing every layer's
     full parameters stay alive from its forward to its backward, once per pass.
+
+    **What stays of the activations.** Every rank of the shard axis computes the same
+    activations, so with ``split_activations=True`` (the default) each keeps only its slice
+    (1/world) of what autograd saves in the forwards and inner gradients of the entry points
+    (:func:`funcmeta.adapt`, the task-batched calls, the recipes), checkpointed or not, and
+    the ranks all-gather a slice when a backward reads it: a gather per saved activation
+    read, the same values (exact). A checkpointed layer keeps its slices of the inputs it
+    saves either way. ``False`` keeps the unchecked activations whole: fewer collectives,
+    each rank holding all of them. Floating CPU tensors (gloo) of 4096 elements or more; a
+    direct call of the model (``fmodel(params, x)``) keeps its activations whole, and so does
+    a model with ``compute_on_shards`` layers, whose tensors differ between the ranks.
 
     **Layers computed on their shards.** ``compute_on_shards`` names layers that are never
     gathered: an ``nn.Embedding`` looks up the ids in its rank's rows and the ranks sum the
@@ -279,6 +291,12 @@ def shard_model(
             "autograd saves, gathered again when a backward reads them) or False (keep them "
             f"whole), got {type(reshard_after_forward).__name__}"
         )
+    if not isinstance(split_activations, bool):
+        raise TypeError(
+            "split_activations must be True (each rank keeps its slice of the activations "
+            "autograd saves, gathered again when a backward reads them) or False (keep them "
+            f"whole), got {type(split_activations).__name__}"
+        )
     axis = _shard_axis(mesh, mesh_dim)
     if init is not None and not callable(init):
         raise TypeError(
@@ -322,7 +340,12 @@ def shard_model(
         "parameter names, shapes and dtypes in the same order on every rank of the mesh)",
     )
     own = _own_mesh(mesh, timeout)
-    runtime = ShardedRuntime(own, axis, timeout, reshard=reshard_after_forward)
+    # a layer computed on its shards makes per-rank tensors (its output slice, the partial
+    # sums of its gradients), which no rank may keep a slice of: such a model keeps its
+    # unchecked activations whole
+    runtime = ShardedRuntime(
+        own, axis, timeout, reshard=reshard_after_forward, split=split_activations and not chosen
+    )
     install_on_shards(chosen, runtime)
     values = None if init is None else _Values(init, _mesh_device(own))
     if values is not None:
