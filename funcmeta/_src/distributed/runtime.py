@@ -314,7 +314,7 @@ class ShardedRuntime(EagerRuntime):
         def pack(t: Tensor) -> Any:
             return _Piece(t, self) if _splittable(t) else t
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, _whole)
+        return torch.autograd.graph.saved_tensors_hooks(pack, _unpacked)
 
 
 def _per_thread(local: threading.local, name: str) -> list[Any]:
@@ -546,11 +546,7 @@ class _Regathering:
 
     @staticmethod
     def unpack(x: Any) -> Tensor:
-        if isinstance(x, _Regather):
-            return x.whole()
-        if isinstance(x, _Outer):
-            return x.unpack(x.packed)
-        return x
+        return _unpacked(x)
 
 
 def _source(t: Tensor) -> _Regather | None:
@@ -626,8 +622,15 @@ def _splittable(t: Tensor) -> bool:
     )
 
 
-def _whole(x: Any) -> Tensor:
-    return x.whole() if isinstance(x, _Piece) else x
+def _unpacked(x: Any) -> Tensor:
+    """What the saved-tensor hooks of this module kept, as a tensor again: a slice or a shard
+    gathered (:class:`_Piece`, :class:`_Regather`), or what the hooks under them made of it
+    (:class:`_Outer`)."""
+    if isinstance(x, (_Piece, _Regather)):
+        return x.whole()
+    if isinstance(x, _Outer):
+        return x.unpack(x.packed)
+    return x
 
 
 class _Piece:
@@ -734,11 +737,7 @@ class _Splitting:
 
     @staticmethod
     def unpack(x: Any) -> Tensor:
-        if isinstance(x, _Piece):
-            return x.whole()
-        if isinstance(x, _Outer):
-            return x.unpack(x.packed)
-        return x
+        return _unpacked(x)
 
 
 def _splitting_already(
