@@ -2,7 +2,8 @@
 computed on their shards (never gathered) give the unsharded run's adapted parameters and
 second-order meta-gradients in float64, on 2 and 4 gloo ranks: a vocabulary that does not
 split evenly, a rank with no rows, a padding row, checkpointed or not, stepped with SGD or
-Adam. A rank never gathers their weights; ids out of the vocabulary raise as torch's embedding
+Adam, and with every replicated activation split across the ranks (what the layers save of
+their own part stays whole). A rank never gathers their weights; ids out of the vocabulary raise as torch's embedding
 does; layers that cannot compute on their shards are refused by name before anything is
 placed."""
 
@@ -96,6 +97,7 @@ def _case_on_shards(world: int) -> dict:
     finally:
         comm.gather_whole = gather_whole
     results["gathered"] = gathered
+    results["split"] = _every_activation_split(mesh)
     net = fm.distributed.shard_model(_Tokens(7).double(), mesh, compute_on_shards=ON_SHARDS)
     for bad in (7, -1):
         try:
@@ -103,6 +105,37 @@ def _case_on_shards(world: int) -> dict:
         except IndexError as error:
             results[f"id {bad}"] = str(error)
     return results
+
+
+def _every_activation_split(mesh) -> dict:
+    """Each run again with every replicated activation the entry points save split across
+    the ranks (the size threshold lowered to 1 element), and the head trained whole: what
+    the layers on their shards save of their own part (their shards, their slices of a
+    gradient) must stay whole, or the gathers mix the ranks' values. The meta-gradients of
+    each run and the number of slices kept."""
+    from funcmeta._src.distributed import runtime
+
+    kept = [0]
+    original, threshold = runtime._Piece.__init__, runtime._SPLIT_MIN
+
+    def counting(self, *args):
+        kept[0] += 1
+        original(self, *args)
+
+    runtime._SPLIT_MIN, runtime._Piece.__init__ = 1, counting
+    out: dict = {}
+    try:
+        for vocab, padding, checkpoint_layers, opt_name in RUNS:
+            net = fm.distributed.shard_model(
+                _Tokens(vocab, padding=padding).double(), mesh, compute_on_shards=ON_SHARDS
+            )
+            assert fm.functional_model(net).runtime.split
+            before = kept[0]
+            grads = _meta(net, checkpoint_layers, opt_name)
+            out[(vocab, padding, repr(checkpoint_layers), opt_name)] = (grads, kept[0] - before)
+    finally:
+        runtime._SPLIT_MIN, runtime._Piece.__init__ = threshold, original
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -116,6 +149,10 @@ def test_an_embedding_and_head_on_their_shards_give_the_unsharded_meta_gradients
         for ours in results:
             for a, b in zip(ours[key], theirs, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=str(key))
+            split, count = ours["split"][key]
+            assert count > 0, key  # the replicated activations were split
+            for a, b in zip(split, theirs, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=f"split {key}")
     for ours in results:
         # only the hidden layer's weight and bias are ever gathered
         assert ours["gathered"], "nothing was gathered"

@@ -267,7 +267,7 @@ def _case_refusals(world):
         said["split"] = None
     except TypeError as error:
         said["split"] = str(error)
-    # per-rank tensors (a layer computed on its shards): the activations stay whole
+    # a layer computed on its shards keeps its own part whole, the rest still splits
     lm = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
     fm.distributed.shard_model(lm, _mesh(world), compute_on_shards=["1"])
     said["split in force"] = (
@@ -1062,7 +1062,7 @@ def test_what_cannot_take_a_sharded_model_says_so(tmp_path):
     assert "'0.weight' is held by 2 layers" in (said["tied"] or "")
     assert (said["reshard"] or "").startswith("reshard_after_forward must be True")
     assert (said["split"] or "").startswith("split_activations must be True")
-    assert said["split in force"] == (True, False)  # none with compute_on_shards layers
+    assert said["split in force"] == (True, True)
     assert "got str" in (said["reshard"] or "")
     for option in ("on_nonfinite", "loss_scale"):
         assert (said[option] or "").startswith(f"fm.adapt with {option}= cannot take a sharded")

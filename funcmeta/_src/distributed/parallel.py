@@ -26,6 +26,11 @@ other of its pair, so that the double backward of second-order meta-gradients is
 - :class:`_Join` (per-rank slices of the last axis to the replicated whole: an all-gather)
   and :class:`_Slice` (a replicated tensor's slice for this rank: no communication).
 
+The linear layer is one autograd function of them (:class:`_LinearOnShards`), whose forward
+and backward keep whole what they save (``ShardedRuntime.keeping_whole``): a shard, or a
+rank's slice of a gradient, differs between the ranks, where the replicated activations
+around the layer keep only each rank's slice.
+
 Example (one process; under ``torchrun`` every rank runs the same code):
     >>> import tempfile, torch, torch.distributed as dist
     >>> import funcmeta as fm
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import math
 import types
 from collections.abc import Sequence
 from typing import Any, cast
@@ -198,13 +204,69 @@ def _linear(runtime: Any, what: str, layer: nn.Linear, x: Tensor) -> Tensor:
         return nn.Linear.forward(layer, x)
     _, _, sizes = _local_rows(runtime, weight, what)
     local, local_bias = weight.to_local(), None if bias is None else bias.to_local()
-    wide = x.dtype in _NARROW and local.dtype == x.dtype
-    if wide:  # one rounding of the input's gradient, as unsplit: its partial sums in float32
-        x, local = x.float(), local.float()
-        local_bias = None if local_bias is None else local_bias.float()
-    piece = F.linear(_Copy.apply(runtime, x, what), local, local_bias)
-    out = _Join.apply(runtime, piece, sizes, f"joining the outputs of {what} across the mesh")
-    return out.to(weight.dtype) if wide else out
+    # what autograd saves of this rank's part (its shard, the slice of the gradient that
+    # reaches it) differs between the ranks: kept whole, where the replicated activations
+    # around it keep only a slice (ShardedRuntime.splitting)
+    with runtime.keeping_whole():
+        return _LinearOnShards.apply(runtime, x, local, local_bias, sizes, what)
+
+
+class _LinearOnShards(torch.autograd.Function):
+    """``F.linear`` of a replicated input on this rank's slice of the output features, the
+    ranks' slices joined (:class:`_Join`); its backward takes this rank's slice of the
+    replicated gradient (:class:`_Slice`), the input's gradient summed across the ranks
+    (:class:`_Sum`). The backward is made of differentiable operations (its double backward
+    is exact), run under :meth:`ShardedRuntime.keeping_whole`: what a second-order graph
+    saves of them is this rank's own, never split. In bfloat16 and float16 the products are
+    computed in float32: each rank's partial sum of the input's gradient would otherwise
+    round before the ranks add them."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        runtime: Any,
+        x: Tensor,
+        local: Tensor,
+        bias: Tensor | None,
+        sizes: list[int],
+        what: str,
+    ) -> Tensor:
+        ctx.runtime, ctx.sizes, ctx.what = runtime, sizes, what
+        ctx.save_for_backward(x, local, bias)
+        wide = x.dtype in _NARROW and local.dtype == x.dtype
+        piece = F.linear(*_widened(wide, x, local, bias))
+        out = _join(runtime, piece, sizes, f"joining the outputs of {what} across the mesh")
+        return out.to(local.dtype) if wide else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        runtime = ctx.runtime
+        x, local, bias = ctx.saved_tensors
+        wide = x.dtype in _NARROW and local.dtype == x.dtype
+        want_x, want_w, want_b = ctx.needs_input_grad[1:4]
+        with runtime.keeping_whole():
+            wide_x, wide_w, _ = _widened(wide, x, local, bias)
+            g = _Slice.apply(runtime, grad.float() if wide else grad, ctx.sizes, ctx.what)
+            gx = gw = gb = None
+            if want_x:
+                what = f"the gradient of the input of {ctx.what}"
+                gx = _Sum.apply(runtime, g.matmul(wide_w), what).to(x.dtype)
+            if want_w:  # the input, replicated, used by each rank (its gradient summed)
+                used = _Copy.apply(runtime, wide_x, ctx.what)
+                gw = _rows(g).t().matmul(_rows(used)).to(local.dtype)
+            if want_b:
+                gb = _rows(g).sum(0).to(bias.dtype)
+        return None, gx, gw, gb, None, None
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as a matrix of its last axis (rows of every leading index; one for a vector)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _widened(wide: bool, *tensors: Tensor | None) -> list[Any]:
+    """``tensors`` in float32 where ``wide`` (a product in bfloat16 or float16)."""
+    return [t.float() if wide and t is not None else t for t in tensors]
 
 
 def _check_embedding(layer: nn.Embedding, name: str) -> None:

@@ -297,10 +297,25 @@ class ShardedRuntime(EagerRuntime):
         if not self.split or self.ranks == 1 or saved_tensor_hooks_state() is not None:
             return contextlib.nullcontext()
         outer = saved_hooks_in_force()
-        if _splitting_already(outer) or recomputing_for_a_vjp():
+        if _splitting_in(outer) is not None or recomputing_for_a_vjp():
             return contextlib.nullcontext()
         hooks = _Splitting(self, outer)
         return torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack)
+
+    def keeping_whole(self) -> contextlib.AbstractContextManager[Any]:
+        """Saved-tensor hooks under which what autograd saves is kept whole, not split by
+        :meth:`splitting`'s hooks in force around it: a tensor that differs between the
+        ranks (a shard, a layer computed on its shards' slice of a gradient) gathered from
+        every rank's slice would be a mix of them. Gathered parameters keep their shards as
+        under :meth:`splitting`; other tensors go to the hooks in force under the splitting
+        ones (a step checkpoint's), or are kept. A nullcontext where no splitting hooks are
+        in force."""
+        hooks = saved_hooks_in_force()
+        found = _splitting_in(hooks)
+        if found is None:
+            return contextlib.nullcontext()
+        whole = _Regathering(found.outer)
+        return torch.autograd.graph.saved_tensors_hooks(whole.pack, whole.unpack)
 
     def split_saving(self, tensors: Iterable[Tensor]) -> contextlib.AbstractContextManager[Any]:
         """Saved-tensor hooks that keep only this rank's slice of each plain (replicated)
@@ -612,14 +627,22 @@ def _differentiable(t: Tensor) -> bool:
 
 def _splittable(t: Tensor) -> bool:
     """Whether a saved tensor is kept as this rank's slice: a plain (replicated) floating
-    CPU tensor (gloo) of ``_SPLIT_MIN`` elements or more, contiguous."""
+    CPU tensor (gloo) of ``_SPLIT_MIN`` elements or more, whose values lie in a run of its
+    storage at most twice their number (:func:`_span`: a transposed or permuted view, an
+    expanded one; not a column of a wide matrix)."""
     return (
         not is_sharded(t)
         and t.numel() >= _SPLIT_MIN
-        and t.is_contiguous()
         and _differentiable(t)
         and t.device.type == "cpu"
+        and _span(t) <= 2 * t.numel()
     )
+
+
+def _span(t: Tensor) -> int:
+    """The elements of ``t``'s storage from its offset to its last value (strides are never
+    negative): its number of values where it is contiguous."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
 def _unpacked(x: Any) -> Tensor:
@@ -634,11 +657,12 @@ def _unpacked(x: Any) -> Tensor:
 
 
 class _Piece:
-    """This rank's slice of a saved tensor (padded to an equal share), and its shape; or,
-    where other saved-tensor hooks were in force, what they made of that slice. A tensor
-    saved again (one input of several products) gets the same slice (:func:`_slice_of`)."""
+    """This rank's slice of the run of storage a saved tensor's values lie in (:func:`_span`,
+    padded to an equal share), and the tensor's geometry; or, where other saved-tensor hooks
+    were in force, what they made of that slice. A tensor saved again (one input of several
+    products, a transposed view) gets the same slice (:func:`_slice_of`)."""
 
-    __slots__ = ("numel", "packed", "piece", "runtime", "shape", "unpack")
+    __slots__ = ("packed", "piece", "runtime", "shape", "span", "stride", "unpack")
 
     def __init__(
         self,
@@ -646,7 +670,7 @@ class _Piece:
         runtime: ShardedRuntime,
         outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None = None,
     ) -> None:
-        self.numel, self.shape, self.runtime = t.numel(), t.shape, runtime
+        self.shape, self.stride, self.span, self.runtime = t.shape, t.stride(), _span(t), runtime
         piece = _slice_of(t, runtime)
         self.piece: Tensor | None = piece
         self.packed: Any = None
@@ -655,7 +679,8 @@ class _Piece:
             self.piece, self.packed, self.unpack = None, outer[0](piece), outer[1]
 
     def whole(self) -> Tensor:
-        """The tensor again: every rank's slice, all-gathered (a copy of the same values)."""
+        """The tensor again, of the same shape and strides: every rank's slice, all-gathered
+        (a copy of the same values)."""
         runtime = self.runtime
         piece = self.piece if self.unpack is None else self.unpack(self.packed)
         assert piece is not None
@@ -668,49 +693,76 @@ class _Piece:
             f"gathering a saved activation (shape {tuple(self.shape)}) across the shard axis "
             "in a backward",
         )
-        return out[: self.numel].view(self.shape)
+        whole = out.as_strided(self.shape, self.stride, 0)
+        # a second-order graph saves what its backward read (this tensor) again: the same
+        # slice, not a new one of the copy
+        _remember_slice(whole, runtime, piece)
+        return whole
 
 
 #: The slices made of saved tensors, by their storage's address: a weak reference to the
-#: storage, the tensor's offset, size, dtype and version and the runtime, a weak reference to
+#: storage, the run's offset and length, the dtype, version and runtime, a weak reference to
 #: the slice.
 _SLICES: dict[int, list[tuple[Any, ...]]] = {}
 
 
 def _slice_of(t: Tensor, runtime: ShardedRuntime) -> Tensor:
-    """This rank's slice of ``t`` (contiguous; flat, padded to an equal share): the one made
-    for an earlier save of the same values while that slice lives (the same storage, offset,
-    size, dtype and version: unchanged since, a view of another shape included), else a new
-    one. Autograd saves one activation for several products (a layer's input, for each
-    projection that reads it, some as a reshaped view), and one slice each would hold more
-    than the activation did."""
-    storage = t.untyped_storage()
-    key = storage.data_ptr()
-    # a contiguous tensor's values in order are its storage's from its offset on, whatever
-    # its shape: a view of it (a reshape for a product) gets the same slice
-    what = (t.storage_offset(), t.numel(), t.dtype, t._version, id(runtime))
-    entries = [e for e in _SLICES.get(key, ()) if e[0]() is storage and e[2]() is not None]
-    for entry in entries:
-        if entry[1] == what:
-            found: Tensor = entry[2]()
-            return found
+    """This rank's slice of the run of storage ``t``'s values lie in (flat, padded to an
+    equal share): the one made for an earlier save of the same run while that slice lives
+    (the same storage, offset, length, dtype and version: unchanged since, a view of another
+    shape or order included), else a new one. Autograd saves one activation for several
+    products (a layer's input, for each projection that reads it, some as a reshaped or
+    transposed view), and one slice each would hold more than the activation did. Values in
+    the run that ``t`` does not read (a gap between strided rows) are carried, never read."""
+    found = _slice_found(t, runtime)
+    if found is not None:
+        return found
     world, me = runtime.ranks, comm.rank(runtime.group)
-    flat = t.detach().reshape(-1)
+    flat = t.detach().as_strided((_span(t),), (1,))
     share = -(-flat.numel() // world)
     piece = flat[me * share : (me + 1) * share].clone()
     if piece.numel() < share:
         piece = torch.cat([piece, piece.new_zeros(share - piece.numel())])
+    _remember_slice(t, runtime, piece)
+    return piece
+
+
+def _slice_key(t: Tensor, runtime: ShardedRuntime) -> tuple[Any, ...]:
+    # the run of storage a tensor's values lie in, whatever its shape and strides: a view of
+    # it (a reshape or a transpose for a product) gets the same slice
+    return (t.storage_offset(), _span(t), t.dtype, t._version, id(runtime))
+
+
+def _slice_found(t: Tensor, runtime: ShardedRuntime) -> Tensor | None:
+    """The slice remembered for ``t``'s values (:func:`_remember_slice`), while it lives."""
+    storage = t.untyped_storage()
+    what = _slice_key(t, runtime)
+    for ref, key, piece in _SLICES.get(storage.data_ptr(), ()):
+        found = piece()
+        if ref() is storage and key == what and found is not None:
+            return found
+    return None
+
+
+def _remember_slice(t: Tensor, runtime: ShardedRuntime, piece: Tensor) -> None:
+    """Remember that ``piece`` is this rank's slice of ``t``'s values while both live: one
+    made of it, or the one ``t`` was gathered from (a backward's saved tensor, which a
+    second-order graph saves again)."""
+    storage = t.untyped_storage()
+    address = storage.data_ptr()
 
     def forget(_: Any) -> None:
-        alive = [e for e in _SLICES.get(key, ()) if e[0]() is not None and e[2]() is not None]
+        alive = [e for e in _SLICES.get(address, ()) if e[0]() is not None and e[2]() is not None]
         if alive:
-            _SLICES[key] = alive
+            _SLICES[address] = alive
         else:
-            _SLICES.pop(key, None)
+            _SLICES.pop(address, None)
 
-    entries.append((weakref.ref(storage, forget), what, weakref.ref(piece, forget)))
-    _SLICES[key] = entries
-    return piece
+    entries = [e for e in _SLICES.get(address, ()) if e[0]() is not None and e[2]() is not None]
+    entries.append(
+        (weakref.ref(storage, forget), _slice_key(t, runtime), weakref.ref(piece, forget))
+    )
+    _SLICES[address] = entries
 
 
 class _Splitting:
@@ -740,12 +792,12 @@ class _Splitting:
         return _unpacked(x)
 
 
-def _splitting_already(
+def _splitting_in(
     hooks: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None,
-) -> bool:
-    """Whether ``hooks`` are :class:`_Splitting`'s, or a layer's :class:`_Regathering` over
-    them."""
+) -> _Splitting | None:
+    """``hooks``' :class:`_Splitting` when they are its, or a layer's :class:`_Regathering`
+    over it."""
     below = getattr(hooks[0], "__self__", None) if hooks is not None else None
     if isinstance(below, _Regathering):
-        return _splitting_already(below.outer)
-    return isinstance(below, _Splitting)
+        return _splitting_in(below.outer)
+    return below if isinstance(below, _Splitting) else None

@@ -236,8 +236,9 @@ def shard_model(
     read, the same values (exact). A checkpointed layer keeps its slices of the inputs it
     saves either way. ``False`` keeps the unchecked activations whole: fewer collectives,
     each rank holding all of them. Floating CPU tensors (gloo) of 4096 elements or more; a
-    direct call of the model (``fmodel(params, x)``) keeps its activations whole, and so does
-    a model with ``compute_on_shards`` layers, whose tensors differ between the ranks.
+    direct call of the model (``fmodel(params, x)``) keeps its activations whole, and so do
+    the ``compute_on_shards`` layers what they save of their own part (their shards, their
+    slices of a gradient), which differs between the ranks.
 
     **Layers computed on their shards.** ``compute_on_shards`` names layers that are never
     gathered: an ``nn.Embedding`` looks up the ids in its rank's rows and the ranks sum the
@@ -340,11 +341,8 @@ def shard_model(
         "parameter names, shapes and dtypes in the same order on every rank of the mesh)",
     )
     own = _own_mesh(mesh, timeout)
-    # a layer computed on its shards makes per-rank tensors (its output slice, the partial
-    # sums of its gradients), which no rank may keep a slice of: such a model keeps its
-    # unchecked activations whole
     runtime = ShardedRuntime(
-        own, axis, timeout, reshard=reshard_after_forward, split=split_activations and not chosen
+        own, axis, timeout, reshard=reshard_after_forward, split=split_activations
     )
     install_on_shards(chosen, runtime)
     values = None if init is None else _Values(init, _mesh_device(own))
