@@ -37,6 +37,14 @@ since unmapping costs a page fault per page of every new block (a 4-layer decode
 meta-step: 13.4 s against 9.2 s). ``--memory-only`` skips the timed and the counted steps. The targets of the issue
 are judged at the end: ``RESULT PASS`` or ``RESULT FAIL ...`` (exit status 1).
 
+``--medium`` (8 layers, hidden 512, intermediate 1408, the same vocabulary) runs the float32
+measurements in minutes; ``--split off`` keeps the ranks' saved activations whole
+(``shard_model(split_activations=False)``), for a row before and after.
+
+``--bf16`` runs the model, its adapters and rates in bfloat16, where the CPU computes it
+natively (``fm.cpu_has_native_bf16()``; it refuses otherwise): measured, not judged (the
+targets are float32's), FLOP/s against the bf16 matrix-product peak.
+
 ``--small`` (2 layers, hidden 64, float64) runs the same code in one process and on 4 and 2
 ranks and checks that every mode's meta-gradients (adapters and rates) equal one process's
 unsharded plain run to 1e-10 (relative to the largest entry).
@@ -77,6 +85,17 @@ LARGE = {
     "intermediate_size": 5632,
     "vocab_size": 32000,
 }
+#: ``--medium``: the same code at a size that runs in minutes (8 layers, hidden 512).
+MEDIUM = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "intermediate_size": 1408,
+    "vocab_size": 32000,
+}
+#: The shape of the float32 runs: ``LARGE``, or ``MEDIUM`` with ``--medium``.
+BIG = LARGE
 SMALL = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -92,7 +111,7 @@ def config(small: bool) -> Any:
 
     transformers.logging.set_verbosity_error()
     return transformers.LlamaConfig(
-        **(SMALL if small else LARGE),
+        **(SMALL if small else BIG),
         max_position_embeddings=TOKENS,
         tie_word_embeddings=False,
         use_cache=False,
@@ -172,13 +191,13 @@ def loss_fn(out: Any, ids: Any) -> Any:
     return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2), ids[..., 1:].flatten())
 
 
-def matmul_peak(threads: int) -> float:
-    """This CPU's fp32 matrix-product FLOP/s on ``threads`` threads: the best of 10 products of
-    a 2048 x 2048 by a 2048 x 5632 matrix (the decoder's MLP shape, at full rows), after two
-    unmeasured ones."""
+def matmul_peak(threads: int, dtype: Any = None) -> float:
+    """This CPU's matrix-product FLOP/s in ``dtype`` (float32 by default) on ``threads``
+    threads: the best of 10 products of a 2048 x 2048 by a 2048 x 5632 matrix (the decoder's
+    MLP shape, at full rows), after two unmeasured ones."""
     import torch
 
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 5632)
+    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 5632, dtype=dtype)
     best = float("inf")
     for i in range(12):
         started = time.perf_counter()
@@ -201,7 +220,7 @@ def formula(
     ``shape`` a config's sizes (default: this run's), ``width`` bytes per value (default:
     this run's dtype); ``keeps_graphs``: an inner step keeps its checkpointed layers' forward
     graphs for its gradient (one process; a sharded model recomputes them)."""
-    c = shape or (SMALL if small else LARGE)
+    c = shape or (SMALL if small else BIG)
     h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     n_layers, heads, kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
     s, b = TOKENS, width or (8 if small else 4)
@@ -331,15 +350,15 @@ def worker(args: argparse.Namespace) -> list[dict]:
         dist.init_process_group("gloo")
         world, rank = dist.get_world_size(), dist.get_rank()
     torch.set_num_threads(threads)
-    dtype = torch.float64 if args.small else torch.float32
-    peak_flops = matmul_peak(threads) if not args.small else 0.0
+    dtype = torch.float64 if args.small else torch.bfloat16 if args.bf16 else torch.float32
+    peak_flops = matmul_peak(threads, dtype) if not args.small else 0.0
     rows = []
     for point in args.points:
         mode, steps = point.split(":")
         rows.append(one_point(args, mode, int(steps), dtype, world, rank, peak_flops))
         gc.collect()
     if not args.small:  # measured again after the steps: the faster of the two is the peak
-        peak_flops = max(peak_flops, matmul_peak(threads))
+        peak_flops = max(peak_flops, matmul_peak(threads, dtype))
         for row in rows:
             row["peak_flops"] = peak_flops
     return rows
@@ -367,6 +386,7 @@ def one_point(
             mesh,
             init=lambda name, like: values(args.small, name, like),
             compute_on_shards=on_shards if args.on_shards == "on" else (),
+            split_activations=args.split == "on",
         )
     gc.collect()
     built = _common.peak_rss_bytes()
@@ -451,6 +471,7 @@ def one_point(
     row = {
         "run": args.run,
         "mode": mode,
+        "dtype": str(dtype).removeprefix("torch."),
         "steps": steps,
         "rank": rank,
         "ranks": world,
@@ -469,7 +490,14 @@ def one_point(
         "gathered": most[0],
         "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "layer_bytes": sum(p.numel() * p.element_size() for p in layer0.parameters()),
-        "formula": formula(args.small, mode, steps, count, keeps_graphs=args.run != "shard"),
+        "formula": formula(
+            args.small,
+            mode,
+            steps,
+            count,
+            width=2 if args.bf16 else 0,
+            keeps_graphs=args.run != "shard",
+        ),
     }
     if args.grads:
         row["grads"] = [t.detach().cpu() for t in whole]
@@ -507,7 +535,9 @@ def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "
     base += ["--threads", str(args.threads if run == "one" else 1)]
     base += (["--small"] if args.small else []) + (["--grads", grads] if grads else [])
     base += ["--on-shards", args.on_shards, "--task-chunk", str(args.task_chunk)]
-    base += ["--keep-frozen", args.keep_frozen]
+    base += ["--keep-frozen", args.keep_frozen, "--split", args.split]
+    base += ["--medium"] if args.medium else []
+    base += ["--bf16"] if args.bf16 else []
     base += ["--memory-only"] if args.memory_only else []
     if run == "one":
         command = [sys.executable, *base]
@@ -543,7 +573,8 @@ def table(rows: list[dict]) -> None:
             else "not counted | - | -"
         )
         print(
-            f"| {r['run']} | {r['mode']} | {r['steps']} | {r['rank']} | "
+            f"| {r['run']} | {r['mode']}{' (bf16)' if r['dtype'] == 'bfloat16' else ''} | "
+            f"{r['steps']} | {r['rank']} | "
             f"{mib(r['process_peak'])} | {mib(r['above_weights'])} | {mib(r['formula'])} | "
             f"{r['seconds']:.2f} | {counted} | {mib(r['held'])} + {mib(r['gathered'])} |",
             flush=True,
@@ -588,6 +619,10 @@ def judge(rows: list[dict]) -> list[str]:
 
     def find(run: str, mode: str, steps: int) -> list[dict]:
         return [r for r in rows if r["run"] == run and r["mode"] == mode and r["steps"] == steps]
+
+    if any(r["dtype"] != "float32" for r in rows):
+        print("not judged: the targets are float32's; these rows are measured, not judged")
+        return []
 
     plain, layers = find("one", "plain", 3), find("one", "layers", 3)
     if plain and layers:
@@ -641,6 +676,15 @@ def judge(rows: list[dict]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="2 layers, hidden 64, float64")
+    parser.add_argument(
+        "--medium", action="store_true", help="8 layers, hidden 512, vocabulary 32000, float32"
+    )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="the model, adapters and rates in bfloat16 (where the CPU computes it natively: "
+        "fm.cpu_has_native_bf16()); FLOP/s against the bf16 matrix-product peak",
+    )
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--runs", nargs="+", default=["one", "shard", "gather"])
@@ -678,11 +722,23 @@ def main() -> int:
         help="gather: the frozen base's whole tensors kept between meta-steps (off: gathered "
         "at every call)",
     )
+    parser.add_argument(
+        "--split",
+        choices=("on", "off"),
+        default="on",
+        help="shard: each rank keeps its slice of the saved activations (shard_model("
+        "split_activations=); off: whole)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", dest="run", default="one", help=argparse.SUPPRESS)
     parser.add_argument("--points", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--grads", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.medium:
+        global BIG
+        BIG = MEDIUM
+    if args.bf16 and args.small:
+        parser.error("--bf16 is for the float32 sizes (the default and --medium)")
     if args.shard_modes is None:
         args.shard_modes = list(MODES) if args.small else ["layers+head"]
     if args.worker:
@@ -698,11 +754,16 @@ def main() -> int:
     import funcmeta as fm
 
     print(
-        f"second-order MAML, LoRA r={LORA_RANK} on a {'small' if args.small else '1.1 B'} "
+        f"second-order MAML, LoRA r={LORA_RANK} on a "
+        f"{'small' if args.small else 'medium' if args.medium else '1.1 B'} "
         f"Llama decoder, {TASKS} tasks x ({TOKENS} support + {TOKENS} query tokens); torch "
         f"{torch.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
-        f"native bf16: {fm.cpu_has_native_bf16()} (float32 {'' if args.small else 'throughout'})"
+        f"native bf16: {fm.cpu_has_native_bf16()} "
+        f"({'bfloat16' if args.bf16 else 'float64' if args.small else 'float32'} throughout)"
     )
+    if args.bf16 and not fm.cpu_has_native_bf16():
+        print("RESULT FAIL: --bf16 on a CPU that emulates bf16 (no AVX-512 BF16 or AMX)")
+        return 1
     if args.small:
         missed = check_small(args)
     else:
