@@ -207,3 +207,16 @@ def test_what_cannot_compute_on_its_shards_is_refused_before_anything_is_placed(
     assert "max_norm=, which renormalizes the rows" in said["max_norm"][1]
     for what in ("a string", "no layer", "a container", "own forward", "max_norm"):
         assert said[f"{what}: placed"] is False, what
+
+
+def test_a_conjugated_view_is_never_split():
+    """A conjugated (or negated) view of a complex activation (``k.mH``) reads its storage's
+    values changed: its slice would be keyed as the storage's own, and a later save of ``k``
+    would get the conjugated values. Such a view is kept whole."""
+    from funcmeta._src.distributed import runtime
+
+    k = torch.randn(64, 64, dtype=torch.complex128)
+    assert runtime._splittable(k) and runtime._splittable(k.t())
+    assert not runtime._splittable(k.mH)
+    assert not runtime._splittable(k.conj())
+    assert not runtime._splittable(torch.randn(64, 64, dtype=torch.complex128).conj()._neg_view())

@@ -629,12 +629,15 @@ def _splittable(t: Tensor) -> bool:
     """Whether a saved tensor is kept as this rank's slice: a plain (replicated) floating
     CPU tensor (gloo) of ``_SPLIT_MIN`` elements or more, whose values lie in a run of its
     storage at most twice their number (:func:`_span`: a transposed or permuted view, an
-    expanded one; not a column of a wide matrix)."""
+    expanded one; not a column of a wide matrix), and no conjugated or negated view (``.mH``
+    of a complex tensor)."""
     return (
         not is_sharded(t)
         and t.numel() >= _SPLIT_MIN
         and _differentiable(t)
         and t.device.type == "cpu"
+        and not t.is_conj()  # a conjugated or negated view reads its storage's values
+        and not t.is_neg()  # changed: its slice would pass for the storage's own
         and _span(t) <= 2 * t.numel()
     )
 
