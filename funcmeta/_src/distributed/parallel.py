@@ -231,9 +231,9 @@ class _LinearOnShards(torch.autograd.Function):
         sizes: list[int],
         what: str,
     ) -> Tensor:
-        ctx.runtime, ctx.sizes, ctx.what = runtime, sizes, what
-        ctx.save_for_backward(x, local, bias)
         wide = x.dtype in _NARROW and local.dtype == x.dtype
+        ctx.runtime, ctx.sizes, ctx.what, ctx.wide = runtime, sizes, what, wide
+        ctx.save_for_backward(x, local, bias)
         piece = F.linear(*_widened(wide, x, local, bias))
         out = _join(runtime, piece, sizes, f"joining the outputs of {what} across the mesh")
         return out.to(local.dtype) if wide else out
@@ -242,10 +242,10 @@ class _LinearOnShards(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         runtime = ctx.runtime
         x, local, bias = ctx.saved_tensors
-        wide = x.dtype in _NARROW and local.dtype == x.dtype
+        wide = ctx.wide
         want_x, want_w, want_b = ctx.needs_input_grad[1:4]
         with runtime.keeping_whole():
-            wide_x, wide_w, _ = _widened(wide, x, local, bias)
+            wide_x, wide_w = _widened(wide, x, local)
             g = _Slice.apply(runtime, grad.float() if wide else grad, ctx.sizes, ctx.what)
             gx = gw = gb = None
             if want_x:
