@@ -176,6 +176,68 @@ def test_engine_input_written_in_place_raises():
         checkpoint(f, x)
 
 
+class WritesAfterSaving(nn.Module):
+    """Two linear layers; the forward changes the first one's output in place after the
+    second read it (and saved it for its backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * 2
+        out = self.b(h)
+        h.mul_(3)
+        return out
+
+
+def _writes_after_saving_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), WritesAfterSaving(), nn.Linear(4, 1)).to(DTYPE)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["plain", "layers", "layers, second order", "layers and steps", "layers, first order"],
+)
+def test_a_tensor_changed_in_place_after_its_save_is_refused_as_in_the_plain_run(how):
+    """autograd leaves the check of a saved tensor changed in place to the saved-tensor
+    hooks in force; a checkpointed layer's recomputation keeps its tensors as they are, and
+    must refuse such a forward as the plain run does, not compute with the changed values."""
+    net = _writes_after_saving_net()
+    fmodel = fm.functional_model(net, checkpoint_layers=None if how == "plain" else ["1"])
+    x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        if how in ("plain", "layers"):  # one forward and its backward
+            F.mse_loss(fmodel(fmodel.params, x), y).backward()
+        else:
+            result = fm.adapt(
+                fmodel,
+                fmodel.params,
+                F.mse_loss,
+                (x, y),
+                fm.optim.sgd(lr=0.1),
+                steps=2,
+                first_order=how.endswith("first order"),
+                checkpoint_steps=how.endswith("steps"),
+            )
+            F.mse_loss(fmodel(result.params, x), y).backward()
+
+
+def test_the_engine_refuses_a_saved_tensor_changed_in_place_in_its_recomputation():
+    def f(x, w):
+        h = x * w
+        out = h.sin()  # saves h
+        h.mul_(3)
+        return out
+
+    x = torch.randn(5, dtype=DTYPE, requires_grad=True)
+    w = torch.tensor(0.7, dtype=DTYPE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (g,) = torch.autograd.grad(checkpoint(f, x, w).sum(), x, create_graph=True)
+        g.sum().backward()
+
+
 def test_engine_third_derivative_equals_the_plain_function():
     """A backward through the recorded VJP that is itself recorded (third order) keeps its
     graph and stays exact."""

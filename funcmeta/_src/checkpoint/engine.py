@@ -56,6 +56,7 @@ from torch import Tensor
 from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.fence import AutocastState, saved_hooks_in_force
 from funcmeta._src.core.replay import recomputation
+from funcmeta._src.core.saved import keep, kept
 from funcmeta._src.core.sharding import ShardingError, saving_split
 from funcmeta._src.module import scope
 
@@ -126,16 +127,12 @@ class _Replaying:
                 torch.cuda.set_rng_state(state, device)
 
 
-def _same(t: Tensor) -> Tensor:
-    return t
-
-
 def recomputing_for_a_vjp() -> bool:
     """Whether a checkpointed function is being recomputed for a VJP taken right away (the
     saved-tensor hooks in force are that recomputation's own): what it saves lives only
     until that VJP is taken."""
     hooks = saved_hooks_in_force()
-    return hooks is not None and hooks[0] is _same
+    return hooks is not None and hooks[0] is keep
 
 
 def _unpack_nothing(_: None) -> Tensor:  # pragma: no cover - never called
@@ -217,7 +214,7 @@ class _Call:
         saving = (
             torch.autograd.graph.saved_tensors_hooks(lambda _: None, _unpack_nothing)
             if keeping is None
-            else torch.autograd.graph.saved_tensors_hooks(_same, _same)
+            else torch.autograd.graph.saved_tensors_hooks(keep, kept)
         )
         with torch.enable_grad(), saving:
             mark = _next_sequence_nr() if self.closed is not None else 0
@@ -276,7 +273,7 @@ class _Call:
         ``grads``, with respect to the inputs ``wanted``."""
         # The activations of this recomputation are used right away and dropped: they must
         # not reach the saved-tensor hooks of an enclosing step checkpoint or offload.
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, kept):
             outs = self.again(tensors)
             return torch.autograd.grad(
                 [outs[i] for i in picked],

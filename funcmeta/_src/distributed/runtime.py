@@ -57,6 +57,7 @@ from funcmeta._src.core.fence import (
     saved_hooks_in_force,
     saved_tensor_hooks_state,
 )
+from funcmeta._src.core.saved import keep, kept
 from funcmeta._src.core.sharding import ShardingError, is_sharded
 from funcmeta._src.core.vmap import loop_flat
 from funcmeta._src.distributed import comm
@@ -327,7 +328,7 @@ class ShardedRuntime(EagerRuntime):
             return contextlib.nullcontext()
 
         def pack(t: Tensor) -> Any:
-            return _Piece(t, self) if _splittable(t) else t
+            return _Piece(t, self) if _splittable(t) else keep(t)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, _unpacked)
 
@@ -557,7 +558,7 @@ class _Regathering:
             return found
         if self.outer is not None:
             return _Outer(self.outer[0](t), self.outer[1])
-        return t
+        return keep(t)  # checked for in-place writes at the unpack
 
     @staticmethod
     def unpack(x: Any) -> Tensor:
@@ -656,7 +657,7 @@ def _unpacked(x: Any) -> Tensor:
         return x.whole()
     if isinstance(x, _Outer):
         return x.unpack(x.packed)
-    return x
+    return kept(x)
 
 
 class _Piece:
@@ -788,7 +789,7 @@ class _Splitting:
             return _Piece(t, self.runtime, self.outer)
         if self.outer is not None:
             return _Outer(self.outer[0](t), self.outer[1])
-        return t
+        return keep(t)  # checked for in-place writes at the unpack
 
     @staticmethod
     def unpack(x: Any) -> Tensor:
