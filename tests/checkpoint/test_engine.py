@@ -178,17 +178,21 @@ def test_engine_input_written_in_place_raises():
 
 class WritesAfterSaving(nn.Module):
     """Two linear layers; the forward changes the first one's output in place after the
-    second read it (and saved it for its backward)."""
+    second read it (and saved it for its backward), then reads it again (``writing`` off:
+    the same function, written out of place)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.writing = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x) * 2
-        out = self.b(h)
-        h.mul_(3)
-        return out
+        out = torch.tanh(h) * h  # saves h
+        if self.writing:
+            h.mul_(3)
+            return out + self.b(h)
+        return out + self.b(3 * h)
 
 
 def _writes_after_saving_net() -> nn.Sequential:
@@ -222,6 +226,61 @@ def test_a_tensor_changed_in_place_after_its_save_is_refused_as_in_the_plain_run
                 checkpoint_steps=how.endswith("steps"),
             )
             F.mse_loss(fmodel(result.params, x), y).backward()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"checkpoint_steps": True},
+        {"checkpoint_steps": True, "first_order": True},
+        {"checkpoint_layers": ["1"]},
+        {"checkpoint_layers": ["1"], "checkpoint_steps": True},
+    ],
+    ids=["plain", "steps", "steps, first order", "layers", "layers and steps"],
+)
+def test_a_tensor_changed_in_place_in_the_inner_steps_alone_is_refused(options):
+    """The write in the inner steps' forwards only (the query pass computes the same function
+    out of place): a step checkpoint's recomputation (``torch.utils.checkpoint``, which keeps
+    what it recomputes as it is and checks no version) must refuse it too, not give the outer
+    backward the changed values (it gave meta-gradients off by 40 without a word)."""
+    net = _writes_after_saving_net()
+    layers = options.pop("checkpoint_layers", None)
+    fmodel = fm.functional_model(net, checkpoint_layers=layers)
+    x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        net[1].writing = True
+        result = fm.adapt(
+            fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=2, **options
+        )
+        net[1].writing = False
+        F.mse_loss(fmodel(result.params, x), y).backward()
+
+
+def test_the_model_without_the_write_runs_in_every_mode():
+    """The out-of-place model of the tests above: every mode gives the plain run's
+    meta-gradients (the refusals above are the write's, not the modes')."""
+
+    def grads(layers, **options):
+        net = _writes_after_saving_net()
+        net[1].writing = False
+        fmodel = fm.functional_model(net, checkpoint_layers=layers)
+        x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
+        opt = fm.optim.sgd(lr=0.1)
+        result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, **options)
+        F.mse_loss(fmodel(result.params, x), y).backward()
+        return [p.grad for p in net.parameters()]
+
+    torch.manual_seed(3)
+    plain = grads(None)
+    for layers, options in (
+        (None, {"checkpoint_steps": True}),
+        (["1"], {}),
+        (["1"], {"checkpoint_steps": True}),
+    ):
+        torch.manual_seed(3)
+        for a, b in zip(grads(layers, **options), plain, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
 
 
 def test_the_engine_refuses_a_saved_tensor_changed_in_place_in_its_recomputation():

@@ -1089,52 +1089,61 @@ def test_a_layer_reading_another_layers_weight_is_named(tmp_path):
 
 
 class _WritesAfterSaving(nn.Module):
-    """A forward that changes a tensor in place after a layer saved it for its backward
-    (``write=False``: the same function without the write, which changes no output)."""
+    """A forward that changes a tensor in place after an operation saved it for its
+    backward, then reads it again (``writing`` off: the same function, out of place)."""
 
-    def __init__(self, width: int, write: bool = True) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, width), nn.Linear(width, 2)
-        self.write = write
+        self.writing = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x) * 2
-        out = self.b(h)
-        if self.write:
+        out = (torch.tanh(h) * h).sum(-1, keepdim=True)  # saves h
+        if self.writing:
             h.mul_(3)
-        return out
+            return out + self.b(h)
+        return out + self.b(3 * h)
 
 
-def _written_after_saving(world, width, layers, on_shards, write):
-    """The meta-gradients of one step of MAML on the sharded model, or the error raised."""
+def _written_after_saving(world, width, layers, on_shards, steps_too, write):
+    """The meta-gradients of two steps of MAML on the sharded model (the write, if any, in
+    the inner steps' forwards: the query pass computes the same function out of place), or
+    the error raised."""
     torch.manual_seed(0)
-    net = fm.distributed.shard_model(
-        _WritesAfterSaving(width, write).double(), _mesh(world), compute_on_shards=on_shards
-    )
+    module = _WritesAfterSaving(width).double()
+    net = fm.distributed.shard_model(module, _mesh(world), compute_on_shards=on_shards)
     fmodel = fm.functional_model(net, checkpoint_layers=list(layers) if layers else None)
     x, y = torch.randn(64, 4, dtype=torch.float64), torch.randn(64, 2, dtype=torch.float64)
+    opt = fm.optim.sgd(lr=0.1)
     try:
-        result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=1)
+        module.writing = write
+        result = fm.adapt(
+            fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, checkpoint_steps=steps_too
+        )
+        module.writing = False
         F.mse_loss(fmodel(result.params, x), y).backward()
     except RuntimeError as error:
         return str(error)
     return [p.grad.full_tensor() for p in net.parameters()]
 
 
-WRITTEN_AFTER_SAVING = (  # width, checkpoint_layers, compute_on_shards
-    (8, None, ()),
-    (8, ("b",), ()),
-    (8, None, ("b",)),
-    (256, None, ()),
-    (256, ("b",), ()),
-    (256, None, ("b",)),
+WRITTEN_AFTER_SAVING = (  # width, checkpoint_layers, compute_on_shards, checkpoint_steps
+    (8, None, (), False),
+    (8, ("b",), (), False),
+    (8, None, ("b",), False),
+    (8, None, (), True),
+    (256, None, (), False),
+    (256, ("b",), (), False),
+    (256, None, ("b",), False),
+    (256, None, (), True),
 )
 
 
 def _case_written_after_saving(world):
     """Each way of running such a model sharded (small and split activations, per-layer
-    checkpointing, a layer computed on its shards): what it gave, and what the model
-    without the write gives."""
+    checkpointing, a layer computed on its shards, step checkpointing): what it gave, and
+    what the model without the write gives."""
     return {
         config: (
             _written_after_saving(world, *config, write=True),
@@ -1149,13 +1158,13 @@ CASES["written_after_saving"] = _case_written_after_saving
 
 def test_a_tensor_changed_in_place_after_its_save_never_gives_a_wrong_gradient(tmp_path):
     """autograd refuses a saved tensor changed in place after the save; under the sharded
-    runtime's saved-tensor hooks it leaves that check to them. A tensor they keep as it is
-    (one too small to split, or where nothing is split) must be refused as autograd would;
+    runtime's saved-tensor hooks (and a step checkpoint's) it leaves that check to them. A
+    tensor they keep as it is (one too small to split) must be refused as autograd would;
     one kept as this rank's slice (a copy made at the save) gives the gradient of what ran,
     the function without the write. Never the gradient computed with the changed values."""
     for said in _spawn(tmp_path, 2, "written_after_saving"):
-        for (width, layers, on_shards), (got, want) in said.items():
-            key = (width, layers, on_shards)
+        for key, (got, want) in said.items():
+            width = key[0]
             assert not isinstance(want, str), (key, want)
             if width == 8 or isinstance(got, str):
                 assert isinstance(got, str), key

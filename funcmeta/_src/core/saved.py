@@ -7,8 +7,11 @@ that check to the hooks. funcmeta's hooks keep some tensors as they are (a check
 layer's recomputation, a sharded model's tensors too small to split); they go through
 :func:`keep` and :func:`kept`, which make the same check and raise the same error, so a
 checkpointed or sharded model refuses what the plain run refuses, never computing with the
-changed values. (Hooks that copy a tensor, a slice kept for a sharded model or
-``save_on_cpu``, keep the values of the save: the gradient of what ran.)
+changed values. ``torch.utils.checkpoint`` keeps what its recomputation saves as it is and
+checks nothing either: a step checkpoint runs its step under :func:`checked_under`, which
+makes the check on what the checkpoint gives back. (Hooks that copy a tensor, a slice kept
+for a sharded model or ``save_on_cpu``, keep the values of the save: the gradient of what
+ran.)
 
 Example:
     >>> import torch
@@ -26,13 +29,15 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from funcmeta._src.core.fence import tensor_version
+from funcmeta._src.core.fence import saved_hooks_in_force, tensor_version
 
-__all__ = ["Kept", "keep", "kept"]
+__all__ = ["Kept", "checked_under", "keep", "kept"]
 
 
 class Kept:
@@ -58,16 +63,58 @@ def kept(x: Any) -> Any:
     changed in place since: raises autograd's own ``RuntimeError`` where it was."""
     if not isinstance(x, Kept):
         return x
-    now = tensor_version(x.tensor)
-    if now != x.version:
-        t = x.tensor
+    _check(x.tensor, x.version)
+    return x.tensor
+
+
+def _check(t: Tensor, version: int) -> None:
+    now = tensor_version(t)
+    if now != version:
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{t.type()} {list(t.shape)}] is at version {now}; expected "
-            f"version {x.version} instead. The model's forward changed a tensor in place "
+            f"version {version} instead. The model's forward changed a tensor in place "
             "after an operation saved it for the backward (autograd refuses this in the "
-            "plain run too; the saved-tensor hooks of per-layer checkpointing or of a "
-            "sharded model keep it as it is). Change a copy (h = h.clone()) or use the "
+            "plain run too; per-layer and step checkpointing and a sharded model keep it "
+            "through saved-tensor hooks, which autograd leaves the check to). Change a copy (h = h.clone()) or use the "
             "out-of-place operation (h = h * 3 for h.mul_(3))."
         )
-    return x.tensor
+
+
+class _Handed:
+    """What the hooks under :func:`checked_under`'s hooks made of a saved tensor, and the tensor's
+    version at the save."""
+
+    __slots__ = ("packed", "version")
+
+    def __init__(self, packed: Any, version: int) -> None:
+        self.packed, self.version = packed, version
+
+
+def checked_under() -> contextlib.AbstractContextManager[Any]:
+    """Saved-tensor hooks that hand each saved tensor to the hooks in force now (a step's
+    ``torch.utils.checkpoint``) and check that the tensor those give back at the unpack is at
+    the version the saved one had: a checkpoint's recomputation keeps the tensors it saves as
+    they are, so a forward that changes one in place after saving it would otherwise reach
+    the backward with the changed values (``torch.utils.checkpoint`` makes no such check,
+    torch 2.13). A nullcontext where no hooks are in force (autograd checks itself)."""
+    outer = saved_hooks_in_force()
+    if outer is None:
+        return contextlib.nullcontext()
+    pack_below, unpack_below = outer
+
+    def pack(t: Tensor) -> Any:
+        try:
+            version = tensor_version(t)
+        except RuntimeError:  # no version counter (an inference tensor): nothing to check
+            return pack_below(t)
+        return _Handed(pack_below(t), version)
+
+    def unpack(x: Any) -> Tensor:
+        if not isinstance(x, _Handed):
+            return unpack_below(x)
+        t = unpack_below(x.packed)
+        _check(t, x.version)
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

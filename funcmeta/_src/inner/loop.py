@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from funcmeta._src.core import kernels, tree
+from funcmeta._src.core.saved import checked_under
 from funcmeta._src.core.sharding import rewrite_mixed_hyper
 from funcmeta._src.core.tree import Filter, PyTreeSpec, Tree
 from funcmeta._src.core.types import AdaptResult, NonFiniteError
@@ -280,7 +281,7 @@ def checkpointed_step(
     inside = StepMode(mode.graph, mode.second_order, offload=False)
     with _offload(mode.offload, leaves):
         return torch_checkpoint(
-            inner.unrolled_step,
+            _checked(inner.unrolled_step),
             k,
             inside,
             state,
@@ -289,6 +290,18 @@ def checkpointed_step(
             use_reentrant=False,
             context_fn=kernels.recompute_with(kernels.capture()),
         )
+
+
+def _checked(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` under :func:`~funcmeta._src.core.saved.checked_under`: a tensor the step saves
+    and then changes in place is refused at the backward, as autograd refuses it without a
+    checkpoint, not recomputed into a wrong gradient."""
+
+    def checked(*args: Any) -> Any:
+        with checked_under():
+            return step(*args)
+
+    return checked
 
 
 def inner_loop(
