@@ -200,6 +200,17 @@ def _writes_after_saving_net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(3, 4), WritesAfterSaving(), nn.Linear(4, 1)).to(DTYPE)
 
 
+def _two_steps_and_the_query(fmodel, x, y, between=None, **options) -> None:
+    """Two SGD steps of fm.adapt on (x, y) with ``options``, ``between()`` if given, then the
+    query loss's backward on the same data."""
+    result = fm.adapt(
+        fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=2, **options
+    )
+    if between is not None:
+        between()
+    F.mse_loss(fmodel(result.params, x), y).backward()
+
+
 @pytest.mark.parametrize(
     "how",
     ["plain", "layers", "layers, second order", "layers and steps", "layers, first order"],
@@ -215,17 +226,13 @@ def test_a_tensor_changed_in_place_after_its_save_is_refused_as_in_the_plain_run
         if how in ("plain", "layers"):  # one forward and its backward
             F.mse_loss(fmodel(fmodel.params, x), y).backward()
         else:
-            result = fm.adapt(
+            _two_steps_and_the_query(
                 fmodel,
-                fmodel.params,
-                F.mse_loss,
-                (x, y),
-                fm.optim.sgd(lr=0.1),
-                steps=2,
+                x,
+                y,
                 first_order=how.endswith("first order"),
                 checkpoint_steps=how.endswith("steps"),
             )
-            F.mse_loss(fmodel(result.params, x), y).backward()
 
 
 @pytest.mark.parametrize(
@@ -248,13 +255,11 @@ def test_a_tensor_changed_in_place_in_the_inner_steps_alone_is_refused(options):
     layers = options.pop("checkpoint_layers", None)
     fmodel = fm.functional_model(net, checkpoint_layers=layers)
     x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
+    net[1].writing = True
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        net[1].writing = True
-        result = fm.adapt(
-            fmodel, fmodel.params, F.mse_loss, (x, y), fm.optim.sgd(lr=0.1), steps=2, **options
+        _two_steps_and_the_query(
+            fmodel, x, y, between=lambda: setattr(net[1], "writing", False), **options
         )
-        net[1].writing = False
-        F.mse_loss(fmodel(result.params, x), y).backward()
 
 
 def test_the_model_without_the_write_runs_in_every_mode():
@@ -266,9 +271,7 @@ def test_the_model_without_the_write_runs_in_every_mode():
         net[1].writing = False
         fmodel = fm.functional_model(net, checkpoint_layers=layers)
         x, y = torch.randn(6, 3, dtype=DTYPE), torch.randn(6, 1, dtype=DTYPE)
-        opt = fm.optim.sgd(lr=0.1)
-        result = fm.adapt(fmodel, fmodel.params, F.mse_loss, (x, y), opt, steps=2, **options)
-        F.mse_loss(fmodel(result.params, x), y).backward()
+        _two_steps_and_the_query(fmodel, x, y, **options)
         return [p.grad for p in net.parameters()]
 
     torch.manual_seed(3)
