@@ -1214,20 +1214,8 @@ def test_ranks_that_shard_different_models_are_told_on_every_rank(tmp_path):
 
 
 def test_a_peer_gone_mid_run_raises_peer_error_naming_the_layer(tmp_path):
-    import time
-
-    started = time.monotonic()
-    mp.spawn(
-        _worker,
-        args=(2, str(tmp_path / "rendezvous"), str(tmp_path), "peer_gone", ()),
-        nprocs=2,
-        join=True,
-    )
-    said = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    assert isinstance(said, str), said
+    said = _peer_gone(tmp_path, "peer_gone")
     assert "gathering Linear parameter 'weight' across the mesh failed" in said
-    assert "a peer process is gone or stalled" in said
-    assert time.monotonic() - started < 120  # no hang
 
 
 def _peer_gone(tmp_path, case: str) -> str:
