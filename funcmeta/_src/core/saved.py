@@ -37,11 +37,11 @@ from torch import Tensor
 
 from funcmeta._src.core.fence import saved_hooks_in_force, tensor_version
 
-__all__ = ["Kept", "checked_under", "keep", "kept"]
+__all__ = ["checked_under", "keep", "kept"]
 
 
-class Kept:
-    """A saved tensor kept as it is, and its version at the save."""
+class _Kept:
+    """A saved tensor kept as it is (:func:`keep`), and its version at the save."""
 
     __slots__ = ("tensor", "version")
 
@@ -49,46 +49,51 @@ class Kept:
         self.tensor, self.version = tensor, version
 
 
-def keep(t: Tensor) -> Kept | Tensor:
-    """``t`` with its version now, for :func:`kept`; ``t`` itself where it has no version
-    counter (an inference tensor, which autograd never saves)."""
+class _Handed:
+    """What the hooks under :func:`checked_under`'s made of a saved tensor, and the tensor's
+    version at the save (``None``: it has no version counter)."""
+
+    __slots__ = ("packed", "version")
+
+    def __init__(self, packed: Any, version: int | None) -> None:
+        self.packed, self.version = packed, version
+
+
+def _version(t: Tensor) -> int | None:
+    """``t``'s version counter, or ``None`` where it has none (an inference tensor, which
+    autograd never saves)."""
     try:
-        return Kept(t, tensor_version(t))
+        return tensor_version(t)
     except RuntimeError:
-        return t
+        return None
+
+
+def keep(t: Tensor) -> Any:
+    """``t`` with its version now, for :func:`kept` (``t`` itself where it has no version)."""
+    version = _version(t)
+    return t if version is None else _Kept(t, version)
 
 
 def kept(x: Any) -> Any:
     """The tensor :func:`keep` kept (anything else as it is), after checking that it was not
     changed in place since: raises autograd's own ``RuntimeError`` where it was."""
-    if not isinstance(x, Kept):
-        return x
-    _check(x.tensor, x.version)
-    return x.tensor
+    return _checked(x.tensor, x.version) if isinstance(x, _Kept) else x
 
 
-def _check(t: Tensor, version: int) -> None:
-    now = tensor_version(t)
-    if now != version:
+def _checked(t: Tensor, version: int | None) -> Tensor:
+    """``t``, where it is still at ``version``; autograd's own error where it is not."""
+    now = _version(t)
+    if version is not None and now != version:
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: [{t.type()} {list(t.shape)}] is at version {now}; expected "
-            f"version {version} instead. The model's forward changed a tensor in place "
-            "after an operation saved it for the backward (autograd refuses this in the "
-            "plain run too; per-layer and step checkpointing and a sharded model keep it "
-            "through saved-tensor hooks, which autograd leaves the check to). Change a copy (h = h.clone()) or use the "
-            "out-of-place operation (h = h * 3 for h.mul_(3))."
+            f"version {version} instead. The model's forward changed a tensor in place after "
+            "an operation saved it for the backward (autograd refuses this in the plain run "
+            "too; per-layer and step checkpointing and a sharded model keep it through "
+            "saved-tensor hooks, which autograd leaves the check to). Change a copy "
+            "(h = h.clone()) or use the out-of-place operation (h = h * 3 for h.mul_(3))."
         )
-
-
-class _Handed:
-    """What the hooks under :func:`checked_under`'s hooks made of a saved tensor, and the tensor's
-    version at the save."""
-
-    __slots__ = ("packed", "version")
-
-    def __init__(self, packed: Any, version: int) -> None:
-        self.packed, self.version = packed, version
+    return t
 
 
 def checked_under() -> contextlib.AbstractContextManager[Any]:
@@ -103,18 +108,10 @@ def checked_under() -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     pack_below, unpack_below = outer
 
-    def pack(t: Tensor) -> Any:
-        try:
-            version = tensor_version(t)
-        except RuntimeError:  # no version counter (an inference tensor): nothing to check
-            return pack_below(t)
-        return _Handed(pack_below(t), version)
+    def pack(t: Tensor) -> _Handed:
+        return _Handed(pack_below(t), _version(t))
 
-    def unpack(x: Any) -> Tensor:
-        if not isinstance(x, _Handed):
-            return unpack_below(x)
-        t = unpack_below(x.packed)
-        _check(t, x.version)
-        return t
+    def unpack(x: _Handed) -> Tensor:
+        return _checked(unpack_below(x.packed), x.version)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
