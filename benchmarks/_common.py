@@ -21,7 +21,8 @@ torch at import time: the parents of the memory benchmarks' fresh worker process
   code as ``examples/_threads.py``'s, so that an example and a benchmark run alike).
 - Memory: :class:`Meter` and :func:`measure` (peak resident set above the start on a CPU,
   peak allocated bytes on CUDA), :data:`MMAP_ENV` (the workers' glibc setting),
-  :func:`peak_allocated` (the profiler's count of tensor bytes).
+  :func:`peak_allocated` (the profiler's count of tensor bytes), :func:`tensor_peak` (the
+  tensors alive at the peak of a block, grouped by the operation that made them).
 - Tables: :func:`fmt`, :func:`ratio`, :func:`agree` (the float32 sanity check of
   meta-gradients printed beside the times).
 - Task chunks: :func:`until_chosen`, :func:`default_choice`.
@@ -230,6 +231,92 @@ def measure(run: Callable[[], Any], device: Any, repeats: int) -> tuple[int, flo
         if r == 0:
             peak = meter.peak()
     return peak, statistics.median(seconds)
+
+
+def tensor_peak(run: Callable[[], Any], top: int = 15, step: int = 2**20) -> dict[str, Any]:
+    """Run ``run()`` under a dispatch mode that follows every tensor storage made in it: the
+    bytes alive at their peak, and at that peak the largest groups of storages by what made
+    them (the pass, ``forward`` or ``backward`` (the graph task of any backward, a checkpoint's
+    recomputation in it included), the aten operation, the shape and the dtype). Storages made
+    before ``run()`` (weights, inputs) are not counted, nor the views and in-place results of
+    an operation (its schema's aliased returns); a storage counts once. Holds no reference to a tensor, so it keeps alive what ``run()`` keeps alive, no
+    more; its cost is Python per operation. The snapshot of the groups is taken each time the
+    bytes alive pass the last one's by ``step``, so the groups' sum can read up to ``step``
+    below the peak.
+
+    Example:
+        >>> import torch
+        >>> def work():
+        ...     a = torch.ones(2**18)  # 1 MiB
+        ...     b = a * 2
+        ...     del a
+        ...     return (b + 1).sum()
+        >>> found = tensor_peak(work)
+        >>> found["peak"] // 2**20
+        2
+        >>> sorted((g["what"], g["bytes"] // 2**20) for g in found["groups"])
+        [('forward mul (262144,) float32', 1), ('forward ones (262144,) float32', 1)]
+    """
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    live: dict[int, tuple[int, str]] = {}
+    state: dict[str, Any] = {"bytes": 0, "peak": 0, "shot": -step, "groups": []}
+
+    def gone(address: int) -> None:
+        entry = live.pop(address, None)
+        if entry is not None:
+            state["bytes"] -= entry[0]
+
+    class Follow(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            out = func(*args, **(kwargs or {}))
+            returns = func._schema.returns
+            for i, t in enumerate(tree_leaves(out)):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if i < len(returns) and returns[i].alias_info is not None:
+                    continue  # a view or an in-place result: an input's storage
+                try:
+                    storage = t.untyped_storage()
+                    address = storage.data_ptr()
+                except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass)
+                    continue
+                if address == 0 or address in live:
+                    continue
+                size = storage.nbytes()
+                task = torch._C._current_graph_task_id()
+                what = (
+                    f"{'forward' if task == -1 else 'backward'} {func.__name__.split('.')[0]} "
+                    f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                )
+                live[address] = (size, what)
+                weakref.finalize(storage, gone, address)
+                state["bytes"] += size
+                state["peak"] = max(state["peak"], state["bytes"])
+                if state["bytes"] >= state["shot"] + step:
+                    state["shot"] = state["bytes"]
+                    state["groups"] = list(live.values())
+            return out
+
+    with Follow():
+        run()
+    groups: dict[str, list[int]] = {}
+    for size, what in state["groups"]:
+        entry = groups.setdefault(what, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])
+    return {
+        "peak": state["peak"],
+        "at_snapshot": state["shot"],
+        "groups": [{"what": w, "bytes": b, "count": n} for w, (b, n) in ranked[:top]],
+    }
 
 
 def peak_allocated(prof: Any, window: str) -> int:

@@ -49,6 +49,10 @@ targets are float32's), FLOP/s against the bf16 matrix-product peak.
 ranks and checks that every mode's meta-gradients (adapters and rates) equal one process's
 unsharded plain run to 1e-10 (relative to the largest entry).
 
+``--tensors`` runs one more meta-step per point under a tensor follower
+(``_common.tensor_peak``) and prints what the tensors made in it that are alive at its peak
+are, largest groups first (rank 0's on the ranks): where a mode's memory goes.
+
     python benchmarks/memory/llm_scale.py [--small] [--steps 1 3] [--runs one shard gather]
 """
 
@@ -458,6 +462,7 @@ def one_point(
         with counter:
             step()
         flops = counter.get_total_flops()
+    tensors = _common.tensor_peak(step) if args.tensors else None
     grads = [*adapters.values(), *rates.parameters()]
     whole = [
         g.grad.full_tensor() if args.run == "shard" or (args.run == "gather" and i < len(adapters))
@@ -499,6 +504,8 @@ def one_point(
             keeps_graphs=args.run != "shard",
         ),
     }
+    if tensors is not None:
+        row["tensors"] = tensors
     if args.grads:
         row["grads"] = [t.detach().cpu() for t in whole]
     return row
@@ -539,6 +546,7 @@ def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "
     base += ["--medium"] if args.medium else []
     base += ["--bf16"] if args.bf16 else []
     base += ["--memory-only"] if args.memory_only else []
+    base += ["--tensors"] if args.tensors else []
     if run == "one":
         command = [sys.executable, *base]
     else:
@@ -581,6 +589,22 @@ def table(rows: list[dict]) -> None:
         )
 
 
+def breakdown(rows: list[dict]) -> None:
+    """``--tensors``: each point's tensors alive at its peak, largest groups first."""
+    for r in rows:
+        if "tensors" not in r or r["rank"] != 0:
+            continue
+        found = r["tensors"]
+        shown = sum(g["bytes"] for g in found["groups"])
+        print(
+            f"tensors made in a meta-step ({r['run']}, {r['mode']}, K={r['steps']}, rank 0): "
+            f"{mib(found['peak'])} MiB alive at the peak; the largest groups then "
+            f"({mib(shown)} MiB of {mib(found['at_snapshot'])}):"
+        )
+        for g in found["groups"]:
+            print(f"  {g['bytes'] / 2**20:8.1f} MiB  x{g['count']:<4d} {g['what']}")
+
+
 def check_small(args: argparse.Namespace) -> list[str]:
     """Every mode on every run against one process's unsharded plain run, 1e-10."""
     import torch
@@ -594,6 +618,7 @@ def check_small(args: argparse.Namespace) -> list[str]:
             path = os.path.join(folder, f"{run}.pt")
             launch(args, run, points, grads=path)
             results[run] = torch.load(path, weights_only=False)
+            breakdown(results[run])
     reference = {r["steps"]: r["grads"] for r in results["one"] if r["mode"] == "plain"}
     worst = 0.0
     for run, rows in results.items():
@@ -701,6 +726,12 @@ def main() -> int:
         help="the memory step alone: no step timed with freed memory kept, no FLOP count",
     )
     parser.add_argument(
+        "--tensors",
+        action="store_true",
+        help="after the other steps, one more meta-step under a tensor follower: the tensors "
+        "made in it that are alive at its peak, grouped by what made them (rank 0's)",
+    )
+    parser.add_argument(
         "--extended", action="store_true", help="print the formula's table for 1 B and 8 B"
     )
     parser.add_argument(
@@ -775,6 +806,7 @@ def main() -> int:
                     rows += launch(args, run, [f"{m}:{k}"])
                     table([r for r in rows if (r["run"], r["mode"], r["steps"]) == (run, m, k)])
         table(rows)
+        breakdown(rows)
         missed = judge(rows)
     print(f"RESULT FAIL: {'; '.join(missed)}" if missed else "RESULT PASS")
     return 1 if missed else 0

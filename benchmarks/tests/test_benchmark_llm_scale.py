@@ -50,3 +50,30 @@ def test_the_extended_table_in_the_docs_is_the_formulas():
     docs = (SCRIPT.parents[2] / "docs" / "memory.md").read_text()
     for line in table:
         assert line in docs, line
+
+
+@pytest.mark.slow
+def test_the_tensor_breakdown_names_what_is_alive_at_a_steps_peak():
+    """``--tensors`` follows the tensors of one more meta-step and prints its peak's groups:
+    under ``checkpoint_steps`` the peak falls in the outer backward, where a redone step's
+    tensors are made, and the groups' bytes are at most the peak."""
+    run = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT), "--small", "--steps", "1", "--threads", "1"),
+            *("--runs", "one", "--modes", "steps", "--tensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = run.stdout.splitlines()
+    assert lines and lines[-1] == "RESULT PASS", run.stdout + run.stderr[-3000:]
+    heads = [s for s in lines if s.startswith("tensors made in a meta-step (one, steps, K=1")]
+    assert len(heads) == 1, run.stdout
+    peak, shown, snapshot = (
+        int(v) for v in re.search(r": (\d+) MiB alive .*\((\d+) MiB of (\d+)\)", heads[0]).groups()
+    )
+    assert shown <= snapshot <= peak
+    groups = lines[lines.index(heads[0]) + 1 :][:15]
+    assert all(re.match(r"\s+[0-9.]+ MiB  x\d+ +(forward|backward) \w+ \(", g) for g in groups)
+    assert any(" backward " in g for g in groups)

@@ -35,3 +35,35 @@ def test_the_peak_is_the_most_held_at_once_above_the_start():
     peak = profiled(work)
     assert 8 * MIB <= peak < 8 * MIB + MIB // 2
     assert before.numel() == MIB
+
+
+def test_the_tensor_follower_counts_what_a_block_makes_once_and_names_it():
+    """``_common.tensor_peak`` (``llm_scale.py --tensors``): tensors made before the block,
+    views and in-place results are not counted again; the peak is the most alive at once,
+    and a backward's tensors are named as such."""
+    import _common
+
+    weight = torch.ones(MIB // 4, requires_grad=True)  # made before: not counted
+
+    def forward():
+        with torch.no_grad():
+            w = weight.view(-1, 4).t()  # a view of a tensor made before: nothing new
+            a = weight * 2  # 1 MiB
+            a.view(-1, 4).t().mul_(3)  # a view, written in place: nothing new
+            d = torch.ones(2 * MIB // 4)  # 3 MiB at once: the peak
+            del d
+            e = a + 1  # 2 MiB at once
+            del a, e, w
+
+    found = _common.tensor_peak(forward, step=1)
+    assert found["peak"] == 3 * MIB
+    assert sorted((g["what"], g["bytes"]) for g in found["groups"]) == [
+        ("forward mul (262144,) float32", MIB),
+        ("forward ones (524288,) float32", 2 * MIB),
+    ]
+
+    def backward():
+        (weight * weight).sum().backward()
+
+    found = _common.tensor_peak(backward)
+    assert any(g["what"].startswith("backward mul (262144,)") for g in found["groups"])
