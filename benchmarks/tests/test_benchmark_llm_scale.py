@@ -17,14 +17,10 @@ pytest.importorskip("transformers", reason="transformers is not installed: pip i
 SCRIPT = script("memory/llm_scale.py")
 
 
-# seven processes import transformers: minutes on a 2-core machine, so in make test-slow
-@pytest.mark.slow
-def test_the_small_decoder_equals_one_unsharded_process_in_every_way():
+def _small(*args: str) -> list[str]:
+    """The lines ``llm_scale.py --small`` printed with ``args``, after checking it passed."""
     run = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), "--small", "--steps", "2", "--threads", "1"),
-            *("--modes", "plain", "layers", "steps", "both", "--shard-modes", "both"),
-        ],
+        [sys.executable, str(SCRIPT), "--small", "--threads", "1", *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -32,6 +28,15 @@ def test_the_small_decoder_equals_one_unsharded_process_in_every_way():
     lines = run.stdout.splitlines()
     assert lines and lines[-1] == "RESULT PASS", run.stdout + run.stderr[-3000:]
     assert run.returncode == 0
+    return lines
+
+
+# seven processes import transformers: minutes on a 2-core machine, so in make test-slow
+@pytest.mark.slow
+def test_the_small_decoder_equals_one_unsharded_process_in_every_way():
+    lines = _small(
+        *("--steps", "2", "--modes", "plain", "layers", "steps", "both", "--shard-modes", "both")
+    )
     (summary,) = [s for s in lines if s.startswith("--small:")]
     rows = int(re.search(r"--small: (\d+) rows", summary).group(1))
     assert rows == 4 + 2 * 4 + 2 * 2  # one process: 4 modes; 4 and 2 ranks: plain and both
@@ -54,22 +59,12 @@ def test_the_extended_table_in_the_docs_is_the_formulas():
 
 @pytest.mark.slow
 def test_the_tensor_breakdown_names_what_is_alive_at_a_steps_peak():
-    """``--tensors`` follows the tensors of one more meta-step and prints its peak's groups:
-    under ``checkpoint_steps`` the peak falls in the outer backward, where a redone step's
-    tensors are made, and the groups' bytes are at most the peak."""
-    run = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT), "--small", "--steps", "1", "--threads", "1"),
-            *("--runs", "one", "--modes", "steps", "--tensors"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    lines = run.stdout.splitlines()
-    assert lines and lines[-1] == "RESULT PASS", run.stdout + run.stderr[-3000:]
+    """``--tensors`` follows the tensors of one more meta-step and prints its peak's largest
+    groups, each named by its pass (a backward's among them under ``checkpoint_steps``),
+    their bytes at most the peak's."""
+    lines = _small("--steps", "1", "--runs", "one", "--modes", "steps", "--tensors")
     heads = [s for s in lines if s.startswith("tensors made in a meta-step (one, steps, K=1")]
-    assert len(heads) == 1, run.stdout
+    assert len(heads) == 1, lines
     peak, shown, snapshot = (
         int(v) for v in re.search(r": (\d+) MiB alive .*\((\d+) MiB of (\d+)\)", heads[0]).groups()
     )
