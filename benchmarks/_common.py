@@ -239,7 +239,10 @@ def tensor_peak(run: Callable[[], Any], top: int = 15, step: int = 2**20) -> dic
     them (the pass, ``forward`` or ``backward`` (the graph task of any backward, a checkpoint's
     recomputation in it included), the aten operation, the shape and the dtype). Storages made
     before ``run()`` (weights, inputs) are not counted, nor the views and in-place results of
-    an operation (its schema's aliased returns); a storage counts once. Holds no reference to a tensor, so it keeps alive what ``run()`` keeps alive, no
+    an operation (its schema's aliased returns); a storage counts once. A wrapper subclass
+    (a ``DTensor``) has no storage of its own and is passed over, and what its own dispatch
+    makes runs outside this mode: a sharded model's plain tensors and collectives are
+    counted, a ``DTensor``'s local results are not. Holds no reference to a tensor, so it keeps alive what ``run()`` keeps alive, no
     more; its cost is Python per operation. The snapshot of the groups is taken each time the
     bytes alive pass the last one's by ``step``, so the groups' sum can read up to ``step``
     below the peak.
@@ -285,7 +288,7 @@ def tensor_peak(run: Callable[[], Any], top: int = 15, step: int = 2**20) -> dic
                 try:
                     storage = t.untyped_storage()
                     address = storage.data_ptr()
-                except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass)
+                except RuntimeError:  # a wrapper subclass (DTensor's kind): no storage of its own
                     continue
                 if address == 0 or address in live:
                     continue

@@ -67,3 +67,37 @@ def test_the_tensor_follower_counts_what_a_block_makes_once_and_names_it():
 
     found = _common.tensor_peak(backward)
     assert any(g["what"].startswith("backward mul (262144,)") for g in found["groups"])
+
+
+def test_the_tensor_follower_passes_over_a_wrapper_subclass():
+    """A wrapper subclass (a ``DTensor``'s kind) has no storage to read: the follower passes
+    over its results and counts the plain tensors beside them."""
+    import _common
+    from torch.utils._pytree import tree_map
+
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            def unwrap(t):
+                return t.inner if isinstance(t, Wrapper) else t
+
+            out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+            return tree_map(lambda t: Wrapper(t) if isinstance(t, torch.Tensor) else t, out)
+
+    wrapped = Wrapper(torch.ones(MIB // 4))
+
+    def work():
+        doubled = wrapped * 2  # a wrapper: passed over
+        plain = torch.ones(2 * MIB // 4)
+        del doubled, plain
+
+    found = _common.tensor_peak(work, step=1)
+    assert found["peak"] == 2 * MIB
+    assert [g["what"] for g in found["groups"]] == ["forward ones (524288,) float32"]
