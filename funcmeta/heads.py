@@ -1,11 +1,13 @@
-"""Closed-form heads: a classifier solved on each task's support embeddings.
+"""Heads: a classifier solved on each task's support embeddings, and a language model's loss.
 
 :func:`ridge` solves ridge regression in closed form, for many tasks at once, differentiable
 in the features, the targets and the regulariser: exactly (autograd through a dense solve) or
 implicitly (:func:`funcmeta.implicit.root` on its optimality condition). :class:`RidgeHead`
 is the R2D2 classifier (Bertinetto et al., 2019): ridge regression onto one-hot support
 labels, with a learnable regulariser, scale and bias; :func:`funcmeta.recipes.r2d2` trains an
-embedding through it.
+embedding through it. :func:`linear_cross_entropy` is a language model's loss from its last
+hidden states and its linear head, computed on the head's shards (no whole logit tensor on any
+rank) where ``fm.distributed.shard_model`` computes the head on them.
 
 Example:
     >>> import torch, funcmeta as fm
@@ -20,6 +22,7 @@ Example:
     True
 """
 
+from funcmeta._src.heads.cross_entropy import linear_cross_entropy
 from funcmeta._src.heads.ridge import RidgeHead, ridge
 
-__all__ = ["RidgeHead", "ridge"]
+__all__ = ["RidgeHead", "linear_cross_entropy", "ridge"]

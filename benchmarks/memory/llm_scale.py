@@ -8,7 +8,9 @@ parameters), random values (a seeded draw per tensor, nothing downloaded), built
 device and materialized tensor by tensor; peft LoRA r=8 on the attention projections (q, k,
 v, o), the only parameters adapted and meta-trained; learnable per-layer softplus inner rates.
 The work: 2 tasks of 64 support and 64 query tokens (one sequence each), K inner SGD steps,
-second order, next-token loss, float32 (bf16 is emulated on a CPU without AVX-512 BF16 or
+second order, next-token loss (``fm.heads.linear_cross_entropy`` of the last hidden states and
+the head, vocabulary-parallel on the ranks' head shards; ``--loss logits``: ``F.cross_entropy``
+of the model's logits, whole on every rank), float32 (bf16 is emulated on a CPU without AVX-512 BF16 or
 AMX: ``fm.cpu_has_native_bf16``).
 
 Modes: ``plain``; ``layers`` (``checkpoint_layers`` on the decoder layers); ``layers+head``
@@ -169,7 +171,7 @@ def values(small: bool, name: str, like: Any) -> Any:
         return getattr(rotary, name.rsplit(".", 1)[1]).to(like.dtype)
     if name.endswith("norm.weight"):
         return torch.ones(like.shape, dtype=like.dtype)
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(name.removeprefix(PREFIX).encode()))
     scale = 0.2 if small else 0.02
     return torch.randn(like.shape, generator=g, dtype=like.dtype).mul_(scale)
 
@@ -190,9 +192,44 @@ def layer_names(model: Any, head: bool) -> list[str]:
 
 
 def loss_fn(out: Any, ids: Any) -> Any:
+    """The next-token loss: the model's own (``--loss linear``: :func:`next_token_loss`'s
+    module returns it) or ``F.cross_entropy`` of its logits (``--loss logits``)."""
+    import torch
     import torch.nn.functional as F
 
+    if isinstance(out, torch.Tensor):
+        return out
     return F.cross_entropy(out.logits[..., :-1, :].flatten(0, -2), ids[..., 1:].flatten())
+
+
+#: The prefix of the decoder's names inside :func:`next_token_loss`'s module.
+PREFIX = "lm."
+
+
+def next_token_loss(model: Any) -> Any:
+    """``model`` (the LoRA-wrapped decoder) inside a module whose forward returns its
+    next-token loss: ``fm.heads.linear_cross_entropy`` of the last hidden states (every
+    position; the last one's target ignored) and the LM head, on the head's shards where
+    ``shard_model`` computes it there."""
+    import torch
+    from torch import nn
+
+    import funcmeta as fm
+
+    class NextTokenLoss(nn.Module):
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.lm = lm
+            self.config = lm.config
+
+        def forward(self, input_ids: Any) -> Any:
+            causal = self.lm.get_base_model()
+            hidden = causal.model(input_ids=input_ids).last_hidden_state
+            last = torch.full_like(input_ids[..., :1], -100)
+            targets = torch.cat([input_ids[..., 1:], last], -1)
+            return fm.heads.linear_cross_entropy(hidden, causal.lm_head, targets)
+
+    return NextTokenLoss(model)
 
 
 def matmul_peak(threads: int, dtype: Any = None) -> float:
@@ -378,6 +415,8 @@ def one_point(
 
     before_build = _common.rss_bytes()
     model = build_meta(args.small, dtype)
+    if args.loss == "linear":
+        model = next_token_loss(model)
     if args.run == "one":
         materialize(model, args.small)
     else:
@@ -542,7 +581,7 @@ def launch(args: argparse.Namespace, run: str, points: list[str], grads: str = "
     base += ["--threads", str(args.threads if run == "one" else 1)]
     base += (["--small"] if args.small else []) + (["--grads", grads] if grads else [])
     base += ["--on-shards", args.on_shards, "--task-chunk", str(args.task_chunk)]
-    base += ["--keep-frozen", args.keep_frozen, "--split", args.split]
+    base += ["--keep-frozen", args.keep_frozen, "--split", args.split, "--loss", args.loss]
     base += ["--medium"] if args.medium else []
     base += ["--bf16"] if args.bf16 else []
     base += ["--memory-only"] if args.memory_only else []
@@ -759,6 +798,14 @@ def main() -> int:
         default="on",
         help="shard: each rank keeps its slice of the saved activations (shard_model("
         "split_activations=); off: whole)",
+    )
+    parser.add_argument(
+        "--loss",
+        choices=("linear", "logits"),
+        default="linear",
+        help="the next-token loss: fm.heads.linear_cross_entropy of the last hidden states "
+        "and the head (on the head's shards where it computes on them), or F.cross_entropy of "
+        "the model's logits (whole on every rank)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--kind", dest="run", default="one", help=argparse.SUPPRESS)

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from funcmeta._src.core.sharding import ShardingError, is_sharded
 from funcmeta._src.distributed import comm
 
-__all__ = ["choose_on_shards", "install_on_shards"]
+__all__ = ["choose_on_shards", "install_on_shards", "on_shards"]
 
 
 # ------------------------------------------------------------------ replicated and per-rank
@@ -328,3 +328,14 @@ def install_on_shards(chosen: dict[str, nn.Module], runtime: Any) -> None:
         what = f"{type(layer).__name__} {name!r}"
         step = functools.partial(_KINDS[kind], runtime, what)
         layer.forward = types.MethodType(step, layer)
+
+
+def on_shards(layer: nn.Module) -> tuple[Any, str] | None:
+    """The runtime and name of ``layer`` where :func:`install_on_shards` made it compute on
+    its shards (read from its forward), else None."""
+    forward = layer.__dict__.get("forward")
+    step = getattr(forward, "__func__", None)
+    if isinstance(step, functools.partial) and step.func in _KINDS.values():
+        runtime, what = step.args
+        return runtime, what
+    return None
