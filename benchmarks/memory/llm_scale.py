@@ -21,7 +21,8 @@ Runs, each in fresh processes:
 - ``shard``: 4 gloo ranks, ``fm.distributed.shard_model`` of the meta-device build
   (``init=``: no rank holds the model whole), the same two tasks on every rank; the
   embedding and the head computed on their shards (``compute_on_shards``; ``--on-shards
-  off`` gathers them whole as the decoder layers are);
+  off`` gathers them whole as the decoder layers are; ``--on-shards all`` computes every
+  frozen ``nn.Linear`` of the decoder layers on its shards too, so no weight is gathered);
 - ``gather``: 2 gloo ranks, ``fm.distributed.gather_params``, each rank its own task; the
   frozen base's whole tensors kept from one meta-step to the next (``keep_frozen=True``;
   ``--keep-frozen off`` gathers the whole model at every call).
@@ -189,6 +190,24 @@ def materialize(model: Any, small: bool) -> None:
 def layer_names(model: Any, head: bool) -> list[str]:
     names = [n for n, _ in model.named_modules() if n.rsplit(".", 2)[-2:-1] == ["layers"]]
     return names + ([n for n, _ in model.named_modules() if n.endswith("lm_head")] if head else [])
+
+
+def on_shards_names(model: Any, which: str) -> list[str]:
+    """The layers a sharded run computes on their shards: none (``off``), the embedding and
+    the head (``on``), or those and every frozen ``nn.Linear`` of the decoder layers (``all``:
+    the LoRA-wrapped projections' base layers and the MLP's; the adapters are gathered)."""
+    from torch import nn
+
+    if which == "off":
+        return []
+    names = [n for n, _ in model.named_modules() if n.endswith(EMBEDDING_AND_HEAD)]
+    if which == "all":
+        names += [
+            n
+            for n, m in model.named_modules()
+            if type(m) is nn.Linear and ".layers." in n and "lora_" not in n
+        ]
+    return names
 
 
 def loss_fn(out: Any, ids: Any) -> Any:
@@ -423,12 +442,12 @@ def one_point(
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        on_shards = [n for n, _ in model.named_modules() if n.endswith(EMBEDDING_AND_HEAD)]
+        on_shards = on_shards_names(model, args.on_shards)
         fm.distributed.shard_model(
             model,
             mesh,
             init=lambda name, like: values(args.small, name, like),
-            compute_on_shards=on_shards if args.on_shards == "on" else (),
+            compute_on_shards=on_shards,
             split_activations=args.split == "on",
         )
     gc.collect()
@@ -781,9 +800,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--on-shards",
-        choices=("on", "off"),
+        choices=("on", "all", "off"),
         default="on",
-        help="shard: the embedding and the head computed on their shards (off: gathered whole)",
+        help="shard: the embedding and the head computed on their shards (all: every frozen "
+        "nn.Linear of the decoder layers too; off: gathered whole)",
     )
     parser.add_argument(
         "--keep-frozen",

@@ -220,3 +220,60 @@ def test_a_conjugated_view_is_never_split():
     assert not runtime._splittable(k.mH)
     assert not runtime._splittable(k.conj())
     assert not runtime._splittable(torch.randn(64, 64, dtype=torch.complex128).conj()._neg_view())
+
+
+def _frozen(world: int) -> dict:
+    """The hidden layer and the head frozen, all three layers on their shards (every
+    replicated activation split), adapted and meta-trained through the embedding alone: the
+    meta-gradients, and which of the split linear layers kept their input for the backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from funcmeta._src.distributed import runtime
+
+    mesh = init_device_mesh("cpu", (world,))
+    threshold, runtime._SPLIT_MIN = runtime._SPLIT_MIN, 1
+    try:
+        out = {}
+        for layers in (None, ["hidden"]):
+            net = _frozen_tokens()
+            fm.distributed.shard_model(net, mesh, compute_on_shards=["embed", "hidden", "head"])
+            out[repr(layers)] = _meta(net, layers, "sgd")
+    finally:
+        runtime._SPLIT_MIN = threshold
+    net = _frozen_tokens()
+    net.hidden.weight.requires_grad_(True)  # trainable: its input is kept
+    fm.distributed.shard_model(net, mesh, compute_on_shards=["embed", "hidden", "head"])
+    loss = _loss(net(_ids(7)[0]), _ids(7)[1])
+    kept, seen, todo = {}, set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "_LinearOnShardsBackward":
+            kept[node.what] = node.saved_tensors[0] is not None
+        todo += [n for n, _ in node.next_functions]
+    out["kept"] = kept
+    return out
+
+
+def _frozen_tokens() -> _Tokens:
+    net = _Tokens(7).double()
+    for p in [*net.hidden.parameters(), *net.head.parameters()]:
+        p.requires_grad_(False)
+    return net
+
+
+def test_a_frozen_layer_on_its_shards_keeps_no_input_and_gives_the_unsharded_meta_gradients():
+    """A frozen linear layer's backward reads its shard, never its input: it keeps none, and
+    the second-order meta-gradients through it are one process's."""
+    results = spawn_gloo(2, _frozen)
+    for layers in (None, ["hidden"]):
+        theirs = _meta(_frozen_tokens(), layers, "sgd")
+        for ours in results:
+            for a, b in zip(ours[repr(layers)], theirs, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=repr(layers))
+    for ours in results:
+        # the trainable hidden layer keeps its input (its weight's gradient reads it); the
+        # frozen head none
+        assert ours["kept"] == {"Linear 'hidden'": True, "Linear 'head'": False}

@@ -233,7 +233,10 @@ class _LinearOnShards(torch.autograd.Function):
     ) -> Tensor:
         wide = x.dtype in _NARROW and local.dtype == x.dtype
         ctx.runtime, ctx.sizes, ctx.what, ctx.wide = runtime, sizes, what, wide
-        ctx.save_for_backward(x, local, bias)
+        ctx.dtype = x.dtype
+        # the input is read by the weight's gradient only: a frozen layer keeps none of it
+        # (its gradient for the input, and that gradient's own derivative, read the shard)
+        ctx.save_for_backward(x if ctx.needs_input_grad[2] else None, local, bias)
         piece = F.linear(*_widened(wide, x, local, bias))
         out = _join(runtime, piece, sizes, f"joining the outputs of {what} across the mesh")
         return out.to(local.dtype) if wide else out
@@ -250,7 +253,7 @@ class _LinearOnShards(torch.autograd.Function):
             gx = gw = gb = None
             if want_x:
                 what = f"the gradient of the input of {ctx.what}"
-                gx = _Sum.apply(runtime, g.matmul(wide_w), what).to(x.dtype)
+                gx = _Sum.apply(runtime, g.matmul(wide_w), what).to(ctx.dtype)
             if want_w:  # the input, replicated, used by each rank (its gradient summed)
                 used = _Copy.apply(runtime, wide_x, ctx.what)
                 gw = _rows(g).t().matmul(_rows(used)).to(local.dtype)
