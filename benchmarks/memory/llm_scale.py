@@ -20,9 +20,10 @@ Runs, each in fresh processes:
 - ``one``: one process, every mode;
 - ``shard``: 4 gloo ranks, ``fm.distributed.shard_model`` of the meta-device build
   (``init=``: no rank holds the model whole), the same two tasks on every rank; the
-  embedding and the head computed on their shards (``compute_on_shards``; ``--on-shards
-  off`` gathers them whole as the decoder layers are; ``--on-shards all`` computes every
-  frozen ``nn.Linear`` of the decoder layers on its shards too, so no weight is gathered);
+  embedding, the head and every frozen ``nn.Linear`` of the decoder layers (the LoRA
+  projections' base layers, the MLP) computed on their shards (``compute_on_shards``: no
+  weight of theirs is ever gathered; ``--on-shards on``: the embedding and the head only,
+  the decoder layers gathered a layer at a time; ``off``: all gathered);
 - ``gather``: 2 gloo ranks, ``fm.distributed.gather_params``, each rank its own task; the
   frozen base's whole tensors kept from one meta-step to the next (``keep_frozen=True``;
   ``--keep-frozen off`` gathers the whole model at every call).
@@ -800,10 +801,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--on-shards",
-        choices=("on", "all", "off"),
-        default="on",
-        help="shard: the embedding and the head computed on their shards (all: every frozen "
-        "nn.Linear of the decoder layers too; off: gathered whole)",
+        choices=("all", "on", "off"),
+        default="all",
+        help="shard: the embedding, the head and every frozen nn.Linear of the decoder layers "
+        "computed on their shards (on: the embedding and the head; off: gathered whole)",
     )
     parser.add_argument(
         "--keep-frozen",
