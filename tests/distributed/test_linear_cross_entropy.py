@@ -3,7 +3,7 @@
 (vocabulary-parallel) the unsharded run's adapted parameters and second-order
 meta-gradients in float64 on 2 and 4 gloo ranks: a vocabulary that does not split evenly, a
 rank with no rows, ignored targets, each reduction, a trainable or frozen head, checkpointed
-layers or steps, every replicated activation split across the ranks; no rank makes a
+layers or steps, every replicated activation split across the ranks, bfloat16; no rank makes a
 tokens x vocabulary tensor; a target out of range raises on every rank."""
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ def _case(world: int) -> dict:
             results[(vocab, reduction, bias, how, frozen)] = _meta(net, how, frozen, watch)
     finally:
         runtime._SPLIT_MIN = threshold
+    results["bf16"] = _bf16(
+        fm.distributed.shard_model(_LM(11).bfloat16(), mesh, compute_on_shards=ON_SHARDS)
+    )
     net = fm.distributed.shard_model(_LM(11).double(), mesh, compute_on_shards=ON_SHARDS)
     for bad in (11, -1):
         try:
@@ -137,6 +140,16 @@ def _case(world: int) -> dict:
         except IndexError as error:
             results[f"target {bad}"] = str(error)
     return results
+
+
+def _bf16(net: _LM) -> list[torch.Tensor]:
+    """A bfloat16 model's loss and its gradients (whole), first order."""
+    loss = net(_ids(net.vocab)[0])
+    loss.backward()
+    grads = [
+        p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in net.parameters()
+    ]
+    return [loss.detach(), *grads]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -148,6 +161,13 @@ def test_on_the_heads_shards_it_gives_the_unsharded_meta_gradients(world):
         for ours in results:
             for a, b in zip(ours[key], theirs, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=str(key))
+    # bfloat16: the columns and sums in float32 on the shards, as one process's bf16 run
+    # rounds them, within bfloat16's precision
+    plain = _bf16(_LM(11).bfloat16())
+    for ours in results:
+        for a, b in zip(ours["bf16"], plain, strict=True):
+            assert a.dtype == b.dtype == torch.bfloat16
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
     for ours in results:
         # no rank made a tensor of the whole vocabulary: the head's columns only
         assert not ours["whole"], sorted(ours["whole"])
