@@ -63,9 +63,13 @@ def _largest(runtime: Any, logits: Tensor, what: str) -> Tensor:
     return every.max(0).values
 
 
-def _target_column(targets: Tensor, start: int, count: int, ignore_index: int) -> Tensor:
-    """Which rows' targets fall in this rank's columns (and are not ignored)."""
-    return (targets >= start) & (targets < start + count) & (targets != ignore_index)
+def _target_columns(
+    targets: Tensor, start: int, count: int, ignore_index: int
+) -> tuple[Tensor, Tensor]:
+    """Which rows' targets fall in this rank's ``count`` columns from ``start`` (and are not
+    ignored), and each row's column there (0 for the others)."""
+    inside = (targets >= start) & (targets < start + count) & (targets != ignore_index)
+    return inside, torch.where(inside, targets - start, 0).clamp(max=max(count - 1, 0))
 
 
 class _CrossEntropyOnShards(torch.autograd.Function):
@@ -94,8 +98,7 @@ class _CrossEntropyOnShards(torch.autograd.Function):
         )
         del exps
         count = logits.shape[-1]
-        inside = _target_column(targets, start, count, ignore_index)
-        column = torch.where(inside, targets - start, 0).clamp(max=max(count - 1, 0))
+        inside, column = _target_columns(targets, start, count, ignore_index)
         picked = (
             logits.gather(-1, column[:, None])[:, 0] if count else logits.new_zeros(len(targets))
         )
@@ -134,8 +137,7 @@ class _CrossEntropyOnShards(torch.autograd.Function):
             total = _Sum.apply(runtime, exps.sum(-1), f"the softmax sums of {what}")
             probs = exps / _Copy.apply(runtime, total, what)[:, None]
             count = logits.shape[-1]
-            inside = _target_column(targets, ctx.start, count, ctx.ignore)
-            column = torch.where(inside, targets - ctx.start, 0).clamp(max=max(count - 1, 0))
+            inside, column = _target_columns(targets, ctx.start, count, ctx.ignore)
             onehot = torch.zeros_like(probs, requires_grad=False)
             if count:
                 onehot.scatter_(-1, column[:, None], inside[:, None].to(probs.dtype))
