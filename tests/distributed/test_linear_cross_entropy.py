@@ -3,7 +3,7 @@
 (vocabulary-parallel) the unsharded run's adapted parameters and second-order
 meta-gradients in float64 on 2 and 4 gloo ranks: a vocabulary that does not split evenly, a
 rank with no rows, ignored targets, each reduction, a trainable or frozen head, checkpointed
-layers or steps, every replicated activation split across the ranks, bfloat16; no rank makes a
+layers or steps, every replicated activation split across the ranks, bfloat16, inf and NaN; no rank makes a
 tokens x vocabulary tensor; a target out of range raises on every rank."""
 
 from __future__ import annotations
@@ -133,6 +133,9 @@ def _case(world: int) -> dict:
     results["bf16"] = _bf16(
         fm.distributed.shard_model(_LM(11).bfloat16(), mesh, compute_on_shards=ON_SHARDS)
     )
+    results["non-finite"] = _non_finite(
+        fm.distributed.shard_model(_LM(11).double(), mesh, compute_on_shards=ON_SHARDS)
+    )
     net = fm.distributed.shard_model(_LM(11).double(), mesh, compute_on_shards=ON_SHARDS)
     for bad in (11, -1):
         try:
@@ -140,6 +143,23 @@ def _case(world: int) -> dict:
         except IndexError as error:
             results[f"target {bad}"] = str(error)
     return results
+
+
+def _non_finite(net: _LM) -> list[torch.Tensor]:
+    """Each position's loss where one hidden value is inf and another NaN (a direct call)."""
+    net.reduction = "none"
+    ids = _ids(net.vocab)[0]
+
+    def poison(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        out = out.clone()
+        out[0, 1, 0], out[1, 2, 3] = float("inf"), float("nan")
+        return out
+
+    handle = net.hidden.register_forward_hook(poison)
+    try:
+        return net(ids).detach()
+    finally:
+        handle.remove()
 
 
 def _bf16(net: _LM) -> list[torch.Tensor]:
@@ -161,6 +181,11 @@ def test_on_the_heads_shards_it_gives_the_unsharded_meta_gradients(world):
         for ours in results:
             for a, b in zip(ours[key], theirs, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15, msg=str(key))
+    # inf and NaN hidden values give the plain path's losses, NaN where it has NaN
+    plain_losses = _non_finite(_LM(11).double())
+    assert plain_losses.isnan().any() and not plain_losses.isnan().all()
+    for ours in results:
+        torch.testing.assert_close(ours["non-finite"], plain_losses, equal_nan=True)
     # bfloat16: the columns and sums in float32 on the shards, as one process's bf16 run
     # rounds them, within bfloat16's precision
     plain = _bf16(_LM(11).bfloat16())
@@ -227,6 +252,9 @@ def test_on_one_rank_the_loss_on_the_heads_shards_is_the_plain_one():
         (torch.randn(2, 4), nn.Linear(4, 9), torch.zeros(2), TypeError, "integer"),
         (torch.randn(2, 4), nn.Linear(4, 9), torch.zeros(3).long(), ValueError, r"shape \(2,\)"),
         (torch.randn(2, 4), nn.Linear(4, 9), torch.zeros(2).bool(), ValueError, "integer ids"),
+        (None, nn.Linear(4, 9), torch.zeros(2).long(), TypeError, "got NoneType"),
+        (torch.randn(2, 4), nn.Linear(4, 9), None, TypeError, "got NoneType"),
+        (torch.randn(2, 4), None, torch.zeros(2).long(), TypeError, "got NoneType"),
     ],
 )
 def test_bad_input_is_named(hidden, head, targets, error, match):

@@ -504,6 +504,19 @@ def _case_peer_stalls(world, where):
         except fm.distributed.PeerError as error:
             return str(error), time.monotonic() - started
         return None, time.monotonic() - started
+    if where == "loss":  # rank 1 stalls after the embedding, before the loss on the head's shards
+        torch.manual_seed(0)
+        tokens = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7)).double()
+        tokens = fm.distributed.shard_model(tokens, mesh, timeout=5, compute_on_shards=["0", "1"])
+        if dist.get_rank() == 1:
+            tokens[0].register_forward_hook(stall)
+        started = time.monotonic()
+        try:
+            ids = torch.tensor([[1, 2, 3]])
+            fm.heads.linear_cross_entropy(tokens[0](ids), tokens[1], ids)
+        except fm.distributed.PeerError as error:
+            return str(error), time.monotonic() - started
+        return None, time.monotonic() - started
     net = fm.distributed.shard_model(_net(), mesh, timeout=5)
     if dist.get_rank() == 1 and where == "layer":
         net[2].register_forward_pre_hook(stall)
@@ -1285,6 +1298,7 @@ def test_a_peer_gone_while_a_backward_gathers_a_saved_activation_is_named(tmp_pa
         ("layer", "gathering Linear parameter 'weight' across the mesh failed"),
         ("batch", "comparing the batches given to fm.adapt failed or did not finish within 5 s"),
         ("head", "joining the outputs of Linear '1' across the mesh failed"),
+        ("loss", "the largest logit of Linear '1' across the mesh failed"),
     ],
 )
 def test_a_peer_stalled_mid_run_raises_peer_error_after_shard_models_timeout(
