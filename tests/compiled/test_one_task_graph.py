@@ -1,0 +1,143 @@
+"""The traced step's call of one task: the function on the task's slices, no ``vmap``
+(``funcmeta._src.runtime.traced.one_task_slices``), against ``vmap`` itself and against the
+plain path in float64, compiled for real."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import funcmeta as fm
+from funcmeta._src.inner.inputs import split_batch
+from funcmeta._src.runtime import TRACED
+from funcmeta._src.runtime.traced import one_task_slices
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+
+def _vmapped(fn, trees, dims):  # type: ignore[no-untyped-def]
+    return torch.func.vmap(fn, in_dims=dims, randomness="different")(*trees)
+
+
+def _structures() -> list[tuple[tuple, tuple]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 2, generator=g, dtype=torch.float64)
+    w = torch.randn(2, 2, generator=g, dtype=torch.float64)
+    b = torch.randn(1, 2, generator=g, dtype=torch.float64)
+    return [
+        ((x, w), (0, None)),  # a batched input, a shared weight
+        (({"w": w, "b": b},), ({"w": None, "b": 0},)),  # a dict of mixed in-dims
+        (((x, None, 3), {"w": w}), ((0, None, None), None)),  # None and a number passed whole
+        ((Pair(x, b), OrderedDict(w=w)), (Pair(0, 0), OrderedDict(w=None))),  # other nodes
+        ((x.transpose(0, 1).contiguous(), w), (1, None)),  # the task axis not first
+    ]
+
+
+def _fn(*trees):  # type: ignore[no-untyped-def]
+    leaves = [t for t in fm.tree.leaves(trees) if isinstance(t, torch.Tensor)]
+    total = sum(t.sum() for t in leaves)
+    return {"total": total, "first": leaves[0] * 2.0, "pair": (total.exp(), leaves[-1].tanh())}
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_one_tasks_slices_give_what_vmap_gives(case):
+    trees, dims = _structures()[case]
+    sliced = one_task_slices(trees, dims)
+    assert sliced is not None
+    ours = TRACED.over_tasks(_fn, trees, dims, None)
+    theirs = _vmapped(_fn, trees, dims)
+    for a, b in zip(fm.tree.leaves(ours), fm.tree.leaves(theirs), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_more_than_one_task_or_nothing_batched_goes_to_vmap():
+    two = torch.ones(2, 3)
+    assert one_task_slices((two,), (0,)) is None
+    assert one_task_slices((torch.ones(1, 3), two), (0, 0)) is None  # one batched axis of 2
+    assert one_task_slices((torch.ones(1, 3),), (None,)) is None  # nothing batched
+    assert one_task_slices(((1.5,),), (0,)) is None  # a batched leaf that is no tensor
+    out = TRACED.over_tasks(lambda t: t * 2, (two,), (0,), None)
+    assert torch.equal(out, two * 2)
+
+
+def test_a_non_tensor_output_is_refused_as_vmap_refuses_it():
+    with pytest.raises(ValueError, match="must only return Tensors"):
+        TRACED.over_tasks(lambda t: (t, None), (torch.ones(1, 2),), (0,), None)
+    with pytest.raises(ValueError, match="must only return Tensors"):
+        _vmapped(lambda t: (t, None), (torch.ones(1, 2),), (0,))
+
+
+def _problem() -> tuple[nn.Module, tuple, tuple]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    g = torch.Generator().manual_seed(1)
+    support = (torch.randn(3, 5, 3, generator=g), torch.randn(3, 5, 1, generator=g))
+    query = (torch.randn(3, 6, 3, generator=g), torch.randn(3, 6, 1, generator=g))
+    as64 = lambda pair: tuple(t.double() for t in pair)  # noqa: E731
+    return net.double(), as64(support), as64(query)
+
+
+def _grads(net: nn.Module, run) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    net.zero_grad(set_to_none=True)
+    run()
+    return [p.grad.clone() for p in net.parameters()]
+
+
+def test_a_graph_of_one_task_calls_no_vmap(monkeypatch: pytest.MonkeyPatch):
+    """A step of one task a graph call runs its computation without ``torch.func.vmap``; a
+    step of all tasks in one graph runs it under ``vmap``. Both give the plain path's
+    meta-gradients in float64."""
+    net, support, query = _problem()
+    fmodel = fm.functional_model(net)
+    opt = fm.optim.sgd(lr=0.1)
+    grads = lambda run: _grads(net, run)  # noqa: E731
+    plain = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, compile=False)
+    expected = grads(lambda: plain(support, query))
+    calls = []
+    vmap = torch.func.vmap
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return vmap(*args, **kwargs)
+
+    monkeypatch.setattr(torch.func, "vmap", counted)
+    for chunk, vmapped in [(1, False), (None, True)]:
+        calls.clear()
+        step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, task_chunk=chunk)
+        s, q = split_batch(support), split_batch(query)
+        params = fmodel.params
+        (gp, _), _ = step.run_graph(step._uncompiled, params, [], s, q, 3)
+        ours = [gp[k] for k, _ in net.named_parameters()]
+        assert bool(calls) is vmapped
+        worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
+        assert worst < 1e-12
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients(
+    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
+):
+    """Compiled for real (``aot_eager``: dynamo and AOTAutograd, the graph as traced), one
+    task a graph call, with and without checkpointed layers: the plain path's meta-gradients
+    in float64, second order."""
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda fn, **kw: compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager"),
+    )
+    net, support, query = _problem()
+    fmodel = fm.functional_model(net, checkpoint_layers=["0", "2"] if checkpointed else None)
+    opt = fm.optim.sgd(lr=0.1)
+    plain = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, compile=False)
+    expected = _grads(net, lambda: plain(support, query))
+    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, task_chunk=1)
+    ours = _grads(net, lambda: step(support, query))
+    assert step.eager_reason is None, step.eager_reason
+    assert len(step.compile_seconds) == 1  # one kind of graph call: one task
+    worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
+    assert worst < 1e-10
