@@ -620,6 +620,38 @@ def test_the_first_call_raises_the_plain_paths_errors_the_graph_cannot_see(monke
     assert step.eager_reason is None
 
 
+@pytest.mark.parametrize(("chunk", "checked"), [(1, 1), (3, 3), (None, 4)])
+def test_the_check_runs_on_the_tasks_of_the_first_graph_call(monkeypatch, chunk, checked):
+    """The plain path's check runs the inner loop on the tasks the first graph call takes
+    (one where the step runs one a call), once; the unused parameter is still found on
+    them."""
+    import funcmeta._src.compiled.step as step_module
+
+    identity_compile(monkeypatch)
+    _, fmodel, opt, _, _, loss_fn, (support, query) = setup("sgd")
+    seen: list[int] = []
+    adapt_tasks = step_module.adapt_tasks
+
+    def counted(fmodel, params, loss_fn, support, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(support[0].shape[0])
+        return adapt_tasks(fmodel, params, loss_fn, support, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "adapt_tasks", counted)
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=1, task_chunk=chunk)
+    step(support, query)
+    step(support, query)
+    assert seen == [checked]
+
+    torch.manual_seed(0)
+    spare = nn.Sequential(mlp(), nn.Linear(1, 1).to(DTYPE))  # the last layer is never run
+    spare.forward = spare[0].forward  # type: ignore[method-assign]
+    step = fm.compile_meta_step(
+        fm.functional_model(spare), F.mse_loss, opt, steps=1, task_chunk=chunk
+    )
+    with pytest.raises(ValueError, match=r"does not depend on the adapted parameters \['1.bias'"):
+        step(support, query)
+
+
 def test_the_check_leaves_the_random_draws_to_the_graph(monkeypatch):
     """The check runs once and restores the generators (its dropout draws included): the
     graph draws what it would have."""

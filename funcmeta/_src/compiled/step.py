@@ -364,7 +364,8 @@ class MetaStep:
         self._calls += 1
         if self._compiled is not None and self.eager_reason is None and torch.is_grad_enabled():
             if not self._checked:
-                self._check_on_the_plain_path(support, params)
+                _, stop = self.graph_calls(s, tasks)[0]
+                self._check_on_the_plain_path(_task_slice(support, 0, stop), params)
                 self._checked = True
             # the traced run swaps tensors into the module (functional_call): one thread
             with guard_of(self.fmodel.module):
@@ -374,10 +375,13 @@ class MetaStep:
         return self._eager_step(support, query, params, hyper)
 
     def _check_on_the_plain_path(self, support: tuple[Any, Any], params: dict[str, Tensor]) -> None:
-        """The plain path's inner loop on this support batch, once, first order and without a
-        graph, for its errors: ``torch.func.grad`` in the graph gives a zero gradient where
-        ``autograd.grad`` finds that the inner loss does not depend on an adapted parameter,
-        which the plain path refuses (unless ``allow_unused=True``). The random number
+        """The plain path's inner loop on the tasks of the first graph call (``support``), once,
+        first order and without a graph, for its errors: ``torch.func.grad`` in the graph
+        gives a zero gradient where ``autograd.grad`` finds that the inner loss does not
+        depend on an adapted parameter, which the plain path refuses (unless
+        ``allow_unused=True``). Every graph call runs the same program on tasks of the same
+        shapes, so the tasks of one call show what all would (one task where the step runs
+        one a call: the check costs a task's inner loop, not the batch's). The random number
         generators are restored after it, so the compiled run draws what it would have."""
         devices = sorted({p.device.index or 0 for p in params.values() if p.is_cuda})
         with torch.random.fork_rng(devices=devices), torch.no_grad(), warnings.catch_warnings():
@@ -407,6 +411,14 @@ class MetaStep:
         c = tasks if self.task_chunk is None else min(self.task_chunk, tasks)
         return [(i, min(i + c, tasks)) for i in range(0, tasks, c)]
 
+    def graph_calls(self, support: Any, tasks: int) -> list[tuple[int, int]]:
+        """The task ranges of :meth:`chunks` for a support batch (split by ``split_batch``) of
+        ``tasks`` tasks: the rule, where the plan chose it, reads the size of its inputs."""
+        inputs = 0
+        if self.plan.task_chunk == "rule":  # the rule reads the inputs' size
+            inputs = sum(x.numel() for x in tree.leaves(support[0]) if isinstance(x, Tensor))
+        return self.chunks(tasks, inputs // max(tasks, 1))
+
     def run_graph(
         self,
         graph: Callable[..., Any],
@@ -430,10 +442,7 @@ class MetaStep:
         detached = {k: leaf(v) for k, v in params.items()}
         raw = [{k: leaf(v) for k, v in h.items()} for h in hyper]
         buffers = {k: v.detach() for k, v in self.fmodel.buffers.items()}
-        inputs = 0
-        if self.plan.task_chunk == "rule":  # the rule reads the inputs' size
-            inputs = sum(x.numel() for x in tree.leaves(support[0]) if isinstance(x, Tensor))
-        ranges = self.chunks(tasks, inputs // max(tasks, 1))
+        ranges = self.graph_calls(support, tasks)
         # a CUDA graph writes every replay into the same output tensors: its results are
         # copied (or weighted into new tensors) before the next replay, and never kept
         replayed = self.plan.cuda_graphs and graph is self._compiled
