@@ -652,6 +652,40 @@ def test_the_check_runs_on_the_tasks_of_the_first_graph_call(monkeypatch, chunk,
         step(support, query)
 
 
+def test_the_first_compiled_call_on_a_cpu_starts_inductors_vector_probe(monkeypatch):
+    """Once, before the first graph call of a compiled step on a CPU (its C++ builds beside
+    the check and dynamo's trace); a step that runs eagerly starts none."""
+    import funcmeta._src.compiled.step as step_module
+
+    identity_compile(monkeypatch)
+    _, fmodel, opt, _, _, loss_fn, (support, query) = setup("sgd")
+    started: list[int] = []
+    monkeypatch.setattr(step_module, "probe_cpu_vector_isa", lambda: started.append(1))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=1)
+    step(support, query)
+    step(support, query)
+    assert started == [1]
+    eager = fm.compile_meta_step(fmodel, loss_fn, opt, steps=1, compile=False)
+    eager(support, query)
+    assert started == [1]
+
+
+def test_inductors_vector_probe_runs_once_a_process_and_gives_inductors_choice():
+    """The probe's thread is started once; joined, it has filled inductor's own cache of the
+    instruction sets, from which inductor's choice is then read."""
+    from funcmeta._src.core.fence import probe_cpu_vector_isa
+
+    cpu_vec_isa = pytest.importorskip("torch._inductor.cpu_vec_isa")
+    thread = probe_cpu_vector_isa()
+    assert thread is not None and probe_cpu_vector_isa() is thread
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    cached = getattr(cpu_vec_isa.valid_vec_isa_list, "cache_info", None)
+    if cached is not None:  # a torch that caches it as torch 2.13 does
+        assert cached().currsize == 1
+    assert isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecISA)
+
+
 def test_the_check_leaves_the_random_draws_to_the_graph(monkeypatch):
     """The check runs once and restores the generators (its dropout draws included): the
     graph draws what it would have."""

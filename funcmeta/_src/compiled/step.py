@@ -98,6 +98,7 @@ from funcmeta._src.core.fence import (
     backward_region,
     can_recompute_inner_gradients,
     cudagraph_skips,
+    probe_cpu_vector_isa,
     recompute_inner_gradients,
     reparametrized,
     saved_tensor_hooks_state,
@@ -364,6 +365,8 @@ class MetaStep:
         self._calls += 1
         if self._compiled is not None and self.eager_reason is None and torch.is_grad_enabled():
             if not self._checked:
+                if self.plan.device == "cpu":  # its C++ builds beside the check and the trace
+                    probe_cpu_vector_isa()
                 _, stop = self.graph_calls(s, tasks)[0]
                 self._check_on_the_plain_path(_task_slice(support, 0, stop), params)
                 self._checked = True

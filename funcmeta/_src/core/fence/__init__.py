@@ -100,6 +100,7 @@ from funcmeta._src.core.fence.inductor import (
     inductor_graph_pass,
     inductor_has_option,
     inductor_mode_options,
+    probe_cpu_vector_isa,
     with_own_code_object,
 )
 from funcmeta._src.core.fence.modules import (
@@ -165,6 +166,7 @@ __all__ = [
     "inductor_graph_pass",
     "inductor_has_option",
     "inductor_mode_options",
+    "probe_cpu_vector_isa",
     "inner_step_region",
     "inside_transform",
     "is_batchedtensor",

@@ -1,12 +1,13 @@
 """torch.compile's internals (dynamo and inductor): a custom post-grad graph pass, max
 pooling's backward lowered to aten's kernel, a code object of a step's own (dynamo counts
-recompiles per code object), whether a trace is running, and why inductor skipped a CUDA
-graph."""
+recompiles per code object), whether a trace is running, why inductor skipped a CUDA
+graph, and inductor's probe of the CPU's vector instructions started early."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,8 +27,12 @@ __all__ = [
     "inductor_graph_pass",
     "inductor_has_option",
     "inductor_mode_options",
+    "probe_cpu_vector_isa",
     "with_own_code_object",
 ]
+
+# the thread of probe_cpu_vector_isa, once per process
+_PROBE: list[threading.Thread] = []
 
 
 @functools.cache
@@ -276,3 +281,43 @@ def _watches_cudagraph_skips() -> bool:
 ACCESSES["torch._dynamo.utils.counters['inductor']['cudagraph_skips'], inductor's skip log"] = (
     _watches_cudagraph_skips
 )
+
+
+def probe_cpu_vector_isa() -> threading.Thread | None:
+    """Start inductor's probe of the CPU's vector instruction sets in a thread of its own,
+    once per process, and return it (``None`` where this torch has no such probe).
+
+    Inductor picks the instruction set for its CPU kernels the first time it generates one:
+    it builds a small library for each set it knows and loads each in a child process. On a
+    new cache directory (``TORCHINDUCTOR_CACHE_DIR``) that takes a C++ build per set, several
+    seconds on a small CPU; with the libraries kept, a child process per set. Started before
+    a compile, the builds run in child processes beside dynamo's trace and AOTAutograd
+    instead of after them. The result is inductor's own, kept where it keeps it
+    (``functools.cache``; the builds behind per-set file locks): a compile that asks before
+    the thread is done waits on the same lock and builds nothing twice. An optional access:
+    it is not in :data:`ACCESSES`.
+
+    Example:
+        >>> from funcmeta._src.core.fence.inductor import probe_cpu_vector_isa
+        >>> probe = probe_cpu_vector_isa()
+        >>> probe is probe_cpu_vector_isa()  # once per process
+        True
+    """
+    if _PROBE:
+        return _PROBE[0]
+    try:  # imported here, not in the thread: no module is imported by two threads at once
+        from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+    except ImportError:  # pragma: no cover - a torch without inductor's CPU backend
+        return None
+    pick = getattr(cpu_vec_isa, "pick_vec_isa", None)
+    if pick is None:  # pragma: no cover - a torch that names it otherwise
+        return None
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the compile asks again and reports its own error
+            pick()
+
+    thread = threading.Thread(target=run, name="inductor-cpu-isa-probe", daemon=True)
+    _PROBE.append(thread)
+    thread.start()
+    return thread
