@@ -64,6 +64,28 @@ def test_more_than_one_task_or_nothing_batched_goes_to_vmap():
     assert torch.equal(out, two * 2)
 
 
+class Out:
+    """An output type registered with torch's pytree registry alone (as HuggingFace registers
+    ``ModelOutput``): ``vmap`` opens it."""
+
+    def __init__(self, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.logits, self.hidden = logits, hidden
+
+
+torch.utils._pytree.register_pytree_node(
+    Out, lambda o: ([o.logits, o.hidden], None), lambda xs, _: Out(*xs)
+)
+
+
+def test_a_registered_output_type_is_opened_as_vmap_opens_it():
+    x = torch.randn(1, 3, 2, dtype=torch.float64)
+    fn = lambda t: Out(t * 2, t.sum(0))  # noqa: E731
+    ours, theirs = TRACED.over_tasks(fn, (x,), (0,), None), _vmapped(fn, (x,), (0,))
+    assert isinstance(ours, Out) and isinstance(theirs, Out)
+    for a, b in [(ours.logits, theirs.logits), (ours.hidden, theirs.hidden)]:
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
 def test_a_non_tensor_output_is_refused_as_vmap_refuses_it():
     with pytest.raises(ValueError, match="must only return Tensors"):
         TRACED.over_tasks(lambda t: (t, None), (torch.ones(1, 2),), (0,), None)

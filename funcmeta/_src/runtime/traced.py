@@ -154,14 +154,14 @@ def _first_task(t: Any, d: int, sizes: list[int]) -> Any:
 
 def _with_task_axis(out: Any) -> Any:
     """``out`` with a task axis of one in front of every tensor, as ``vmap``'s ``out_dims=0``
-    puts it; a leaf that is no tensor is refused with ``vmap``'s words."""
-
-    def add(t: Any) -> Any:
+    puts it, the outputs walked as ``vmap`` walks them (torch's pytree registry: registered
+    output types opened, ``None`` a leaf); a leaf that is no tensor is refused with
+    ``vmap``'s words."""
+    leaves, spec = tree.flatten_registered(out)
+    for t in leaves:
         if not isinstance(t, Tensor):
             raise ValueError(f"vmap: the function must only return Tensors, got type {type(t)}")
-        return t.unsqueeze(0)
-
-    return tree.tree_map(add, out, none_is_leaf=True)
+    return tree.unflatten_registered([t.unsqueeze(0) for t in leaves], spec)
 
 
 def _uniform(dims: Any) -> Any:
