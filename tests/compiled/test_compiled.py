@@ -5,6 +5,7 @@ by ``torch.compile`` in a few (each compile takes seconds on a small CPU)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -620,20 +621,32 @@ def test_the_first_call_raises_the_plain_paths_errors_the_graph_cannot_see(monke
     assert step.eager_reason is None
 
 
+INPUT_FORMS = {
+    "tensor": lambda x: x,
+    "tuple": lambda x: (x,),
+    "dict": lambda x: {"input": x},
+    "Args": lambda x: fm.Args(x),
+}
+
+
+@pytest.mark.parametrize("form", sorted(INPUT_FORMS))
 @pytest.mark.parametrize(("chunk", "checked"), [(1, 1), (3, 3), (None, 4)])
-def test_the_check_runs_on_the_tasks_of_the_first_graph_call(monkeypatch, chunk, checked):
+def test_the_check_runs_on_the_tasks_of_the_first_graph_call(monkeypatch, chunk, checked, form):
     """The plain path's check runs the inner loop on the tasks the first graph call takes
-    (one where the step runs one a call), once; the unused parameter is still found on
-    them."""
+    (one where the step runs one a call), once, whatever form the inputs take; the unused
+    parameter is still found on them."""
     import funcmeta._src.compiled.step as step_module
+    from funcmeta._src.inner.inputs import split_batch, task_count
 
     identity_compile(monkeypatch)
-    _, fmodel, opt, _, _, loss_fn, (support, query) = setup("sgd")
+    _, fmodel, opt, _, _, loss_fn, ((xs, ys), (xq, yq)) = setup("sgd")
+    wrap = INPUT_FORMS[form]
+    support, query = (wrap(xs), ys), (wrap(xq), yq)
     seen: list[int] = []
     adapt_tasks = step_module.adapt_tasks
 
     def counted(fmodel, params, loss_fn, support, *args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(support[0].shape[0])
+        seen.append(task_count(split_batch(support)))
         return adapt_tasks(fmodel, params, loss_fn, support, *args, **kwargs)
 
     monkeypatch.setattr(step_module, "adapt_tasks", counted)
@@ -641,6 +654,7 @@ def test_the_check_runs_on_the_tasks_of_the_first_graph_call(monkeypatch, chunk,
     step(support, query)
     step(support, query)
     assert seen == [checked]
+    assert step.eager_reason is None
 
     torch.manual_seed(0)
     spare = nn.Sequential(mlp(), nn.Linear(1, 1).to(DTYPE))  # the last layer is never run
@@ -684,6 +698,29 @@ def test_inductors_vector_probe_runs_once_a_process_and_gives_inductors_choice()
     if cached is not None:  # a torch that caches it as torch 2.13 does
         assert cached().currsize == 1
     assert isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecISA)
+
+
+def test_inductors_vector_probe_imports_nothing_in_its_thread(tmp_path):
+    """Everything the probe's thread imports is imported before it starts (no module is
+    imported by two threads at once), on a new cache directory, where it builds."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from funcmeta._src.core.fence import probe_cpu_vector_isa\n"
+        "before = set(sys.modules)\n"
+        "thread = probe_cpu_vector_isa()\n"
+        "started = set(sys.modules)\n"
+        "thread.join(timeout=300)\n"
+        "print(sorted(set(sys.modules) - started), len(started - before) > 0)\n"
+    )
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == "[] True"
 
 
 def test_the_check_leaves_the_random_draws_to_the_graph(monkeypatch):

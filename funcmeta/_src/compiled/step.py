@@ -109,6 +109,7 @@ from funcmeta._src.core.precision import CONVOLUTIONS, warn_tf32_second_order
 from funcmeta._src.core.types import LossFn
 from funcmeta._src.inner.forward import vmapped_losses
 from funcmeta._src.inner.inputs import (
+    Args,
     check_task_options,
     split_batch,
     task_count,
@@ -368,7 +369,7 @@ class MetaStep:
                 if self.plan.device == "cpu":  # its C++ builds beside the check and the trace
                     probe_cpu_vector_isa()
                 _, stop = self.graph_calls(s, tasks)[0]
-                self._check_on_the_plain_path(_task_slice(support, 0, stop), params)
+                self._check_on_the_plain_path(_first_tasks(support, s, stop, tasks), params)
                 self._checked = True
             # the traced run swaps tensors into the module (functional_call): one thread
             with guard_of(self.fmodel.module):
@@ -660,6 +661,17 @@ def _task_slice(batch: Any, start: int, stop: int) -> Any:
     return tree.unflatten_registered(
         [x[start:stop] if isinstance(x, Tensor) else x for x in flat], spec
     )
+
+
+def _first_tasks(support: Any, split: Any, stop: int, tasks: int) -> Any:
+    """The first ``stop`` of ``tasks`` tasks of the support batch ``support`` (``split``: it
+    split by ``split_batch``), as a batch the plain path takes: ``support`` itself for all
+    tasks, else the split batch's slice with its inputs as ``fm.Args``, as the graph calls
+    slice it."""
+    if stop == tasks:
+        return support
+    (args, kwargs), targets = _task_slice(split, 0, stop)
+    return Args(*args, **kwargs), targets
 
 
 def _accumulate(tensors: Mapping[str, Tensor], grads: Mapping[str, Tensor]) -> None:

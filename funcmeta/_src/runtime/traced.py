@@ -117,9 +117,13 @@ def one_task_slices(trees: tuple[Any, ...], dims: tuple[Any, ...]) -> tuple[Any,
     prefix trees), where that axis holds one task; ``None`` where a batched axis holds more,
     a batched leaf is not a tensor, or nothing is batched (``vmap`` then takes the call and
     says what it refuses). For one task, ``vmap(f)(*trees)`` is ``f`` on these slices with
-    the task axis put back on its outputs, and dynamo, which traces ``vmap``'s matching of
-    arguments and in-dims leaf by leaf, traces none of it (residual16's step at one task a
-    graph call: 195 k instructions traced with ``vmap``, 140 k without).
+    the task axis put back on its outputs (the same function of the same values; a kernel may
+    round differently from ``vmap``'s batched one), and dynamo, which traces ``vmap``'s
+    matching of arguments and in-dims leaf by leaf, traces none of it (residual16's step at
+    one task a graph call: 195 k instructions traced with ``vmap``, 140 k without). Like the
+    eager path's one task a call (``core.vmap.per_task_call``), it runs what ``vmap`` has no
+    rule for (in-place random draws on a new tensor, say), which a graph of more tasks
+    leaves to the eager path.
 
     Example:
         >>> import torch
@@ -144,8 +148,8 @@ def one_task_slices(trees: tuple[Any, ...], dims: tuple[Any, ...]) -> tuple[Any,
 
 def _first_task(t: Any, d: int, sizes: list[int]) -> Any:
     """The slice of tensor ``t`` at index 0 of its task axis ``d``, its size noted in
-    ``sizes`` (-1 for a leaf that is no tensor: ``vmap`` refuses it)."""
-    if not isinstance(t, Tensor):
+    ``sizes`` (-1 for a leaf that is no tensor or has no axis ``d``: ``vmap`` refuses it)."""
+    if not isinstance(t, Tensor) or t.dim() <= d:
         sizes.append(-1)
         return t
     sizes.append(t.shape[d])

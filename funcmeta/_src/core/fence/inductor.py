@@ -33,6 +33,7 @@ __all__ = [
 
 # the thread of probe_cpu_vector_isa, once per process
 _PROBE: list[threading.Thread] = []
+_PROBE_LOCK = threading.Lock()
 
 
 @functools.cache
@@ -303,21 +304,25 @@ def probe_cpu_vector_isa() -> threading.Thread | None:
         >>> probe is probe_cpu_vector_isa()  # once per process
         True
     """
-    if _PROBE:
-        return _PROBE[0]
-    try:  # imported here, not in the thread: no module is imported by two threads at once
-        from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
-    except ImportError:  # pragma: no cover - a torch without inductor's CPU backend
-        return None
-    pick = getattr(cpu_vec_isa, "pick_vec_isa", None)
-    if pick is None:  # pragma: no cover - a torch that names it otherwise
-        return None
+    with _PROBE_LOCK:
+        if _PROBE:
+            return _PROBE[0]
+        # what the probe imports (its builder imports torch's C++ extension tools and
+        # setuptools), imported here, not in the thread, where dynamo imports beside it
+        try:
+            import torch.utils.cpp_extension  # noqa: F401
+            from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+        except ImportError:  # pragma: no cover - a torch without inductor's CPU backend
+            return None
+        pick = getattr(cpu_vec_isa, "pick_vec_isa", None)
+        if pick is None:  # pragma: no cover - a torch that names it otherwise
+            return None
 
-    def run() -> None:
-        with contextlib.suppress(Exception):  # the compile asks again and reports its own error
-            pick()
+        def run() -> None:
+            with contextlib.suppress(Exception):  # the compile asks again, reports its error
+                pick()
 
-    thread = threading.Thread(target=run, name="inductor-cpu-isa-probe", daemon=True)
-    _PROBE.append(thread)
-    thread.start()
-    return thread
+        thread = threading.Thread(target=run, name="inductor-cpu-isa-probe", daemon=True)
+        _PROBE.append(thread)
+        thread.start()
+        return thread
