@@ -492,28 +492,22 @@ def _case_peer_stalls(world, where):
     mesh = DeviceMesh.from_group(group, "cpu")
     assert mesh == earlier  # torch's equality ignores the process group
     stall = lambda *_: time.sleep(30)  # noqa: E731
-    if where == "head":  # an embedding and a head on their shards, called directly
+    if where in ("head", "loss"):  # an embedding and a head on their shards, called directly
         torch.manual_seed(0)
         tokens = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7)).double()
         tokens = fm.distributed.shard_model(tokens, mesh, timeout=5, compute_on_shards=["0", "1"])
-        if dist.get_rank() == 1:
-            tokens[1].register_forward_pre_hook(stall)
+        ids = torch.tensor([[1, 2, 3]])
+        if where == "head":  # rank 1 stalls before the head
+            if dist.get_rank() == 1:
+                tokens[1].register_forward_pre_hook(stall)
+            call = lambda: tokens(ids)  # noqa: E731
+        else:  # rank 1 stalls after the embedding, before the loss on the head's shards
+            if dist.get_rank() == 1:
+                tokens[0].register_forward_hook(stall)
+            call = lambda: fm.heads.linear_cross_entropy(tokens[0](ids), tokens[1], ids)  # noqa: E731
         started = time.monotonic()
         try:
-            tokens(torch.tensor([[1, 2, 3]]))
-        except fm.distributed.PeerError as error:
-            return str(error), time.monotonic() - started
-        return None, time.monotonic() - started
-    if where == "loss":  # rank 1 stalls after the embedding, before the loss on the head's shards
-        torch.manual_seed(0)
-        tokens = nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 7)).double()
-        tokens = fm.distributed.shard_model(tokens, mesh, timeout=5, compute_on_shards=["0", "1"])
-        if dist.get_rank() == 1:
-            tokens[0].register_forward_hook(stall)
-        started = time.monotonic()
-        try:
-            ids = torch.tensor([[1, 2, 3]])
-            fm.heads.linear_cross_entropy(tokens[0](ids), tokens[1], ids)
+            call()
         except fm.distributed.PeerError as error:
             return str(error), time.monotonic() - started
         return None, time.monotonic() - started
