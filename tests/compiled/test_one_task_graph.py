@@ -163,3 +163,119 @@ def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients
     assert len(step.compile_seconds) == 1  # one kind of graph call: one task
     worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
     assert worst < 1e-10
+
+
+class _SelfCheckpointed(nn.Module):
+    """A model that checkpoints part of its own forward (non-reentrant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: torch.tanh(self.a(t)), x, use_reentrant=False
+        )
+        return self.b(h)
+
+
+def _real_model(name: str):  # type: ignore[no-untyped-def]
+    """``(net, loss_fn, batch)``: a float64 model and a maker of batches of 3 tasks."""
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(0)
+    if name == "self-checkpointed":
+
+        def regression() -> tuple:
+            return torch.randn(3, 5, 3, generator=g), torch.randn(3, 5, 1, generator=g)
+
+        return _SelfCheckpointed().double(), F.mse_loss, regression
+    if name == "batchnorm-conv":
+
+        def images() -> tuple:
+            labels = torch.randint(0, 3, (3, 6), generator=g)
+            return torch.randn(3, 6, 1, 8, 8, generator=g), labels
+
+        layers = [nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)]
+        return nn.Sequential(*layers).double(), F.cross_entropy, images
+    raise AssertionError(name)
+
+
+def _as64(batch: tuple) -> tuple:
+    return tuple(t.double() if t.is_floating_point() else t for t in batch)
+
+
+@pytest.mark.parametrize("nan", [False, True])
+@pytest.mark.parametrize("name", ["self-checkpointed", "batchnorm-conv"])
+def test_real_models_compiled_one_task_a_call_give_the_plain_paths_meta_gradients(
+    monkeypatch: pytest.MonkeyPatch, name: str, nan: bool
+):
+    """A model that checkpoints itself and a conv net with BatchNorm's batch statistics,
+    compiled for real (``aot_eager``) one task a graph call: the plain path's float64
+    meta-gradients; a NaN in one task's inputs gives NaN where the plain path gives it, and
+    nothing else differs."""
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda fn, **kw: compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager"),
+    )
+    net, loss_fn, batch = _real_model(name)
+    support, query = _as64(batch()), _as64(batch())
+    if nan:
+        support[0][0, 0].fill_(float("nan"))
+    fmodel = fm.functional_model(net)
+    opt = fm.optim.sgd(lr=0.1)
+    plain = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False)
+    expected = _grads(net, lambda: plain(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, task_chunk=1)
+    ours = _grads(net, lambda: step(support, query))
+    assert step.eager_reason is None, step.eager_reason
+    for a, b in zip(ours, expected, strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert (a - b).nan_to_num(nan=0.0).abs().max().item() < 1e-10
+    assert any(a.isnan().any() for a in ours) is nan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_llama_decoder_compiled_one_task_a_call_gives_the_plain_paths_meta_gradients(
+    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
+):
+    """A transformers Llama from a config, compiled for real (``aot_eager``) one task a
+    graph call, with and without its decoder layers checkpointed: the plain path's float64
+    meta-gradients. transformers' RMSNorm computes in float32 whatever the dtype (the
+    per-task graph and the batched plain path round it differently, 2e-8 apart): the check
+    computes it in float64."""
+    from helpers import tiny_llama
+
+    compile_ = torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda fn, **kw: compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager"),
+    )
+    net = tiny_llama(2)
+
+    def rms_norm(self, hidden):  # type: ignore[no-untyped-def]
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        return self.weight * hidden * torch.rsqrt(variance + self.variance_epsilon)
+
+    monkeypatch.setattr(type(net.model.norm), "forward", rms_norm)
+
+    def next_token(out, ids):  # type: ignore[no-untyped-def]
+        logits = out.logits[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+    layers = ["model.layers.0", "model.layers.1"] if checkpointed else None
+    fmodel = fm.functional_model(net, checkpoint_layers=layers)
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(0, 32, (3, 2, 8), generator=g) for _ in range(2)]
+    support, query = ({"input_ids": ids[0]}, ids[0]), ({"input_ids": ids[1]}, ids[1])
+    opt = fm.optim.sgd(lr=0.1)
+    plain = fm.compile_meta_step(fmodel, next_token, opt, steps=2, compile=False)
+    expected = _grads(net, lambda: plain(support, query))
+    step = fm.compile_meta_step(fmodel, next_token, opt, steps=2, task_chunk=1)
+    ours = _grads(net, lambda: step(support, query))
+    assert step.eager_reason is None, step.eager_reason
+    worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
+    assert worst < 1e-10
