@@ -48,18 +48,6 @@ def sinusoid(tasks: int = 4):
     return tuple(tuple(t.to(DTYPE) for t in part) for part in (b.support, b.query))
 
 
-@pytest.fixture
-def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch.compile with the aot_eager backend (the graph as dynamo and AOTAutograd trace
-    it, activation checkpointing's recomputation included, without inductor's build)."""
-    compile_ = torch.compile
-
-    def compile_aot_eager(fn, **kwargs):  # type: ignore[no-untyped-def]
-        return compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager")
-
-    monkeypatch.setattr(torch, "compile", compile_aot_eager)
-
-
 def meta_grads(net: nn.Module, run) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
     for p in net.parameters():
         p.grad = None

@@ -49,16 +49,6 @@ def untied() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
 
 
-@pytest.fixture
-def aot_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    compile_ = torch.compile
-
-    def compile_aot_eager(fn, **kwargs):  # type: ignore[no-untyped-def]
-        return compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager")
-
-    monkeypatch.setattr(torch, "compile", compile_aot_eager)
-
-
 def tasks() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(3)
     make = lambda n: (  # noqa: E731

@@ -141,17 +141,11 @@ def test_a_graph_of_one_task_calls_no_vmap(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients(
-    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
+    aot_eager: None, checkpointed: bool
 ):
     """Compiled for real (``aot_eager``: dynamo and AOTAutograd, the graph as traced), one
     task a graph call, with and without checkpointed layers: the plain path's meta-gradients
     in float64, second order."""
-    compile_ = torch.compile
-    monkeypatch.setattr(
-        torch,
-        "compile",
-        lambda fn, **kw: compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager"),
-    )
     net, support, query = _problem()
     fmodel = fm.functional_model(net, checkpoint_layers=["0", "2"] if checkpointed else None)
     opt = fm.optim.sgd(lr=0.1)
@@ -207,18 +201,12 @@ def _as64(batch: tuple) -> tuple:
 @pytest.mark.parametrize("nan", [False, True])
 @pytest.mark.parametrize("name", ["self-checkpointed", "batchnorm-conv"])
 def test_real_models_compiled_one_task_a_call_give_the_plain_paths_meta_gradients(
-    monkeypatch: pytest.MonkeyPatch, name: str, nan: bool
+    aot_eager: None, name: str, nan: bool
 ):
     """A model that checkpoints itself and a conv net with BatchNorm's batch statistics,
     compiled for real (``aot_eager``) one task a graph call: the plain path's float64
     meta-gradients; a NaN in one task's inputs gives NaN where the plain path gives it, and
     nothing else differs."""
-    compile_ = torch.compile
-    monkeypatch.setattr(
-        torch,
-        "compile",
-        lambda fn, **kw: compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager"),
-    )
     net, loss_fn, batch = _real_model(name)
     support, query = _as64(batch()), _as64(batch())
     if nan:
@@ -239,7 +227,7 @@ def test_real_models_compiled_one_task_a_call_give_the_plain_paths_meta_gradient
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_a_llama_decoder_compiled_one_task_a_call_gives_the_plain_paths_meta_gradients(
-    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
+    aot_eager: None, monkeypatch: pytest.MonkeyPatch, checkpointed: bool
 ):
     """A transformers Llama from a config, compiled for real (``aot_eager``) one task a
     graph call, with and without its decoder layers checkpointed: the plain path's float64
@@ -248,12 +236,6 @@ def test_a_llama_decoder_compiled_one_task_a_call_gives_the_plain_paths_meta_gra
     computes it in float64."""
     from helpers import tiny_llama
 
-    compile_ = torch.compile
-    monkeypatch.setattr(
-        torch,
-        "compile",
-        lambda fn, **kw: compile_(fn, fullgraph=True, dynamic=False, backend="aot_eager"),
-    )
     net = tiny_llama(2)
 
     def rms_norm(self, hidden):  # type: ignore[no-untyped-def]

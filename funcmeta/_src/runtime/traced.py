@@ -133,6 +133,9 @@ def one_task_slices(trees: tuple[Any, ...], dims: tuple[Any, ...]) -> tuple[Any,
         >>> one_task_slices((torch.ones(2, 3),), (0,)) is None
         True
     """
+    # the in-dims tree leads the walk (its leaves 0 or None): core.vmap's loop_flat flattens
+    # the arguments themselves with None as a leaf, which dynamo's optree stand-in does not
+    # trace (torch 2.13: "Unexpected type in sourceless builder")
     sizes: list[int] = []
 
     def take(d: Any, x: Any) -> Any:
