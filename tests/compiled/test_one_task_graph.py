@@ -109,6 +109,18 @@ def _grads(net: nn.Module, run) -> list[torch.Tensor]:  # type: ignore[no-untype
     return [p.grad.clone() for p in net.parameters()]
 
 
+def _compiled_and_plain(net: nn.Module, fmodel, loss_fn, support, query):  # type: ignore[no-untyped-def]
+    """The meta-gradients of a step compiled one task a graph call and of the plain path (two
+    SGD steps), and the compiled step; it must have run compiled."""
+    opt = fm.optim.sgd(lr=0.1)
+    plain = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False)
+    expected = _grads(net, lambda: plain(support, query))
+    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, task_chunk=1)
+    ours = _grads(net, lambda: step(support, query))
+    assert step.eager_reason is None, step.eager_reason
+    return ours, expected, step
+
+
 def test_a_graph_of_one_task_calls_no_vmap(monkeypatch: pytest.MonkeyPatch):
     """A step of one task a graph call runs its computation without ``torch.func.vmap``; a
     step of all tasks in one graph runs it under ``vmap``. Both give the plain path's
@@ -148,12 +160,7 @@ def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients
     in float64, second order."""
     net, support, query = _problem()
     fmodel = fm.functional_model(net, checkpoint_layers=["0", "2"] if checkpointed else None)
-    opt = fm.optim.sgd(lr=0.1)
-    plain = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, compile=False)
-    expected = _grads(net, lambda: plain(support, query))
-    step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, task_chunk=1)
-    ours = _grads(net, lambda: step(support, query))
-    assert step.eager_reason is None, step.eager_reason
+    ours, expected, step = _compiled_and_plain(net, fmodel, F.mse_loss, support, query)
     assert len(step.compile_seconds) == 1  # one kind of graph call: one task
     worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
     assert worst < 1e-10
@@ -212,12 +219,7 @@ def test_real_models_compiled_one_task_a_call_give_the_plain_paths_meta_gradient
     if nan:
         support[0][0, 0].fill_(float("nan"))
     fmodel = fm.functional_model(net)
-    opt = fm.optim.sgd(lr=0.1)
-    plain = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, compile=False)
-    expected = _grads(net, lambda: plain(support, query))
-    step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, task_chunk=1)
-    ours = _grads(net, lambda: step(support, query))
-    assert step.eager_reason is None, step.eager_reason
+    ours, expected, _ = _compiled_and_plain(net, fmodel, loss_fn, support, query)
     for a, b in zip(ours, expected, strict=True):
         assert torch.equal(a.isnan(), b.isnan())
         assert (a - b).nan_to_num(nan=0.0).abs().max().item() < 1e-10
@@ -253,11 +255,6 @@ def test_a_llama_decoder_compiled_one_task_a_call_gives_the_plain_paths_meta_gra
     g = torch.Generator().manual_seed(2)
     ids = [torch.randint(0, 32, (3, 2, 8), generator=g) for _ in range(2)]
     support, query = ({"input_ids": ids[0]}, ids[0]), ({"input_ids": ids[1]}, ids[1])
-    opt = fm.optim.sgd(lr=0.1)
-    plain = fm.compile_meta_step(fmodel, next_token, opt, steps=2, compile=False)
-    expected = _grads(net, lambda: plain(support, query))
-    step = fm.compile_meta_step(fmodel, next_token, opt, steps=2, task_chunk=1)
-    ours = _grads(net, lambda: step(support, query))
-    assert step.eager_reason is None, step.eager_reason
+    ours, expected, _ = _compiled_and_plain(net, fmodel, next_token, support, query)
     worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
     assert worst < 1e-10
