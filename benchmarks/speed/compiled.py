@@ -62,9 +62,10 @@ over S seconds, 3600 by default, and its row says ``> S``):
 - ``JAX cold s``: the first call (tracing, compiling, running once) of the ``jax.jit``-ed
   meta-step in a fresh process with JAX's persistent compilation cache on an empty folder;
   ``JAX warm s``: a second process on that folder (``jax_compilation_cache_dir``, minimum
-  compile time and entry size 0). The first call is timed in its two parts, ``lower(...).compile()`` and the first run (stderr):
-  on a CPU JAX's conv4 compiles in seconds and then runs for many minutes, so a process
-  stopped over its time still tells its compile (``> S (compile X)``). Below the table each
+  compile time and entry size 0). The first call is timed in its two parts,
+  ``lower(...).compile()`` and the first run (stderr): on a CPU JAX's conv4 compiles in
+  seconds and then runs for many minutes, so a process stopped over its time still tells
+  its compile (``> S (compile X)``). Below the table each
   row's compile alone, without the first run, cold / warm: torch's dynamo + AOT + backend
   seconds, JAX's ``lower(...).compile()``;
 - ``first call / JAX's``: the wait for the first meta-gradient, cold, torch's over JAX's:
@@ -82,10 +83,10 @@ at most R times JAX's, with ``--max-compile-seconds S`` its first call (compilin
 once, :attr:`funcmeta.MetaStep.compile_seconds` printed beside it) at most S seconds, and the
 step must run compiled. A first call over S ends that row untimed. With ``--compile-times``:
 ``--max-cold-seconds S`` (the cold compile), ``--max-warm-seconds S`` (the warm one) and
-``--max-cold-jax-ratio R`` (the cold first call over JAX's: ``first call / JAX's``), a process that failed or ran over its time
-failing them. The last line is then
-``RESULT PASS``, ``RESULT FAIL`` (exit status 1) or, where JAX is missing or has no backend for
-the device and nothing failed, ``RESULT SKIP (no JAX)`` (exit status 3: not judged).
+``--max-cold-jax-ratio R`` (the cold first call over JAX's: ``first call / JAX's``), a
+process that failed or ran over its time failing them. The last line is then ``RESULT PASS``,
+``RESULT FAIL`` (exit status 1) or, where JAX is missing or has no backend for the device and
+nothing failed, ``RESULT SKIP (no JAX)`` (exit status 3: not judged).
 
     python benchmarks/speed/compiled.py [--workloads sinusoid conv4 residual16 decoder]
         [--tasks 8 32] [--steps 1 5] [--repeats 20] [--device cpu|cuda] [--threads 1]
@@ -931,8 +932,8 @@ def judge_compile(
     targets: ``FAIL`` where the step ran eagerly, a process failed or ran over its time, the
     cold compile took over ``max_cold`` seconds, the warm one over ``max_warm``, or the cold
     first call (check, compile and every graph call) over ``max_ratio`` times JAX's first
-    call; else ``SKIP`` (reason: why JAX has no
-    figure) where the ratio could not be judged; else ``PASS``."""
+    call; else ``SKIP`` (reason: why JAX has no figure) where the ratio could not be judged;
+    else ``PASS``."""
     fails: list[str] = []
     checks: list[str] = []
     skip = ""
@@ -1122,7 +1123,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         metavar="R",
-        help="judge (--compile-times): the cold compile at most R times jax.jit's cold one",
+        help="judge (--compile-times): the cold first call (the check, the compile and every "
+        "graph call) at most R times jax.jit's cold first call (its compile and one run)",
     )
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)  # a process of its own
     args = parser.parse_args(argv)

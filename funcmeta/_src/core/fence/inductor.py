@@ -290,8 +290,8 @@ def probe_cpu_vector_isa() -> threading.Thread | None:
 
     Inductor picks the instruction set for its CPU kernels the first time it generates one:
     it builds a small library for each set it knows and loads each in a child process. On a
-    new cache directory (``TORCHINDUCTOR_CACHE_DIR``) that takes a C++ build per set, several
-    seconds on a small CPU; with the libraries kept, a child process per set. Started before
+    new cache directory (``TORCHINDUCTOR_CACHE_DIR``) that takes a C++ build per set; with
+    the libraries kept, a child process per set. Started before
     a compile, the builds run in child processes beside dynamo's trace and AOTAutograd
     instead of after them. The result is inductor's own, kept where it keeps it
     (``functools.cache``; the builds behind per-set file locks): a compile that asks before
