@@ -2,14 +2,26 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # A torch that is importable and >= 2.5 is kept as it is; otherwise the pinned CPU build is installed.
 TORCH_PIN ?= torch==2.13.0
-# The torch range the package claims, verified by `make test-matrix`: the floor and the newest release.
-TORCH_FLOOR ?= 2.5.0
+# The torch range the package claims, verified by `make test-matrix`: the floor (the last patch
+# of the oldest release claimed), one release in between and the newest release.
+TORCH_FLOOR ?= 2.5.1
+TORCH_MIDDLE ?= 2.10.0
 TORCH_NEWEST ?= 2.15.0
+# Each capability's exactness tests on the torch of its floor (docs/torch-versions.md): CI runs
+# them (make test-floors). The core and its refusals on the package's floor; checkpoint_steps
+# from 2.7; the sharded runtime from 2.10.
+FLOOR_TESTS_2.5.1 := tests/core/test_capabilities.py tests/core/test_torch_version.py \
+	tests/checkpoint/test_engine.py tests/inner/test_adapt.py tests/inner/test_tasks.py
+FLOOR_TESTS_2.7.1 := tests/core/test_capabilities.py tests/checkpoint/test_engine.py \
+	tests/checkpoint/test_redone_step_losses.py
+FLOOR_TESTS_2.10.0 := tests/core/test_capabilities.py tests/distributed/test_on_shards.py \
+	tests/distributed/test_linear_cross_entropy.py \
+	"tests/distributed/test_sharded.py::test_sharded_meta_gradients_equal_the_unsharded_run"
 
 # pytest-xdist workers for the suite (one per core; each computes on one thread, tests/conftest.py)
 TEST_WORKERS ?= auto
 
-.PHONY: setup setup-dev demo test test-slow test-matrix lint docs bench omniglot gpu-check clean
+.PHONY: setup setup-dev demo test test-slow test-matrix test-floors lint docs bench omniglot gpu-check clean
 
 setup:
 	@$(PYTHON) scripts/has_torch.py || $(PIP) install "$(TORCH_PIN)"
@@ -30,10 +42,18 @@ test: setup-dev
 test-slow: setup-dev
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m slow --durations=8
 
-# The suite on the oldest torch we claim and on the newest release, each in its own
-# environment under .matrix/ (about 4 GB each: PyPI's torch wheels carry CUDA libraries).
+# The suite on the oldest torch we claim, one in between and the newest release, each in its
+# own environment under .matrix/ (about 6 GB each: PyPI's torch wheels carry CUDA libraries),
+# then docs/torch-versions.md from every run there (scripts/torch_matrix.py).
 test-matrix:
-	bash scripts/test_matrix.sh $(TORCH_FLOOR) $(TORCH_NEWEST)
+	bash scripts/test_matrix.sh $(TORCH_FLOOR) $(TORCH_MIDDLE) $(TORCH_NEWEST)
+	$(PYTHON) scripts/torch_matrix.py
+
+# Each capability's exactness tests at its floor, each torch in its .matrix/ environment.
+test-floors:
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.5.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.5.1
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.7.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.7.1
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.10.0)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.10.0
 
 # The documentation with the API reference generated from the docstrings; warnings are errors.
 docs: setup-dev

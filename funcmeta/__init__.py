@@ -40,6 +40,8 @@ from funcmeta._src.compiled.step import compile_meta_step as compile_meta_step
 from funcmeta._src.core.autocast_choice import AutocastChoice as AutocastChoice
 from funcmeta._src.core.autocast_choice import choose_autocast as choose_autocast
 from funcmeta._src.core.autocast_choice import cpu_has_native_bf16 as cpu_has_native_bf16
+from funcmeta._src.core.capabilities import UnsupportedTorchError as UnsupportedTorchError
+from funcmeta._src.core.capabilities import torch_capabilities as torch_capabilities
 from funcmeta._src.core.precision import TF32Warning as TF32Warning
 from funcmeta._src.core.precision import exact_float32 as exact_float32
 from funcmeta._src.core.renames import install as _point_old_names
@@ -85,6 +87,7 @@ __all__ = [
     "TaskAxisWarning",
     "TaskChunk",
     "TaskLosses",
+    "UnsupportedTorchError",
     "__version__",
     "adapt",
     "adapt_tasks",
@@ -113,6 +116,7 @@ __all__ = [
     "checkpoint",
     "snapshot",
     "task_losses",
+    "torch_capabilities",
     "tree",
     "tune_task_chunk",
 ]

@@ -19,6 +19,8 @@ import funcmeta as fm
 # the shared helpers (helpers.py, zoo.py) sit here, above the test folders
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from helpers import report_refusals
+
 # Under pytest-xdist (make test runs one worker per core) each worker computes on one thread:
 # workers with several intra-op threads each would oversubscribe the cores, and a thread pool
 # that waits for a descheduled thread slows every operation many times over on a shared machine.
@@ -28,6 +30,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     _threads = os.environ.get("FUNCMETA_TEST_THREADS", "1")
     torch.set_num_threads(int(_threads))
     os.environ.setdefault("OMP_NUM_THREADS", _threads)
+
+
+# a refusal of a capability this torch lacks is reported as skipped (helpers.report_refusals)
+pytest_runtest_makereport = pytest.hookimpl(hookwrapper=True)(report_refusals)
 
 
 def pytest_collection_modifyitems(config, items):

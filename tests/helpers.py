@@ -14,7 +14,28 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from funcmeta._src.compiled.eager_reasons import AUTOGRAD_GRAPH_TORCH as _graph_torch
+from funcmeta._src.core.capabilities import missing as _missing
+from funcmeta._src.core.capabilities import torch_release as _release
+
 DTYPE = torch.float64
+
+#: Tests of the compiled step's graph and of torch's compiler: they hold from torch 2.13 on, where
+#: the step traces ``torch.autograd.grad`` (``AUTOGRAD_GRAPH_TORCH``). Below it the step compiles
+#: the ``torch.func`` graph, runs eager where that graph breaks and says why (its meta-gradients
+#: the eager path's either way: the unmarked tests of ``tests/compiled`` assert that on every torch).
+GRAPH_TORCH = pytest.mark.skipif(
+    _release() < _graph_torch,
+    reason=f"the compiled step's graph is tested from torch {_graph_torch[0]}.{_graph_torch[1]} on",
+)
+
+#: Tests of a sharded model (``fm.distributed.shard_model``): skipped, with the refusal, on a
+#: torch below the sharded runtime's floor, where ``shard_model`` refuses by name
+#: (``tests/core/test_capabilities.py`` asserts the refusal there).
+NEEDS_SHARDED = pytest.mark.skipif(
+    _missing("sharded models") is not None,
+    reason=f"refused on this torch: {_missing('sharded models')}",
+)
 
 #: The devices a test of CUDA code runs on: the CPU always, so that CI runs each path's logic,
 #: and CUDA where a device exists (the ``cuda`` mark skips it elsewhere). What needs the
@@ -293,3 +314,18 @@ def chunks_run(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
 
     monkeypatch.setattr(EagerRuntime, "over_tasks", spy)
     return seen
+
+
+def report_refusals(item, call):  # type: ignore[no-untyped-def]
+    """``pytest_runtest_makereport`` of the suites' conftests: a test that reaches a
+    capability the running torch lacks ends in that capability's refusal
+    (``funcmeta.UnsupportedTorchError``), reported as skipped with the refusal where the
+    capability is missing on this torch, and as the failure it is anywhere else
+    (``docs/torch-versions.md``)."""
+    outcome = yield
+    report = outcome.get_result()
+    error = call.excinfo.value if call.excinfo is not None else None
+    refused = type(error).__name__ == "UnsupportedTorchError" and hasattr(error, "capability")
+    if report.failed and refused and _missing(error.capability) is not None:
+        report.outcome = "skipped"
+        report.longrepr = (str(item.path), item.location[1] or 0, f"refused: {error}")

@@ -11,6 +11,9 @@ import sys
 
 import pytest
 from bench_scripts import script
+from helpers import NEEDS_SHARDED
+
+pytestmark = NEEDS_SHARDED
 
 pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[dev]'")
 pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[dev]'")

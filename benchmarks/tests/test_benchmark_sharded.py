@@ -9,6 +9,9 @@ import sys
 
 import pytest
 from bench_scripts import script
+from helpers import NEEDS_SHARDED
+
+pytestmark = NEEDS_SHARDED
 
 SCRIPT = script("memory/sharded.py")
 

@@ -11,6 +11,9 @@ import sys
 
 import pytest
 from bench_scripts import script
+from helpers import NEEDS_SHARDED
+
+pytestmark = NEEDS_SHARDED
 
 SCRIPT = script("speed/sharded.py")
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from bench_scripts import load
+from helpers import GRAPH_TORCH
 
 import funcmeta as fm
 
@@ -242,6 +243,7 @@ def test_the_new_workloads_and_their_checkpointed_layers():
     assert abs(loss.item() - math.log(128)) < 0.5  # random weights: about uniform
 
 
+@GRAPH_TORCH
 def test_compile_times_reports_a_cold_and_a_warm_first_call(capsys):
     """The sinusoid (T=2, K=1) with aot_eager: two fresh processes (seconds each), JAX left
     out (the suite does not install it)."""

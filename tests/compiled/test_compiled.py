@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from helpers import GRAPH_TORCH
 from torch import nn
 
 import funcmeta as fm
@@ -463,6 +464,7 @@ def test_real_sequence_models_fall_back_with_the_plain_paths_numbers(kind):
     falls_back_exactly(net, fmodel, F.cross_entropy, support, query, steps=2)
 
 
+@GRAPH_TORCH
 def test_the_inner_loop_options_compile_with_the_plain_paths_meta_gradients():
     """torch.compile for real on the options the graph holds beside first_order and
     trainable: clip_grad_norm, truncate and allow_unused, float64, to 1e-10."""
@@ -700,6 +702,7 @@ def test_inductors_vector_probe_runs_once_a_process_and_gives_inductors_choice()
     assert isinstance(cpu_vec_isa.pick_vec_isa(), cpu_vec_isa.VecISA)
 
 
+@GRAPH_TORCH
 def test_inductors_vector_probe_imports_nothing_in_its_thread(tmp_path):
     """Everything the probe's thread imports is imported before it starts (no module is
     imported by two threads at once), on a new cache directory, where it builds."""
@@ -796,6 +799,7 @@ def test_auto_on_a_cpu_is_the_rule_of_functional_models_auto():
     assert torch.allclose(ours_loss, plain_loss, rtol=1e-12, atol=0)
 
 
+@GRAPH_TORCH
 def test_torch_compile_still_traces_no_checkpoint_inside_torch_func_grad():
     """Why a checkpointed model's step runs eagerly (eager_reasons.checkpointed_layers): under
     torch.compile, torch.utils.checkpoint inside torch.func.grad raises (saved-tensor hooks

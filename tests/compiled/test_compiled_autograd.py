@@ -14,7 +14,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_llama
+from helpers import GRAPH_TORCH, tiny_llama
 from torch import nn
 
 import funcmeta as fm
@@ -343,6 +343,7 @@ def test_dropout_recomputed_in_the_graph_runs_eagerly_naming_the_layer(aot_eager
     assert "'1.1' (Dropout)" in (step.eager_reason or "")
 
 
+@GRAPH_TORCH
 def test_the_recomputation_is_part_of_torchs_compile_cache_key() -> None:
     """torch's AOTAutograd cache keys a graph by its code, which the step annotations leave
     alone: while a step compiles with its recomputation, torch's cache key tag names the mode

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import GRAPH_TORCH
 from test_compiled import conv, images, meta_grads, relative, setup, sinusoid
 
 import funcmeta as fm
@@ -163,6 +164,7 @@ def test_a_recomputing_step_compiles_without_the_locality_reorder(
     )
 
 
+@GRAPH_TORCH
 def test_a_recomputing_step_on_cuda_writes_its_mode_out(monkeypatch):
     """On CUDA the plan's reduce-overhead becomes its options, with the order kept, and the
     step still replays CUDA graphs."""

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import GRAPH_TORCH
 from torch import nn
 
 import funcmeta as fm
@@ -87,6 +88,7 @@ MODELS = {
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@GRAPH_TORCH
 def test_models_that_cannot_be_one_graph_say_why_in_their_terms(name):
     """On the torch.func graph (the autograd graph compiles some of them:
     tests/compiled/test_compiled_autograd.py)."""
@@ -108,6 +110,7 @@ def test_models_that_cannot_be_one_graph_say_why_in_their_terms(name):
     assert any(reason in str(w.message) for w in caught)
 
 
+@GRAPH_TORCH
 def test_rates_over_frozen_layers_compile():
     """Rates built over every parameter, with trainable= a subset: the rates of the layers
     held fixed are unused, as on the plain path, and the step compiles."""

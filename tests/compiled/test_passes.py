@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GRAPH_TORCH
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from funcmeta._src.compiled.passes import cpu_passes, orient_bmm
@@ -72,6 +73,7 @@ def test_the_inductor_option_is_keyed_by_the_code():
     assert graph_pass.uuid().startswith("funcmeta.orient_bmm.")
 
 
+@GRAPH_TORCH
 def test_max_pool_backward_compiles_as_atens_kernel_with_the_same_values():
     """Inside ``fence.inductor_aten_max_pool_backward`` a compiled second-order gradient
     through max pooling (windows apart and overlapping) calls aten's backward kernel and

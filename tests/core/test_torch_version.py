@@ -46,15 +46,45 @@ def test_torch_within_the_claimed_range():
 
 
 def test_readme_records_the_tested_range():
+    """The README names the torch releases make test-matrix runs, and the floors it states
+    are those of funcmeta/_src/core/capabilities.py."""
+    from funcmeta._src.core.capabilities import CAPABILITIES
+
     spec = _claimed()
     floor = spec.split(">=")[1]
     makefile = (ROOT / "Makefile").read_text()
-    tested_floor = re.search(r"^TORCH_FLOOR \?= (\S+)", makefile, re.M).group(1)
-    newest = re.search(r"^TORCH_NEWEST \?= (\S+)", makefile, re.M).group(1)
-    assert _version(tested_floor)[:2] == _version(floor)[:2], (
-        f"make test-matrix tests torch {tested_floor}, but pyproject.toml claims {spec}"
+    named = {
+        key: re.search(rf"^TORCH_{key} \?= (\S+)", makefile, re.M).group(1)
+        for key in ("FLOOR", "MIDDLE", "NEWEST")
+    }
+    assert _version(named["FLOOR"])[:2] == _version(floor)[:2], (
+        f"make test-matrix tests torch {named['FLOOR']}, but pyproject.toml claims {spec}"
     )
     readme = (ROOT / "README.md").read_text()
-    assert f"torch {tested_floor}" in readme and f"torch {newest}" in readme, (
-        "the README must name the torch versions make test-matrix runs"
-    )
+    for version in named.values():
+        assert f"**torch {version}**" in readme, (
+            f"the README must name torch {version}, which make test-matrix runs"
+        )
+    for name, words in (
+        ("checkpoint_steps", "`checkpoint_steps` needs torch"),
+        ("sharded models", "sharded runtime (`fm.distributed.shard_model`)\ntorch"),
+    ):
+        wanted = ".".join(map(str, CAPABILITIES[name].floor))
+        assert f"{words} {wanted}" in readme, (name, wanted)
+
+
+def test_the_generated_table_covers_the_matrix_and_agrees_with_the_floors():
+    """docs/torch-versions.md (scripts/torch_matrix.py) has a row for each torch make
+    test-matrix runs, no failure, and each capability's floor as capabilities.py has it."""
+    from funcmeta._src.core.capabilities import CAPABILITIES
+
+    table = (ROOT / "docs" / "torch-versions.md").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    for key in ("FLOOR", "MIDDLE", "NEWEST"):
+        version = re.search(rf"^TORCH_{key} \?= (\S+)", makefile, re.M).group(1)
+        assert f"\n| {version} | " in table, f"docs/torch-versions.md has no row for {version}"
+    assert "failed**" not in table, "a torch release in docs/torch-versions.md has failures"
+    for name, capability in CAPABILITIES.items():
+        floor = ".".join(map(str, capability.floor))
+        found = re.search(rf"^- {re.escape(name)}: torch (\d+\.\d+)", table, re.M)
+        assert found and found.group(1) == floor, (name, floor, found and found.group(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GRAPH_TORCH
 
 from funcmeta import tree
 
@@ -75,6 +76,7 @@ def test_paths_and_flatten():
     assert tree.unflatten(spec, leaves)["b"] is nested["b"]
 
 
+@GRAPH_TORCH
 def test_a_traced_tree_walk_gives_the_eager_leaves_and_structure() -> None:
     """While dynamo traces, funcmeta's tree functions tell optree that a plain tensor is a
     leaf (skipping a registry lookup per node): the same leaves, in the same order, and the

@@ -12,11 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import NEEDS_SHARDED, spawn_gloo
 from torch import nn
 
 import funcmeta as fm
 from funcmeta._src.distributed import comm
+
+pytestmark = NEEDS_SHARDED
 
 FROZEN = ["0.weight", "0.bias", "2.weight", "2.bias"]  # the head, 4.*, is learnt
 

@@ -13,10 +13,12 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import NEEDS_SHARDED, spawn_gloo
 from torch import nn
 
 import funcmeta as fm
+
+pytestmark = NEEDS_SHARDED
 
 IGNORE = -100
 #: The layers computed on their shards: no whole-vocabulary weight is ever gathered.

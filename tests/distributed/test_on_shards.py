@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import NEEDS_SHARDED, spawn_gloo
 from torch import nn
 
 import funcmeta as fm
+
+pytestmark = NEEDS_SHARDED
 
 
 class _Tokens(nn.Module):

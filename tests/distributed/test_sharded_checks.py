@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import spawn_gloo, tiny_llama
+from helpers import NEEDS_SHARDED, spawn_gloo, tiny_llama
 from torch import nn
 
 import funcmeta as fm
 
-pytestmark = pytest.mark.xdist_group("sharded")
+pytestmark = [NEEDS_SHARDED, pytest.mark.xdist_group("sharded")]
 
 
 def _net(dropout: float = 0.0) -> nn.Module:

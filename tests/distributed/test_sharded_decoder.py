@@ -16,9 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import spawn_gloo, tiny_llama
+from helpers import NEEDS_SHARDED, spawn_gloo, tiny_llama
 
 import funcmeta as fm
+
+pytestmark = NEEDS_SHARDED
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed: pip install -e '.[dev]'"

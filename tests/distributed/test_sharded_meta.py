@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import spawn_gloo
+from helpers import NEEDS_SHARDED, spawn_gloo
 from torch import nn
 
 import funcmeta as fm
@@ -22,7 +22,7 @@ transformers = pytest.importorskip(
 )
 peft = pytest.importorskip("peft", reason="peft is not installed: pip install -e '.[dev]'")
 
-pytestmark = pytest.mark.xdist_group("sharded")
+pytestmark = [NEEDS_SHARDED, pytest.mark.xdist_group("sharded")]
 
 CONFIG = {
     "vocab_size": 30,  # 30 rows: 10 per rank on 3, and 15 on 2

@@ -12,6 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import NEEDS_SHARDED
+
+pytestmark = NEEDS_SHARDED
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharded_maml.py"
 

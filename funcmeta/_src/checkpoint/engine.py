@@ -57,7 +57,7 @@ from funcmeta._src.core import kernels, tree
 from funcmeta._src.core.fence import AutocastState, saved_hooks_in_force
 from funcmeta._src.core.replay import recomputation
 from funcmeta._src.core.saved import keep, kept
-from funcmeta._src.core.sharding import ShardingError, saving_split
+from funcmeta._src.core.sharding import saving_split
 from funcmeta._src.module import scope
 
 __all__ = [
@@ -412,17 +412,6 @@ class _Checkpoint(torch.autograd.Function):
         return tuple(result)
 
 
-#: A checkpointed layer whose VJP torch's DTensor cannot differentiate again with respect to
-#: its sharded parameters (docs/decisions/sharded-parameters.md).
-_TWICE_THROUGH_SHARDS = (
-    "a checkpointed layer's second derivative with respect to its sharded parameters failed "
-    "inside torch's DTensor (its double backward met a plain tensor where it needs a DTensor: "
-    "'_local_tensor'). torch 2.13 does this for F.layer_norm (nn.LayerNorm) checkpointed as a "
-    "layer of its own; checkpoint the block that contains it (checkpoint_layers=['blocks.0', "
-    "...]) or leave it out of checkpoint_layers"
-)
-
-
 class _CheckpointVJP(torch.autograd.Function):
     """The VJP of a :class:`_Checkpoint` function, recorded as one node (see the module
     docstring). Inputs: the function's input tensors, then the gradients of its outputs."""
@@ -463,18 +452,9 @@ class _CheckpointVJP(torch.autograd.Function):
             edges = [torch.autograd.graph.get_gradient_edge(v) for v, _ in pairs]
             given = [c for _, c in pairs]
             del vjps, pairs
-            try:
-                grads = torch.autograd.grad(
-                    edges,
-                    [xs[i] for i in need],
-                    given,
-                    create_graph=record,
-                    allow_unused=True,
-                )
-            except AttributeError as error:
-                if "_local_tensor" not in str(error):
-                    raise
-                raise ShardingError(_TWICE_THROUGH_SHARDS) from error
+            grads = torch.autograd.grad(
+                edges, [xs[i] for i in need], given, create_graph=record, allow_unused=True
+            )
         for i, g in zip(need, grads, strict=True):
             result[4 + i] = g
         return tuple(result)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from funcmeta._src.distributed import comm
+from funcmeta._src.distributed import comm, crossing
 from funcmeta._src.distributed.parallel import _NARROW, _Copy, _local_rows, _Sum, _widened
 
 __all__ = ["cross_entropy_on_shards"]
@@ -46,8 +46,8 @@ def cross_entropy_on_shards(
     caller checks)."""
     weight, bias = cast(Any, head.weight), cast(Any, head.bias)
     start, _, _ = _local_rows(runtime, weight, what)
-    local = weight.to_local()
-    local_bias = None if bias is None else bias.to_local()
+    local = crossing.local(weight)
+    local_bias = None if bias is None else crossing.local(bias)
     with runtime.keeping_whole():
         return _CrossEntropyOnShards.apply(
             runtime, hidden, local, local_bias, targets, start, ignore_index, what

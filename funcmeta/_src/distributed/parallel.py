@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from funcmeta._src.core.sharding import ShardingError, is_sharded
-from funcmeta._src.distributed import comm
+from funcmeta._src.distributed import comm, crossing
 
 __all__ = ["choose_on_shards", "install_on_shards", "on_shards"]
 
@@ -180,7 +180,7 @@ def _embedding(runtime: Any, what: str, layer: nn.Embedding, ids: Tensor) -> Ten
             f"{weight.shape[0]} rows"
         )
     start, count, _ = _local_rows(runtime, weight, what)
-    local = weight.to_local()
+    local = crossing.local(weight)
     inside = (ids >= start) & (ids < start + count)
     pad = layer.padding_idx
     mine = pad - start if pad is not None and start <= pad < start + count else None
@@ -203,7 +203,8 @@ def _linear(runtime: Any, what: str, layer: nn.Linear, x: Tensor) -> Tensor:
     if not is_sharded(weight):  # whole (gather_params): the layer's own forward
         return nn.Linear.forward(layer, x)
     _, _, sizes = _local_rows(runtime, weight, what)
-    local, local_bias = weight.to_local(), None if bias is None else bias.to_local()
+    local = crossing.local(weight)
+    local_bias = None if bias is None else crossing.local(bias)
     # what autograd saves of this rank's part (its shard, the slice of the gradient that
     # reaches it) differs between the ranks: kept whole, where the replicated activations
     # around it keep only a slice (ShardedRuntime.splitting)

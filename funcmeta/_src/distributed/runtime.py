@@ -60,7 +60,7 @@ from funcmeta._src.core.fence import (
 from funcmeta._src.core.saved import keep, kept
 from funcmeta._src.core.sharding import ShardingError, is_sharded
 from funcmeta._src.core.vmap import loop_flat
-from funcmeta._src.distributed import comm
+from funcmeta._src.distributed import comm, crossing
 from funcmeta._src.module import scope
 from funcmeta._src.module.functional import FunctionalModel
 from funcmeta._src.runtime import EAGER, EagerRuntime, Runtime
@@ -464,7 +464,7 @@ class _LayerGather:
         whole = False
         for name, shard in shards.items():
             what = f"{type(module).__name__} parameter {name!r}"
-            full = comm.gather_whole(shard, f"gathering {what} across the mesh")
+            full = crossing.whole(shard, what)
             if full.data_ptr() != shard.to_local().data_ptr():  # one rank: the shard itself
                 _remember(full, shard, what)
                 whole = True

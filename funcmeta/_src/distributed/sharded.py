@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from funcmeta._src.core.capabilities import require
 from funcmeta._src.core.checks import check_real
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.fence import buffer_dict, parameter_dict
@@ -268,7 +269,8 @@ def shard_model(
     ``init`` (or ``init`` and none), and an ``init`` that returns anything but a tensor of
     the meta tensor's shape and dtype, raise :class:`ShardingError` naming the tensor; an
     ``init`` that gives the ranks different values raises it on every rank once the model is
-    placed (the ranks compare a checksum of all the values).
+    placed (the ranks compare a checksum of all the values). A torch older than the sharded
+    runtime's floor raises :class:`funcmeta.UnsupportedTorchError` (``docs/torch-versions.md``).
 
     Example (one process; under ``torchrun`` every rank runs the same code):
         >>> import tempfile, torch, torch.distributed as dist
@@ -283,6 +285,7 @@ def shard_model(
     """
     from torch.distributed.tensor import Replicate, Shard
 
+    require("sharded models", "fm.distributed.shard_model")
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard_model takes an nn.Module, got {type(module).__name__}")
     check_real(timeout, "timeout (seconds)", low=0.0, low_open=True)

@@ -28,6 +28,7 @@ from typing import Any, Literal, TypedDict, TypeVar, cast
 from torch import Tensor
 from torch.amp import GradScaler
 
+from funcmeta._src.core.capabilities import require
 from funcmeta._src.core.checks import check_choice, check_int, check_max_norm, check_real
 from funcmeta._src.core.exposed import exposed_in
 from funcmeta._src.core.tree import Filter
@@ -101,6 +102,8 @@ class AdaptOptions:
         for name in ("first_order", "allow_unused", "checkpoint_steps", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.checkpoint_steps:
+            require("checkpoint_steps", "checkpoint_steps=True")
         truncate = self.truncate
         check_int(truncate, "truncate", what="a non-negative int")
         scale = self.loss_scale
