@@ -9,12 +9,12 @@ TORCH_MIDDLE ?= 2.10.0
 TORCH_NEWEST ?= 2.15.0
 # Each capability's exactness tests on the torch of its floor (docs/torch-versions.md): CI runs
 # them (make test-floors). The core and its refusals on the package's floor; checkpoint_steps
-# from 2.7; the sharded runtime from 2.10.
+# from 2.7; the sharded runtime from 2.11.
 FLOOR_TESTS_2.5.1 := tests/core/test_capabilities.py tests/core/test_torch_version.py \
 	tests/checkpoint/test_engine.py tests/inner/test_adapt.py tests/inner/test_tasks.py
 FLOOR_TESTS_2.7.1 := tests/core/test_capabilities.py tests/checkpoint/test_engine.py \
 	tests/checkpoint/test_redone_step_losses.py
-FLOOR_TESTS_2.10.0 := tests/core/test_capabilities.py tests/distributed/test_on_shards.py \
+FLOOR_TESTS_2.11.0 := tests/core/test_capabilities.py tests/distributed/test_on_shards.py \
 	tests/distributed/test_linear_cross_entropy.py \
 	"tests/distributed/test_sharded.py::test_sharded_meta_gradients_equal_the_unsharded_run"
 
@@ -53,7 +53,7 @@ test-matrix:
 test-floors:
 	MATRIX_PYTEST='$(FLOOR_TESTS_2.5.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.5.1
 	MATRIX_PYTEST='$(FLOOR_TESTS_2.7.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.7.1
-	MATRIX_PYTEST='$(FLOOR_TESTS_2.10.0)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.10.0
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.11.0)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.11.0
 
 # The documentation with the API reference generated from the docstrings; warnings are errors.
 docs: setup-dev

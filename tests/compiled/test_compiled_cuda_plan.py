@@ -142,6 +142,7 @@ def _spied_compile(monkeypatch):
     ("layers", "steps_checkpointed", "recomputes"),
     [("sequential", False, True), (None, True, True), (None, False, False)],
 )
+@GRAPH_TORCH
 def test_a_recomputing_step_compiles_without_the_locality_reorder(
     monkeypatch, layers, steps_checkpointed, recomputes
 ):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import GRAPH_TORCH
 from torch import nn
 
 import funcmeta as fm
@@ -83,6 +84,7 @@ GRAPHS = ["torch.func"] + ([] if autograd_untraceable() is not None else ["autog
 
 @pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("make", [TiedPair, Twice, untied], ids=["tied", "twice", "untied"])
+@GRAPH_TORCH
 def test_the_compiled_step_equals_adapt_tasks_with_and_without_ties(
     aot_eager: None, make, graph: str
 ) -> None:  # type: ignore[no-untyped-def]

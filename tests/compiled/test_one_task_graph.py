@@ -9,6 +9,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import GRAPH_TORCH
 from torch import nn
 
 import funcmeta as fm
@@ -152,6 +153,7 @@ def test_a_graph_of_one_task_calls_no_vmap(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
+@GRAPH_TORCH
 def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients(
     aot_eager: None, checkpointed: bool
 ):
@@ -207,6 +209,7 @@ def _as64(batch: tuple) -> tuple:
 
 @pytest.mark.parametrize("nan", [False, True])
 @pytest.mark.parametrize("name", ["self-checkpointed", "batchnorm-conv"])
+@GRAPH_TORCH
 def test_real_models_compiled_one_task_a_call_give_the_plain_paths_meta_gradients(
     aot_eager: None, name: str, nan: bool
 ):

@@ -97,7 +97,7 @@ def test_an_older_torch_refuses_at_the_call(monkeypatch):
     with pytest.raises(fm.UnsupportedTorchError, match=r"torch 2\.6\.0\+cu124 is installed"):
         _steps_call(checkpoint_steps=True)
     _steps_call()  # the plain inner loop runs
-    with pytest.raises(fm.UnsupportedTorchError, match=r"sharded models needs torch >= 2\.10"):
+    with pytest.raises(fm.UnsupportedTorchError, match=r"sharded models needs torch >= 2\.11"):
         fm.distributed.shard_model(nn.Linear(2, 2), None)
 
 

@@ -75,10 +75,11 @@ CAPABILITIES: dict[str, Capability] = {
         "meta-gradients without a word",
     ),
     "sharded models": Capability(
-        (2, 10),
+        (2, 11),
         (),
-        "DTensor has no sharding rule before 2.10 for operations the inner loops run on "
-        "shards (softplus of a learnable rate, unbind and select of per-step rates)",
+        "DTensor has no sharding rule before 2.11 for operations the inner loops run on "
+        "shards: softplus (a learnable rate's parameterization; 2.10 and older), unbind and "
+        "select (per-step rates; 2.9 and older)",
     ),
 }
 
