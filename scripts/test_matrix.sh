@@ -14,6 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# each environment keeps what it installed; pip's cache would hold every wheel a second time
+export PIP_NO_CACHE_DIR=${PIP_NO_CACHE_DIR:-1}
 PYTEST_ARGS=${MATRIX_PYTEST:-"-m 'not slow'"}
 WORKERS=${TEST_WORKERS:-auto}
 [ "$#" -gt 0 ] || { echo "usage: $0 TORCH_VERSION..." >&2; exit 2; }

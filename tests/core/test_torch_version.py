@@ -88,3 +88,17 @@ def test_the_generated_table_covers_the_matrix_and_agrees_with_the_floors():
         floor = ".".join(map(str, capability.floor))
         found = re.search(rf"^- {re.escape(name)}: torch (\d+\.\d+)", table, re.M)
         assert found and found.group(1) == floor, (name, floor, found and found.group(0))
+
+
+def test_make_test_floors_runs_each_capability_at_its_floor():
+    """CI's make test-floors runs tests on the torch of each capability's floor: one
+    FLOOR_TESTS_<version> per floor, each run by the target."""
+    from funcmeta._src.core.capabilities import CAPABILITIES
+
+    makefile = (ROOT / "Makefile").read_text()
+    versions = re.findall(r"^FLOOR_TESTS_(\S+) :=", makefile, re.M)
+    target = makefile[makefile.index("test-floors:") :]
+    for version in versions:
+        assert f"$(FLOOR_TESTS_{version})" in target and f"test_matrix.sh {version}" in target
+    floors = {_version(v)[:2] for v in versions}
+    assert {c.floor for c in CAPABILITIES.values()} <= floors, (floors, CAPABILITIES)
