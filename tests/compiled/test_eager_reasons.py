@@ -141,3 +141,17 @@ def test_rates_over_frozen_layers_compile():
         )
     for a, b_ in zip(*grads, strict=True):
         torch.testing.assert_close(a, b_, rtol=1e-10, atol=1e-12)
+
+
+def test_a_delayed_graph_break_names_the_recurrent_layer_that_delayed_it():
+    """torch 2.15 turns an RNN into a delayed graph break whose error names no RNN
+    ("cannot determine type of argument DelayGraphBreakVariable()"): the reason names the
+    model's recurrent layers as on 2.13; in a model without one, it is no RNN's."""
+    from funcmeta._src.compiled.eager_reasons import explain
+
+    error = RuntimeError(
+        "builtin isinstance() cannot determine type of argument DelayGraphBreakVariable()"
+    )
+    said = explain(error, Sequence("lstm"))
+    assert "nn.LSTM" in said and "the layers that stop it: 'body' (LSTM)" in said, said
+    assert "nn.LSTM" not in explain(error, nn.Linear(2, 2))

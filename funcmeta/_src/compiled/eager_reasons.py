@@ -59,12 +59,15 @@ _PLAIN = "fm.adapt_tasks (the same meta-gradients; the step runs it now)"
 class Rule(NamedTuple):
     """A known cause: any of ``words`` in the errors' text (lower case) names it; ``says``
     is the cause and the change, in the model's terms; the model's layers of the classes
-    ``layers`` are the ones that stop the graph, named in the reason."""
+    ``layers`` are the ones that stop the graph, named in the reason. Any of ``with_layers``
+    names it too where the model has such a layer: a graph break that torch delays to a
+    later operation, whose text names no layer."""
 
     name: str
     words: tuple[str, ...]
     says: str
     layers: tuple[type[nn.Module], ...] = ()
+    with_layers: tuple[str, ...] = ()
 
 
 RULES: list[Rule] = [
@@ -83,6 +86,9 @@ RULES: list[Rule] = [
         "the model has an nn.RNN, nn.LSTM or nn.GRU: torch.compile does not trace those "
         f"layers inside torch.func transforms; use {_PLAIN}, which batches them itself",
         (nn.RNNBase,),
+        # torch 2.15 delays the refusal of an RNN to the next use of the layer (dynamo's
+        # DelayGraphBreakVariable), whose error names no RNN
+        ("delaygraphbreakvariable",),
     ),
     Rule(
         "own checkpoints",
@@ -221,7 +227,10 @@ def explain(error: BaseException, module: nn.Module | None = None) -> str:
     unknown cause keeps torch's first line and says how to see where tracing stopped."""
     text = _text(error)
     for rule in RULES:
-        if any(word in text for word in rule.words):
+        named = any(word in text for word in rule.words) or (
+            any(word in text for word in rule.with_layers) and bool(_layers(module, rule.layers))
+        )
+        if named:
             return f"{rule.says}{_layers(module, rule.layers)} ({type(error).__name__})"
     return (
         f"{type(error).__name__}: {first_line(error)}. torch.compile could not compile this "
