@@ -3,6 +3,9 @@ from the runs of ``scripts/test_matrix.sh`` (``make test-matrix``): each environ
 ``.matrix/torch-VERSION/`` holds the suite's ``junit.xml`` and ``capabilities.json`` (what
 ``fm.torch_capabilities()`` said there).
 
+Every junit file of an environment counts, oldest first: a later run of some tests (a
+subset rerun after a fix, ``MATRIX_JUNIT=rerun.xml``) gives their latest outcome.
+
 A capability's cell says ``exact`` where the capability runs on that torch and none of its
 tests failed, ``refused`` where it refuses by name there (``funcmeta.UnsupportedTorchError``),
 and the failures otherwise. Its tests are picked by the pattern of :data:`AREAS` (a test's
@@ -59,12 +62,13 @@ def _test_id(case: ET.Element) -> str:
 
 def read(env: Path) -> Run | None:
     """The run recorded in ``env``, or ``None`` where it holds no complete run."""
-    junit, caps = env / "junit.xml", env / "capabilities.json"
-    if not (junit.exists() and caps.exists()):
+    caps = env / "capabilities.json"
+    junits = sorted(env.glob("*.xml"), key=lambda p: p.stat().st_mtime_ns)
+    if not (junits and caps.exists()):
         return None
     said = json.loads(caps.read_text())
     run = Run(said["torch"], said["capabilities"])
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in (c for junit in junits for c in ET.parse(junit).getroot().iter("testcase")):
         kinds = {child.tag for child in case}
         outcome = (
             "failed"

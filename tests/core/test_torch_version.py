@@ -74,16 +74,17 @@ def test_readme_records_the_tested_range():
 
 
 def test_the_generated_table_covers_the_matrix_and_agrees_with_the_floors():
-    """docs/torch-versions.md (scripts/torch_matrix.py) has a row for each torch make
-    test-matrix runs, no failure, and each capability's floor as capabilities.py has it."""
+    """docs/torch-versions.md (scripts/torch_matrix.py) has a row without a failure for each
+    torch make test-matrix runs, and each capability's floor as capabilities.py has it."""
     from funcmeta._src.core.capabilities import CAPABILITIES
 
     table = (ROOT / "docs" / "torch-versions.md").read_text()
     makefile = (ROOT / "Makefile").read_text()
     for key in ("FLOOR", "MIDDLE", "NEWEST"):
         version = re.search(rf"^TORCH_{key} \?= (\S+)", makefile, re.M).group(1)
-        assert f"\n| {version} | " in table, f"docs/torch-versions.md has no row for {version}"
-    assert "failed**" not in table, "a torch release in docs/torch-versions.md has failures"
+        row = re.search(rf"^\| {re.escape(version)} \|.*$", table, re.M)
+        assert row, f"docs/torch-versions.md has no row for {version}"
+        assert "failed**" not in row.group(0), f"torch {version} has failures: {row.group(0)}"
     for name, capability in CAPABILITIES.items():
         floor = ".".join(map(str, capability.floor))
         found = re.search(rf"^- {re.escape(name)}: torch (\d+\.\d+)", table, re.M)
