@@ -9,10 +9,10 @@ TORCH_MIDDLE ?= 2.10.0
 TORCH_NEWEST ?= 2.15.0
 # Each capability's exactness tests on the torch of its floor (docs/torch-versions.md): CI runs
 # them (make test-floors). The core and its refusals on the package's floor; checkpoint_steps
-# from 2.7; the sharded runtime from 2.11.
+# from 2.8; the sharded runtime from 2.11.
 FLOOR_TESTS_2.5.1 := tests/core/test_capabilities.py tests/core/test_torch_version.py \
 	tests/checkpoint/test_engine.py tests/inner/test_adapt.py tests/inner/test_tasks.py
-FLOOR_TESTS_2.7.1 := tests/core/test_capabilities.py tests/checkpoint/test_engine.py \
+FLOOR_TESTS_2.8.0 := tests/core/test_capabilities.py tests/checkpoint/test_engine.py \
 	tests/checkpoint/test_redone_step_losses.py
 FLOOR_TESTS_2.11.0 := tests/core/test_capabilities.py tests/distributed/test_on_shards.py \
 	tests/distributed/test_linear_cross_entropy.py \
@@ -49,11 +49,14 @@ test-matrix:
 	bash scripts/test_matrix.sh $(TORCH_FLOOR) $(TORCH_MIDDLE) $(TORCH_NEWEST)
 	$(PYTHON) scripts/torch_matrix.py
 
-# Each capability's exactness tests at its floor, each torch in its .matrix/ environment.
+# Each capability's exactness tests at its floor, each torch in its .matrix/ environment; every
+# floor runs, and the target fails if any of them failed.
 test-floors:
-	MATRIX_PYTEST='$(FLOOR_TESTS_2.5.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.5.1
-	MATRIX_PYTEST='$(FLOOR_TESTS_2.7.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.7.1
-	MATRIX_PYTEST='$(FLOOR_TESTS_2.11.0)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.11.0
+	@status=0; \
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.5.1)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.5.1 || status=1; \
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.8.0)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.8.0 || status=1; \
+	MATRIX_PYTEST='$(FLOOR_TESTS_2.11.0)' MATRIX_JUNIT=floors.xml bash scripts/test_matrix.sh 2.11.0 || status=1; \
+	exit $$status
 
 # The documentation with the API reference generated from the docstrings; warnings are errors.
 docs: setup-dev

@@ -33,7 +33,7 @@ OUT = ROOT / "docs" / "torch-versions.md"
 AREAS: dict[str, str] = {
     "inner loops": r"^tests/(inner|optim|hyper|recipes|implicit|learned|heads|module|models|core)/",
     "checkpoint_layers": r"^tests/checkpoint/",
-    "checkpoint_steps": r"steps",
+    "checkpoint_steps": r"checkpoint_steps|redone_step|\[[^\]]*steps[^\]]*\]",
     "task batching": r"^tests/batching/",
     "compiled step": r"^tests/compiled/",
     "sharded models": r"^tests/distributed/test_(sharded|on_shards|linear_cross|keep_frozen)",
@@ -89,7 +89,7 @@ def _cell(run: Run, name: str) -> str:
         return f"**{failed} failed**, {passed} passed"
     if run.refused.get(name):
         return "refused"
-    return f"exact ({passed})"
+    return f"exact ({passed})" if passed else "untested"
 
 
 def _release(version: str) -> tuple[int, ...]:

@@ -326,7 +326,7 @@ def test_the_layering_check_catches_an_implementation_in_a_public_module(tmp_pat
 
 def test_every_private_access_exists_on_this_torch_or_its_capability_refuses():
     """A private access this torch lacks is one a capability needs, and that capability
-    refuses here (funcmeta._src.core.capabilities): on torch 2.5 and 2.6, the query of the
+    refuses here (funcmeta._src.core.capabilities): on torch 2.5 to 2.7, the query of the
     saved-tensor hooks in force, for checkpoint_steps. Any other missing access fails."""
     from funcmeta._src.core.capabilities import CAPABILITIES, missing
 

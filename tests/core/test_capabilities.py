@@ -63,16 +63,16 @@ def test_below_a_floor_the_reason_names_capability_installed_and_needed(name):
 
 
 def test_checkpoint_steps_runs_or_refuses_on_the_running_torch():
-    """On 2.5 and 2.6 (no query of the saved-tensor hooks in force) a step checkpoint could
+    """On 2.5 to 2.7 (no query of the saved-tensor hooks in force) a step checkpoint could
     not refuse a forward that writes a saved tensor in place: it refuses itself, by name.
-    From 2.7 on it runs and gives the plain run's meta-gradients."""
+    From 2.8 on it runs and gives the plain run's meta-gradients."""
     why = missing("checkpoint_steps")
     if why is not None:
         with pytest.raises(fm.UnsupportedTorchError) as raised:
             _steps_call(checkpoint_steps=True)
         message = str(raised.value)
         assert message.startswith("checkpoint_steps=True: checkpoint_steps needs ")
-        assert torch.__version__ in message and "torch>=2.7" in message
+        assert torch.__version__ in message and "torch>=2.8" in message
         return
     for a, b in zip(_steps_call(checkpoint_steps=True), _steps_call(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

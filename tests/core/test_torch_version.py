@@ -100,6 +100,6 @@ def test_make_test_floors_runs_each_capability_at_its_floor():
     versions = re.findall(r"^FLOOR_TESTS_(\S+) :=", makefile, re.M)
     target = makefile[makefile.index("test-floors:") :]
     for version in versions:
-        assert f"$(FLOOR_TESTS_{version})" in target and f"test_matrix.sh {version}" in target
+        assert f"$(FLOOR_TESTS_{version})" in target and f"test_matrix.sh {version} ||" in target
     floors = {_version(v)[:2] for v in versions}
     assert {c.floor for c in CAPABILITIES.values()} <= floors, (floors, CAPABILITIES)

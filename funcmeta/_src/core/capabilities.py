@@ -12,7 +12,7 @@ from ``make test-matrix``'s runs).
 Example:
     >>> from funcmeta._src.core.capabilities import CAPABILITIES, missing
     >>> CAPABILITIES["checkpoint_steps"].floor
-    (2, 7)
+    (2, 8)
     >>> missing("inner loops") is None
     True
 """
@@ -67,10 +67,10 @@ CAPABILITIES: dict[str, Capability] = {
     "checkpoint_layers": Capability((2, 5)),
     "task batching": Capability((2, 5)),
     "checkpoint_steps": Capability(
-        (2, 7),
+        (2, 8),
         ("torch._C._autograd._top_saved_tensors_default_hooks",),
         "a step checkpoint checks the tensors its step saves for in-place writes through "
-        "the saved-tensor hooks in force, which torch lets a library read from 2.7 on; "
+        "the saved-tensor hooks in force, which torch lets a library read from 2.8 on; "
         "without the check, a forward that changes a saved tensor in place gives wrong "
         "meta-gradients without a word",
     ),
@@ -102,7 +102,10 @@ def missing(name: str, version: str | None = None) -> str | None:
     floor = ".".join(map(str, capability.floor))
     if torch_release(installed) < capability.floor:
         return f"{name} needs torch >= {floor}, and torch {installed} is installed"
-    lacking = [a for a in capability.accesses if a in ACCESSES and not ACCESSES[a]()]
+    unknown = [a for a in capability.accesses if a not in ACCESSES]
+    if unknown:  # a name the fence does not register: a mistake here, not on the user's side
+        raise KeyError(f"{name} names {unknown}, which the fence does not register (ACCESSES)")
+    lacking = [a for a in capability.accesses if not ACCESSES[a]()]
     if lacking:
         return (
             f"{name} needs {', '.join(lacking)}, which torch {installed} lacks (its floor is "

@@ -19,8 +19,9 @@ calls under ``torch.no_grad()``: a gradient stays joined to its graph on every t
 
 A gradient that reaches a shard's crossing with other placements than the shard's (a
 ``Partial`` sum, say) is redistributed to the shard's first, with torch's
-``redistribute``: joined on torch 2.12 and newer only. The inner loops' updates keep a
-shard's placements, so a second-order meta-gradient meets none.
+``redistribute``: joined on torch 2.12 and newer only; on older torch such a gradient in a
+recorded backward raises ``UnsupportedTorchError``. The inner loops' updates keep a shard's
+placements, so a second-order meta-gradient meets none.
 
 Example (one process):
     >>> import tempfile, torch, torch.distributed as dist
@@ -45,9 +46,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from funcmeta._src.core.capabilities import UnsupportedTorchError, torch_release
 from funcmeta._src.distributed import comm
 
 __all__ = ["local", "whole"]
+
+#: The first torch whose ``DTensor.redistribute`` backward is recorded (a nested
+#: redistribution): before it, a gradient redistributed in a recorded backward loses its graph.
+_JOINED_REDISTRIBUTE = (2, 12)
 
 
 def whole(shard: Any, what: str) -> Tensor:
@@ -68,10 +74,21 @@ def _spec(shard: Any) -> tuple[Any, tuple[Any, ...], torch.Size, tuple[int, ...]
 
 
 def _placed(grad: Any, spec: tuple[Any, ...], what: str) -> Any:
-    """``grad`` (a ``DTensor``) on the placements of ``spec``."""
+    """``grad`` (a ``DTensor``) on the placements of ``spec``. Where that takes torch's
+    ``redistribute`` in a backward that is itself recorded (``create_graph``), on a torch
+    whose ``redistribute`` cuts the graph (before 2.12), :class:`UnsupportedTorchError`
+    instead of a gradient without its second order."""
     mesh, placements = spec[0], spec[1]
     if tuple(grad.placements) == placements:
         return grad
+    if torch.is_grad_enabled() and torch_release() < _JOINED_REDISTRIBUTE:
+        raise UnsupportedTorchError(
+            f"the gradient of {what} reached its shard on {tuple(grad.placements)} where the "
+            f"shard is on {placements}: torch {torch.__version__}'s redistribution between "
+            "them keeps no second order (torch 2.12 and newer do); install torch>=2.12 or "
+            "take first-order meta-gradients (first_order=True)",
+            "sharded models",
+        )
     return comm.redistribute(grad, mesh, placements, f"placing the gradient of {what}")
 
 

@@ -84,7 +84,7 @@ class AdaptOptions:
             one non-reentrant activation checkpoint: only each step's parameters, optimizer
             state and buffers are kept, and the step is recomputed during the outer backward.
             Same meta-gradients; the memory that saves second-order loops (docs/memory.md).
-            Needs torch 2.7 or newer (``fm.UnsupportedTorchError`` on older torch, where
+            Needs torch 2.8 or newer (``fm.UnsupportedTorchError`` on older torch, where
             the step's check for tensors changed in place after a save cannot run).
         offload_activations: keep the tensors the inner steps save for backward in CPU memory
             (``torch.autograd.graph.save_on_cpu``, pinned on CUDA). Same results.
