@@ -29,6 +29,20 @@ GRAPH_TORCH = pytest.mark.skipif(
     reason=f"the compiled step's graph is tested from torch {_graph_torch[0]}.{_graph_torch[1]} on",
 )
 
+
+def graph_or_reason(step) -> bool:  # type: ignore[no-untyped-def]
+    """Whether ``step`` (an ``fm.MetaStep`` that has run) compiled its graph. From torch 2.13
+    on it must (an eager reason fails the test); below, it may run eager instead, with the
+    same meta-gradients, and then it says why."""
+    if _release() >= _graph_torch:
+        assert step.eager_reason is None, step.eager_reason
+        return True
+    if step.eager_reason is not None:
+        assert isinstance(step.eager_reason, str) and step.eager_reason.strip()
+        return False
+    return True
+
+
 #: Tests of a sharded model (``fm.distributed.shard_model``): skipped, with the refusal, on a
 #: torch below the sharded runtime's floor, where ``shard_model`` refuses by name
 #: (``tests/core/test_capabilities.py`` asserts the refusal there).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GRAPH_TORCH
+from helpers import graph_or_reason
 from torch import nn
 
 import funcmeta as fm
@@ -84,7 +84,6 @@ GRAPHS = ["torch.func"] + ([] if autograd_untraceable() is not None else ["autog
 
 @pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("make", [TiedPair, Twice, untied], ids=["tied", "twice", "untied"])
-@GRAPH_TORCH
 def test_the_compiled_step_equals_adapt_tasks_with_and_without_ties(
     aot_eager: None, make, graph: str
 ) -> None:  # type: ignore[no-untyped-def]
@@ -101,7 +100,7 @@ def test_the_compiled_step_equals_adapt_tasks_with_and_without_ties(
     want = meta_grads(net, eager)
     step = fm.compile_meta_step(fmodel, F.mse_loss, opt, steps=2, graph=graph)
     got = meta_grads(net, lambda: step(support, query))
-    assert step.eager_reason is None
+    graph_or_reason(step)  # a graph from torch 2.13 on; the same meta-gradients on any torch
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
 

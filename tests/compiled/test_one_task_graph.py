@@ -9,7 +9,7 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GRAPH_TORCH
+from helpers import graph_or_reason
 from torch import nn
 
 import funcmeta as fm
@@ -118,7 +118,7 @@ def _compiled_and_plain(net: nn.Module, fmodel, loss_fn, support, query):  # typ
     expected = _grads(net, lambda: plain(support, query))
     step = fm.compile_meta_step(fmodel, loss_fn, opt, steps=2, task_chunk=1)
     ours = _grads(net, lambda: step(support, query))
-    assert step.eager_reason is None, step.eager_reason
+    graph_or_reason(step)  # a graph from torch 2.13 on; the same meta-gradients on any torch
     return ours, expected, step
 
 
@@ -153,7 +153,6 @@ def test_a_graph_of_one_task_calls_no_vmap(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("checkpointed", [False, True])
-@GRAPH_TORCH
 def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients(
     aot_eager: None, checkpointed: bool
 ):
@@ -163,7 +162,8 @@ def test_a_compiled_step_of_one_task_a_call_gives_the_plain_paths_meta_gradients
     net, support, query = _problem()
     fmodel = fm.functional_model(net, checkpoint_layers=["0", "2"] if checkpointed else None)
     ours, expected, step = _compiled_and_plain(net, fmodel, F.mse_loss, support, query)
-    assert len(step.compile_seconds) == 1  # one kind of graph call: one task
+    if step.eager_reason is None:
+        assert len(step.compile_seconds) == 1  # one kind of graph call: one task
     worst = max((a - b).abs().max().item() for a, b in zip(ours, expected, strict=True))
     assert worst < 1e-10
 
@@ -209,7 +209,6 @@ def _as64(batch: tuple) -> tuple:
 
 @pytest.mark.parametrize("nan", [False, True])
 @pytest.mark.parametrize("name", ["self-checkpointed", "batchnorm-conv"])
-@GRAPH_TORCH
 def test_real_models_compiled_one_task_a_call_give_the_plain_paths_meta_gradients(
     aot_eager: None, name: str, nan: bool
 ):
