@@ -33,10 +33,16 @@ on and fails with the torch version and the missing name. What each is for:
   recomputation first (:mod:`.remat`); an optional access, like dynamo's
   ``trace_autograd_ops`` (:mod:`.inductor`).
 
+An access that a capability needs is named with it in ``funcmeta._src.core.capabilities``:
+where its probe says no, that capability refuses (on torch 2.5 to 2.7, the query of the
+saved-tensor hooks in force, for ``checkpoint_steps``).
+
 Example:
-    >>> from funcmeta._src.core.fence import missing_accesses
-    >>> missing_accesses()
-    []
+    >>> from funcmeta._src.core.fence import ACCESSES, missing_accesses
+    >>> "torch._C._autograd._top_saved_tensors_default_hooks" in ACCESSES
+    True
+    >>> set(missing_accesses()) <= set(ACCESSES)
+    True
 """
 
 from __future__ import annotations
