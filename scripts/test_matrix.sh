@@ -42,9 +42,12 @@ for version in "$@"; do
         failed=1
         continue
     fi
-    "$env/bin/python" -c "import json, torch, funcmeta as fm; print(json.dumps({'torch': \
-        torch.__version__.split('+')[0], 'capabilities': fm.torch_capabilities()}))" \
-        >"$env/capabilities.json"
+    # the commit whose code ran (with "+" where the tree had changes), for the table
+    commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+    git diff --quiet HEAD 2>/dev/null || commit="$commit+"
+    COMMIT=$commit "$env/bin/python" -c "import json, os, torch, funcmeta as fm; print(json.dumps({
+        'torch': torch.__version__.split('+')[0], 'commit': os.environ['COMMIT'],
+        'capabilities': fm.torch_capabilities()}))" >"$env/capabilities.json"
     [ -z "${MATRIX_INSTALL_ONLY:-}" ] || { summary+=("torch $installed: installed"); continue; }
     junit="$env/${MATRIX_JUNIT:-junit.xml}"
     rm -f "$junit"

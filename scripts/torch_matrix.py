@@ -47,6 +47,7 @@ class Run:
 
     version: str
     refused: dict[str, str | None]
+    commit: str = "unknown"
     outcomes: dict[str, str] = field(default_factory=dict)
 
     def count(self, outcome: str, pattern: str = "") -> int:
@@ -67,7 +68,7 @@ def read(env: Path) -> Run | None:
     if not (junits and caps.exists()):
         return None
     said = json.loads(caps.read_text())
-    run = Run(said["torch"], said["capabilities"])
+    run = Run(said["torch"], said["capabilities"], said.get("commit", "unknown"))
     for case in (c for junit in junits for c in ET.parse(junit).getroot().iter("testcase")):
         kinds = {child.tag for child in case}
         outcome = (
@@ -108,10 +109,11 @@ def render(runs: list[Run]) -> str:
         "says `exact` where the capability runs on that torch and all of its tests passed",
         "(their count in brackets), `refused` where it raises `fm.UnsupportedTorchError` by",
         "name there, and the failures otherwise. `fm.torch_capabilities()` says the same",
-        "of the torch at hand.",
+        "of the torch at hand. The funcmeta column names the commit whose code ran (a `+`:",
+        "with changes beside it; a later rerun of some tests gives their latest outcome).",
         "",
-        "| torch | suite | " + " | ".join(names) + " |",
-        "| --- | --- | " + " | ".join("---" for _ in names) + " |",
+        "| torch | funcmeta | suite | " + " | ".join(names) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |",
     ]
     for run in runs:
         suite = (
@@ -119,7 +121,7 @@ def render(runs: list[Run]) -> str:
             f"{run.count('skipped')} skipped"
         )
         cells = [_cell(run, name) for name in names]
-        lines.append(f"| {run.version} | {suite} | " + " | ".join(cells) + " |")
+        lines.append(f"| {run.version} | {run.commit} | {suite} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Each capability's floor, the oldest torch on which it is exact (below it, the call",
