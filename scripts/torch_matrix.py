@@ -62,7 +62,8 @@ def _test_id(case: ET.Element) -> str:
 
 
 def read(env: Path) -> Run | None:
-    """The run recorded in ``env``, or ``None`` where it holds no complete run."""
+    """The run recorded in ``env``, or ``None`` where it holds none (no junit file, no
+    capabilities, or not one test)."""
     caps = env / "capabilities.json"
     junits = sorted(env.glob("*.xml"), key=lambda p: p.stat().st_mtime_ns)
     if not (junits and caps.exists()):
@@ -79,7 +80,7 @@ def read(env: Path) -> Run | None:
             else "passed"
         )
         run.outcomes[_test_id(case)] = outcome
-    return run
+    return run if run.outcomes else None
 
 
 def _cell(run: Run, name: str) -> str:
@@ -131,8 +132,7 @@ def render(runs: list[Run]) -> str:
     ]
     for name in names:
         exact = [r for r in runs if _cell(r, name).startswith("exact")]
-        floor = exact[0].version if exact else "none of these"
-        lines.append(f"- {name}: torch {floor}")
+        lines.append(f"- {name}: torch {exact[0].version}" if exact else f"- {name}: none")
     return "\n".join(lines) + "\n"
 
 

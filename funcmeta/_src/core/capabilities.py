@@ -41,7 +41,7 @@ __all__ = [
 @exposed_in("funcmeta")
 class UnsupportedTorchError(Exception):
     """A capability that the running torch cannot give exactly: it names the capability
-    (also as :attr:`capability`), the torch installed and the torch it needs. No
+    (also as its attribute ``capability``), the torch installed and the torch it needs. No
     ``RuntimeError``: an ``except RuntimeError`` around a call does not swallow it."""
 
     def __init__(self, message: str, capability: str) -> None:
