@@ -9,6 +9,7 @@ import torch
 from helpers import spawn_gloo
 
 from funcmeta._src.core.capabilities import torch_release
+from funcmeta._src.distributed import crossing
 
 ROWS = 5  # 3 and 2 rows on 2 ranks
 
@@ -77,7 +78,7 @@ def test_the_whole_tensor_crossing_gives_every_derivative_of_the_plain_tensor():
         # torch's own: the first derivative always; the second order from torch 2.12 on only
         torch.testing.assert_close(theirs[0], plain[0], rtol=1e-12, atol=1e-14)
         dropped = not torch.allclose(theirs[1], plain[1], rtol=1e-6, atol=1e-9)
-        assert dropped == (torch_release() < (2, 12)), torch.__version__
+        assert dropped == (torch_release() < crossing._JOINED_REDISTRIBUTE), torch.__version__
 
 
 def test_the_local_tensor_crossing_gives_every_derivative_of_its_rows():

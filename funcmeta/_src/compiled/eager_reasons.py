@@ -14,12 +14,12 @@ Example:
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from funcmeta._src.core.capabilities import torch_release
 from funcmeta._src.core.fence import (
     autograd_tracing,
     can_mark_backward,
@@ -137,8 +137,7 @@ def autograd_untraceable() -> str | None:
     """``None`` where :func:`funcmeta.compile_meta_step` compiles the eager step's own
     computation (``torch.autograd.grad`` in the graph), else why it compiles the
     ``torch.func`` graph instead."""
-    version = tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2])
-    if version < AUTOGRAD_GRAPH_TORCH:
+    if torch_release() < AUTOGRAD_GRAPH_TORCH:
         return (
             f"torch {torch.__version__}: the graph of torch.autograd.grad (dynamo's "
             "trace_autograd_ops) is tested from torch "
